@@ -1,0 +1,105 @@
+//! What a handler can learn about the key it runs under.
+//!
+//! The layer inserts an [`IdempotencyContext`] into the request extensions of every request it
+//! claimed a key for. With the `axum` feature it is an extractor; `Option<IdempotencyContext>`
+//! is `None` for requests that run without a key.
+//!
+//! ```
+//! # #[cfg(feature = "axum")] {
+//! use axum::{Router, routing::post};
+//! use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Scope};
+//!
+//! async fn create_charge(idempotency: IdempotencyContext) -> String {
+//!     if idempotency.takeover() {
+//!         // An earlier attempt with this key crashed mid-way: check for its partial effects.
+//!     }
+//!     format!("charged under key {}", idempotency.key().as_str())
+//! }
+//!
+//! let app: Router = Router::new()
+//!     .route("/v1/charges", post(create_charge))
+//!     .layer(IdempotencyLayer::memory().required().with_scope(Scope::single_tenant()));
+//! # }
+//! ```
+
+use crate::{key::IdempotencyKey, scope::ScopeKey};
+
+/// The key a request runs under; see the [module documentation](self).
+#[derive(Debug, Clone)]
+pub struct IdempotencyContext {
+    pub(crate) key: IdempotencyKey,
+    pub(crate) scope_key: ScopeKey,
+    pub(crate) takeover: bool,
+}
+
+impl IdempotencyContext {
+    /// The key as the client sent it.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// The hash that addresses the record: safe to log.
+    pub fn scope_key(&self) -> &ScopeKey {
+        &self.scope_key
+    }
+
+    /// `true` when this request took the key over from an earlier attempt whose lease lapsed
+    /// before it finished (it crashed or hung), so that attempt may have had partial effects.
+    pub fn takeover(&self) -> bool {
+        self.takeover
+    }
+}
+
+#[cfg(feature = "axum")]
+mod axum_impl {
+    use std::convert::Infallible;
+
+    use axum_core::{
+        extract::{FromRequestParts, OptionalFromRequestParts},
+        response::{IntoResponse, Response},
+    };
+    use http::{StatusCode, request::Parts};
+
+    use super::IdempotencyContext;
+
+    /// The handler asked for an [`IdempotencyContext`] on a request that runs without a key.
+    #[derive(Debug, Clone, Copy)]
+    pub struct MissingIdempotencyContext;
+
+    impl IntoResponse for MissingIdempotencyContext {
+        fn into_response(self) -> Response {
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "this handler needs an Idempotency-Key, but the request was not run under one; \
+                 make the key required (IdempotencyLayer::required) on this route",
+            )
+                .into_response()
+        }
+    }
+
+    impl<S: Send + Sync> FromRequestParts<S> for IdempotencyContext {
+        type Rejection = MissingIdempotencyContext;
+
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+            parts
+                .extensions
+                .get::<IdempotencyContext>()
+                .cloned()
+                .ok_or(MissingIdempotencyContext)
+        }
+    }
+
+    impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
+        type Rejection = Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<IdempotencyContext>().cloned())
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+pub use axum_impl::MissingIdempotencyContext;

@@ -1,0 +1,495 @@
+//! Is a retry the same request? The request fingerprint.
+//!
+//! A key reused with a different payload is a client bug, and replaying the first response to it
+//! would be wrong; the layer answers `422` instead. The fingerprint is the SHA-256 of the method,
+//! the path, the query and the body.
+//!
+//! In the default [`FingerprintMode::Semantic`] mode, as in Stripe's practice, parameters are
+//! compared, not bytes:
+//!
+//! * a JSON body (`application/json` or any `+json` type) is hashed in canonical form: object
+//!   members sorted by name (members with the same name keep their order), insignificant
+//!   whitespace removed, strings re-escaped minimally, numbers compared as IEEE-754 doubles as
+//!   in RFC 8785 (`1`, `1.0` and `1e0` are the same number; integers are exact up to 2^53);
+//! * an `application/x-www-form-urlencoded` body, and the query string, as the decoded name/value
+//!   pairs stably sorted by name (values of a repeated name keep their order);
+//! * any other body, or a JSON body that does not parse, as its raw bytes.
+//!
+//! ```
+//! use http::{Method, Uri, HeaderValue};
+//! use tower_idempotency::fingerprint::{Fingerprint, FingerprintMode};
+//!
+//! let uri: Uri = "/v1/charges".parse().unwrap();
+//! let json = HeaderValue::from_static("application/json");
+//! let a = Fingerprint::compute(FingerprintMode::Semantic, &Method::POST, &uri, Some(&json),
+//!     br#"{"amount": 100, "currency": "usd"}"#);
+//! let b = Fingerprint::compute(FingerprintMode::Semantic, &Method::POST, &uri, Some(&json),
+//!     br#"{"currency":"usd","amount":100}"#);
+//! assert_eq!(a, b);
+//! ```
+//!
+//! [`FingerprintMode::Raw`] hashes the body bytes exactly, for APIs where the bytes are the
+//! meaning (signed payloads, binary uploads).
+
+use std::{borrow::Cow, fmt};
+
+use http::{HeaderValue, Method, Uri};
+use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use sha2::{Digest, Sha256};
+
+/// How request bodies are compared; see the [module documentation](self).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FingerprintMode {
+    /// Compare parameters: canonical JSON, sorted form pairs, raw bytes otherwise.
+    #[default]
+    Semantic,
+    /// Compare the exact bytes of the query string and body.
+    Raw,
+}
+
+/// The SHA-256 fingerprint of a request.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// Fingerprints a request from its method, URI, `Content-Type` and complete body.
+    pub fn compute(
+        mode: FingerprintMode,
+        method: &Method,
+        uri: &Uri,
+        content_type: Option<&HeaderValue>,
+        body: &[u8],
+    ) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-idempotency/fingerprint/v1\0");
+        put_field(&mut hasher, method.as_str().as_bytes());
+        put_field(&mut hasher, uri.path().as_bytes());
+        let query = uri.query().unwrap_or("").as_bytes();
+        match mode {
+            FingerprintMode::Raw => {
+                put_field(&mut hasher, query);
+                hasher.update(b"raw\0");
+                hasher.update(body);
+            }
+            FingerprintMode::Semantic => {
+                put_pairs(&mut hasher, query);
+                match BodyKind::of(content_type) {
+                    BodyKind::Json if hash_json(&mut hasher, body) => {}
+                    BodyKind::Form => {
+                        hasher.update(b"form\0");
+                        put_pairs(&mut hasher, body);
+                    }
+                    BodyKind::Json | BodyKind::Other => {
+                        hasher.update(b"raw\0");
+                        hasher.update(body);
+                    }
+                }
+            }
+        }
+        Self(hasher.finalize().into())
+    }
+
+    /// Rebuilds a fingerprint from its 32 bytes, as a store reads it back.
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The 32 bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Fingerprint(")?;
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))?;
+        f.write_str(")")
+    }
+}
+
+enum BodyKind {
+    Json,
+    Form,
+    Other,
+}
+
+impl BodyKind {
+    fn of(content_type: Option<&HeaderValue>) -> Self {
+        let Some(value) = content_type.and_then(|v| v.to_str().ok()) else {
+            return Self::Other;
+        };
+        let essence = value.split(';').next().unwrap_or("").trim();
+        let (kind, subtype) = essence.split_once('/').unwrap_or((essence, ""));
+        if !kind.eq_ignore_ascii_case("application") {
+            Self::Other
+        } else if subtype.eq_ignore_ascii_case("json")
+            || subtype.len() > 5 && subtype[subtype.len() - 5..].eq_ignore_ascii_case("+json")
+        {
+            Self::Json
+        } else if subtype.eq_ignore_ascii_case("x-www-form-urlencoded") {
+            Self::Form
+        } else {
+            Self::Other
+        }
+    }
+}
+
+/// Hashes the canonical form of a JSON body; `false` (nothing hashed) when it is not JSON, and
+/// the caller hashes the raw bytes instead.
+fn hash_json(hasher: &mut Sha256, body: &[u8]) -> bool {
+    match canonical_json(body) {
+        Ok(canonical) => {
+            hasher.update(b"json\0");
+            hasher.update(&canonical);
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+fn put_field(hasher: &mut Sha256, bytes: &[u8]) {
+    hasher.update((bytes.len() as u64).to_be_bytes());
+    hasher.update(bytes);
+}
+
+fn put_pairs(hasher: &mut Sha256, encoded: &[u8]) {
+    let pairs = canonical_form_pairs(encoded);
+    hasher.update((pairs.len() as u64).to_be_bytes());
+    for (name, value) in &pairs {
+        put_field(hasher, name);
+        put_field(hasher, value);
+    }
+}
+
+/// The canonical form of a JSON document (see the [module documentation](self)), computed in
+/// one pass.
+///
+/// Nesting deeper than serde_json's recursion limit (128) is an error, so hostile input can
+/// exhaust neither the stack nor the CPU.
+///
+/// # Errors
+///
+/// When `input` is not a single valid JSON document.
+pub fn canonical_json(input: &[u8]) -> Result<Vec<u8>, serde_json::Error> {
+    serde_json::from_slice::<Canonical>(input).map(|canonical| canonical.0)
+}
+
+/// A JSON value's canonical bytes.
+struct Canonical(Vec<u8>);
+
+impl<'de> Deserialize<'de> for Canonical {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(CanonicalVisitor)
+    }
+}
+
+struct CanonicalVisitor;
+
+/// Integers below this magnitude are exact as doubles, so `1.0`, `1e0` and `1` meet there.
+const EXACT_INTEGER_LIMIT: f64 = 9_007_199_254_740_992.0; // 2^53
+
+impl<'de> Visitor<'de> for CanonicalVisitor {
+    type Value = Canonical;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_unit<E>(self) -> Result<Canonical, E> {
+        Ok(Canonical(b"null".to_vec()))
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Canonical, E> {
+        Ok(Canonical(if v {
+            b"true".to_vec()
+        } else {
+            b"false".to_vec()
+        }))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Canonical, E> {
+        Ok(Canonical(v.to_string().into_bytes()))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Canonical, E> {
+        Ok(Canonical(v.to_string().into_bytes()))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Canonical, E> {
+        if v.fract() == 0.0 && v.abs() < EXACT_INTEGER_LIMIT {
+            // Exact: the value is an integer below 2^53.
+            return Ok(Canonical((v as i64).to_string().into_bytes()));
+        }
+        // JSON numbers are finite, so this is always `Some`; ryu's shortest round-trip form.
+        let text = serde_json::Number::from_f64(v).map_or_else(String::new, |n| n.to_string());
+        Ok(Canonical(text.into_bytes()))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Canonical, E> {
+        Ok(Canonical(json_string(v)))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Canonical, A::Error> {
+        let mut out = b"[".to_vec();
+        while let Some(Canonical(element)) = seq.next_element()? {
+            if out.len() > 1 {
+                out.push(b',');
+            }
+            out.extend_from_slice(&element);
+        }
+        out.push(b']');
+        Ok(Canonical(out))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Canonical, A::Error> {
+        let mut members: Vec<(String, Canonical)> = Vec::new();
+        while let Some(member) = map.next_entry()? {
+            members.push(member);
+        }
+        // Stable: members with the same name keep their order.
+        members.sort_by(|(a, _), (b, _)| a.cmp(b));
+        let mut out = b"{".to_vec();
+        for (i, (name, Canonical(value))) in members.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(&json_string(name));
+            out.push(b':');
+            out.extend_from_slice(value);
+        }
+        out.push(b'}');
+        Ok(Canonical(out))
+    }
+}
+
+/// A string as JSON, with serde_json's minimal escaping.
+fn json_string(s: &str) -> Vec<u8> {
+    // Serialising a `str` into a `Vec` cannot fail.
+    serde_json::to_vec(s).unwrap_or_default()
+}
+
+/// A decoded form or query pair: name and value bytes.
+pub type FormPair<'a> = (Cow<'a, [u8]>, Cow<'a, [u8]>);
+
+/// The decoded name/value pairs of a `application/x-www-form-urlencoded` string, stably sorted
+/// by name. Decoding is to bytes, not lossy UTF-8, so `%FE` and `%FF` stay different.
+pub fn canonical_form_pairs(encoded: &[u8]) -> Vec<FormPair<'_>> {
+    let mut pairs: Vec<_> = encoded
+        .split(|b| *b == b'&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (name, value) = match pair.iter().position(|b| *b == b'=') {
+                Some(i) => (&pair[..i], &pair[i + 1..]),
+                None => (pair, &[][..]),
+            };
+            (form_decode(name), form_decode(value))
+        })
+        .collect();
+    pairs.sort_by(|(a, _), (b, _)| a.cmp(b));
+    pairs
+}
+
+fn form_decode(input: &[u8]) -> Cow<'_, [u8]> {
+    let plus_free: Cow<'_, [u8]> = if input.contains(&b'+') {
+        Cow::Owned(
+            input
+                .iter()
+                .map(|&b| if b == b'+' { b' ' } else { b })
+                .collect(),
+        )
+    } else {
+        Cow::Borrowed(input)
+    };
+    match plus_free {
+        Cow::Borrowed(bytes) => percent_encoding::percent_decode(bytes).into(),
+        Cow::Owned(bytes) => Cow::Owned(percent_encoding::percent_decode(&bytes).collect()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canon(s: &str) -> String {
+        String::from_utf8(canonical_json(s.as_bytes()).unwrap()).unwrap()
+    }
+
+    fn fp(
+        mode: FingerprintMode,
+        uri: &str,
+        content_type: Option<&'static str>,
+        body: &str,
+    ) -> Fingerprint {
+        Fingerprint::compute(
+            mode,
+            &Method::POST,
+            &uri.parse().unwrap(),
+            content_type.map(HeaderValue::from_static).as_ref(),
+            body.as_bytes(),
+        )
+    }
+
+    const JSON: Option<&str> = Some("application/json");
+    const FORM: Option<&str> = Some("application/x-www-form-urlencoded");
+
+    #[test]
+    fn json_objects_are_sorted_and_compacted() {
+        assert_eq!(
+            canon(r#" { "b" : [ 1 , { "d":null, "c":true } ], "a" : "x" } "#),
+            r#"{"a":"x","b":[1,{"c":true,"d":null}]}"#
+        );
+    }
+
+    #[test]
+    fn json_numbers_compare_as_numbers() {
+        assert_eq!(
+            canon("[1, 1.0, 1e0, 100, 1e2, -0, 0.5, 1.50]"),
+            "[1,1,1,100,100,0,0.5,1.5]"
+        );
+        assert_eq!(
+            canon("[18446744073709551615, -9223372036854775808]"),
+            "[18446744073709551615,-9223372036854775808]"
+        );
+        assert_eq!(
+            canon("[9007199254740993, 1e300]"),
+            "[9007199254740993,1e+300]"
+        );
+        assert_ne!(
+            fp(FingerprintMode::Semantic, "/", JSON, r#"{"amount":1000}"#),
+            fp(FingerprintMode::Semantic, "/", JSON, r#"{"amount":1001}"#),
+        );
+    }
+
+    #[test]
+    fn json_strings_are_escaped_minimally() {
+        assert_eq!(canon(r#""caf\u00e9 \/ \u0041 \n""#), "\"café / A \\n\"");
+    }
+
+    #[test]
+    fn json_duplicate_members_keep_their_order() {
+        assert_eq!(canon(r#"{"b":1,"a":2,"b":3}"#), r#"{"a":2,"b":1,"b":3}"#);
+        assert_ne!(canon(r#"{"a":1,"a":2}"#), canon(r#"{"a":2,"a":1}"#));
+    }
+
+    #[test]
+    fn canonical_json_is_a_fixed_point() {
+        for doc in [
+            r#"{"z":{"y":[{"b":1,"a":2}]},"a":"\n"}"#,
+            "[]",
+            "{}",
+            "\"\"",
+            "0",
+        ] {
+            let once = canonical_json(doc.as_bytes()).unwrap();
+            assert_eq!(canonical_json(&once).unwrap(), once);
+        }
+    }
+
+    #[test]
+    fn deep_json_is_an_error_not_a_stack_overflow() {
+        let deep = "[".repeat(100_000) + &"]".repeat(100_000);
+        assert!(canonical_json(deep.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn semantic_json_ignores_member_order_and_whitespace() {
+        assert_eq!(
+            fp(FingerprintMode::Semantic, "/", JSON, r#"{"a":1,"b":2}"#),
+            fp(
+                FingerprintMode::Semantic,
+                "/",
+                Some("application/vnd.api+json; charset=utf-8"),
+                "{ \"b\":2,\n\"a\":1 }"
+            ),
+        );
+        assert_ne!(
+            fp(FingerprintMode::Semantic, "/", JSON, r#"{"a":1,"b":2}"#),
+            fp(FingerprintMode::Semantic, "/", JSON, r#"{"a":1,"b":3}"#),
+        );
+    }
+
+    #[test]
+    fn raw_mode_compares_bytes() {
+        assert_ne!(
+            fp(FingerprintMode::Raw, "/", JSON, r#"{"a":1,"b":2}"#),
+            fp(FingerprintMode::Raw, "/", JSON, r#"{"b":2,"a":1}"#),
+        );
+        assert_ne!(
+            fp(FingerprintMode::Raw, "/?a=1&b=2", None, ""),
+            fp(FingerprintMode::Raw, "/?b=2&a=1", None, ""),
+        );
+    }
+
+    #[test]
+    fn invalid_json_falls_back_to_raw_bytes() {
+        let broken = fp(FingerprintMode::Semantic, "/", JSON, "{\"a\":1");
+        assert_eq!(
+            broken,
+            fp(
+                FingerprintMode::Semantic,
+                "/",
+                Some("text/plain"),
+                "{\"a\":1"
+            )
+        );
+        assert_ne!(
+            broken,
+            fp(FingerprintMode::Semantic, "/", JSON, "{\"a\":1 ")
+        );
+    }
+
+    #[test]
+    fn form_pairs_are_sorted_by_name_keeping_repeated_values_in_order() {
+        let a = fp(
+            FingerprintMode::Semantic,
+            "/",
+            FORM,
+            "amount=100&metadata%5Bx%5D=1&currency=usd",
+        );
+        let b = fp(
+            FingerprintMode::Semantic,
+            "/",
+            FORM,
+            "currency=usd&amount=100&metadata[x]=1",
+        );
+        assert_eq!(a, b);
+        assert_ne!(
+            fp(FingerprintMode::Semantic, "/", FORM, "tag=a&tag=b"),
+            fp(FingerprintMode::Semantic, "/", FORM, "tag=b&tag=a"),
+        );
+        assert_eq!(
+            fp(FingerprintMode::Semantic, "/", FORM, "d=a+b"),
+            fp(FingerprintMode::Semantic, "/", FORM, "d=a%20b"),
+        );
+    }
+
+    #[test]
+    fn form_decoding_is_not_lossy() {
+        assert_ne!(
+            fp(FingerprintMode::Semantic, "/", FORM, "a=%FE"),
+            fp(FingerprintMode::Semantic, "/", FORM, "a=%FF"),
+        );
+    }
+
+    #[test]
+    fn query_pairs_are_compared_semantically() {
+        assert_eq!(
+            fp(FingerprintMode::Semantic, "/x?a=1&b=2", None, ""),
+            fp(FingerprintMode::Semantic, "/x?b=2&a=1", None, ""),
+        );
+        assert_ne!(
+            fp(FingerprintMode::Semantic, "/x?a=1", None, ""),
+            fp(FingerprintMode::Semantic, "/y?a=1", None, ""),
+        );
+    }
+
+    #[test]
+    fn json_and_form_bodies_never_collide() {
+        assert_ne!(
+            fp(FingerprintMode::Semantic, "/", JSON, "{}"),
+            fp(FingerprintMode::Semantic, "/", Some("text/plain"), "{}"),
+        );
+    }
+}

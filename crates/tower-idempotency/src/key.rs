@@ -1,0 +1,268 @@
+//! Reading the `Idempotency-Key` request header.
+//!
+//! The IETF draft defines the field as an RFC 9651 structured-field String
+//! (`Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`). Clients in the wild, Stripe's own
+//! SDKs among them, send the bare value instead, which is usually not a valid sf-token (a UUID may
+//! start with a digit). Both forms are accepted and name the same key:
+//!
+//! ```
+//! use http::HeaderMap;
+//! use tower_idempotency::IdempotencyKey;
+//!
+//! let mut headers = HeaderMap::new();
+//! headers.insert("idempotency-key", "\"8e03978e-40d5\"".parse().unwrap());
+//! let quoted = IdempotencyKey::from_headers(&headers).unwrap().unwrap();
+//!
+//! headers.insert("idempotency-key", "8e03978e-40d5".parse().unwrap());
+//! let bare = IdempotencyKey::from_headers(&headers).unwrap().unwrap();
+//!
+//! assert_eq!(quoted, bare);
+//! assert_eq!(bare.as_str(), "8e03978e-40d5");
+//! ```
+//!
+//! A value that starts with `"` must parse as an sf-string (parameters, which the draft defines
+//! none of, are ignored as RFC 9651 requires). Any other value is taken literally and must be
+//! printable ASCII without spaces or quotes. Empty values, values longer than [`MAX_KEY_LEN`]
+//! characters and repeated header lines are rejected; the layer answers those with `400`.
+
+use std::fmt;
+
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+/// The `Idempotency-Key` header name.
+pub static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The longest key accepted, in characters (Stripe's limit).
+pub const MAX_KEY_LEN: usize = 255;
+
+/// A validated idempotency key, as the client sent it (without sf-string quoting).
+///
+/// See the [module documentation](self) for what is accepted.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(Box<str>);
+
+impl IdempotencyKey {
+    /// Reads the key from request headers: `Ok(None)` when the header is absent.
+    ///
+    /// # Errors
+    ///
+    /// A [`KeyError`] when the header is repeated or its value is not a valid key.
+    pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, KeyError> {
+        let mut values = headers.get_all(&IDEMPOTENCY_KEY).iter();
+        let Some(value) = values.next() else {
+            return Ok(None);
+        };
+        if values.next().is_some() {
+            return Err(KeyError::Repeated);
+        }
+        Self::parse(value).map(Some)
+    }
+
+    /// Parses one header value.
+    ///
+    /// # Errors
+    ///
+    /// A [`KeyError`] saying why the value is not a valid key.
+    pub fn parse(value: &HeaderValue) -> Result<Self, KeyError> {
+        let raw = trim_ows(value.as_bytes());
+        let key = if raw.first() == Some(&b'"') {
+            let item: sfv::Item = sfv::Parser::new(raw)
+                .parse_item()
+                .map_err(|err| KeyError::Malformed(err.to_string()))?;
+            match item.bare_item.as_string() {
+                Some(s) => s.as_str().to_owned(),
+                None => return Err(KeyError::Malformed("not a string".to_owned())),
+            }
+        } else {
+            if let Some(&byte) = raw.iter().find(|b| !is_bare_key_byte(**b)) {
+                return Err(KeyError::InvalidCharacter(byte));
+            }
+            // Every byte is printable ASCII, so this cannot fail.
+            String::from_utf8_lossy(raw).into_owned()
+        };
+        Self::new(key)
+    }
+
+    /// Makes a key from its unquoted text, checking its length and characters.
+    ///
+    /// # Errors
+    ///
+    /// [`KeyError::Empty`], [`KeyError::TooLong`] or [`KeyError::InvalidCharacter`].
+    pub fn new(key: impl Into<String>) -> Result<Self, KeyError> {
+        let key = key.into();
+        if key.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if key.len() > MAX_KEY_LEN {
+            return Err(KeyError::TooLong(key.len()));
+        }
+        // sf-strings may hold spaces; every other character must be visible ASCII.
+        if let Some(&byte) = key.as_bytes().iter().find(|b| !(b' '..=b'~').contains(*b)) {
+            return Err(KeyError::InvalidCharacter(byte));
+        }
+        Ok(Self(key.into_boxed_str()))
+    }
+
+    /// The key's text, without quoting.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Keys identify a client's operation; they are logged only as hashes, so `Debug` shows the
+/// length, never the value.
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IdempotencyKey(<{} chars>)", self.0.len())
+    }
+}
+
+/// Why an `Idempotency-Key` header was rejected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The header was sent more than once.
+    Repeated,
+    /// The key is empty.
+    Empty,
+    /// The key is longer than [`MAX_KEY_LEN`] characters.
+    TooLong(usize),
+    /// A byte that is not printable ASCII, or a space or quote in a bare (unquoted) key.
+    InvalidCharacter(u8),
+    /// A value starting with `"` that is not a valid structured-field String.
+    Malformed(String),
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Repeated => f.write_str("the Idempotency-Key header must be sent once"),
+            Self::Empty => f.write_str("the Idempotency-Key header is empty"),
+            Self::TooLong(len) => write!(
+                f,
+                "the Idempotency-Key is {len} characters long; at most {MAX_KEY_LEN} are allowed"
+            ),
+            Self::InvalidCharacter(byte) => write!(
+                f,
+                "the Idempotency-Key contains byte 0x{byte:02x}; keys are printable ASCII, \
+                 and an unquoted key has no spaces or quotes"
+            ),
+            Self::Malformed(reason) => write!(
+                f,
+                "the Idempotency-Key is not a valid structured-field string: {reason}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for KeyError {}
+
+fn is_bare_key_byte(byte: u8) -> bool {
+    (b'!'..=b'~').contains(&byte) && byte != b'"'
+}
+
+fn trim_ows(mut bytes: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = bytes {
+        bytes = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = bytes {
+        bytes = rest;
+    }
+    bytes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(value: &str) -> Result<IdempotencyKey, KeyError> {
+        IdempotencyKey::parse(&HeaderValue::from_str(value).expect("valid header value"))
+    }
+
+    #[test]
+    fn quoted_and_bare_forms_are_the_same_key() {
+        assert_eq!(parse("\"abc\"").unwrap(), parse("abc").unwrap());
+        assert_eq!(parse("  abc\t").unwrap().as_str(), "abc");
+    }
+
+    #[test]
+    fn uuid_that_is_no_sf_token_is_accepted_bare() {
+        let key = parse("8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap();
+        assert_eq!(key.as_str(), "8e03978e-40d5-43e8-bc93-6894a57f9324");
+    }
+
+    #[test]
+    fn sf_string_escapes_and_spaces_are_decoded() {
+        assert_eq!(parse(r#""a \"b\" \\c""#).unwrap().as_str(), r#"a "b" \c"#);
+    }
+
+    #[test]
+    fn sf_string_parameters_are_ignored() {
+        assert_eq!(parse("\"abc\";v=1").unwrap().as_str(), "abc");
+    }
+
+    #[test]
+    fn rejects_empty_values() {
+        assert_eq!(parse(""), Err(KeyError::Empty));
+        assert_eq!(parse("\"\""), Err(KeyError::Empty));
+    }
+
+    #[test]
+    fn rejects_long_values_at_the_boundary() {
+        assert!(parse(&"k".repeat(MAX_KEY_LEN)).is_ok());
+        assert_eq!(
+            parse(&"k".repeat(MAX_KEY_LEN + 1)),
+            Err(KeyError::TooLong(MAX_KEY_LEN + 1))
+        );
+        let quoted = format!("\"{}\"", "k".repeat(MAX_KEY_LEN + 1));
+        assert_eq!(parse(&quoted), Err(KeyError::TooLong(MAX_KEY_LEN + 1)));
+    }
+
+    #[test]
+    fn rejects_spaces_and_quotes_in_bare_values() {
+        assert_eq!(parse("a b"), Err(KeyError::InvalidCharacter(b' ')));
+        assert_eq!(parse("a\"b"), Err(KeyError::InvalidCharacter(b'"')));
+    }
+
+    #[test]
+    fn rejects_unterminated_and_trailing_sf_strings() {
+        assert!(matches!(parse("\"abc"), Err(KeyError::Malformed(_))));
+        assert!(matches!(parse("\"a\", \"b\""), Err(KeyError::Malformed(_))));
+    }
+
+    #[test]
+    fn rejects_non_ascii_bytes() {
+        let value = HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap();
+        assert_eq!(
+            IdempotencyKey::parse(&value),
+            Err(KeyError::InvalidCharacter(0xc3))
+        );
+        let value = HeaderValue::from_bytes(b"\"caf\xc3\xa9\"").unwrap();
+        assert!(matches!(
+            IdempotencyKey::parse(&value),
+            Err(KeyError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn repeated_header_is_rejected_even_with_equal_values() {
+        let mut headers = HeaderMap::new();
+        headers.append(&IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
+        headers.append(&IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
+        assert_eq!(
+            IdempotencyKey::from_headers(&headers),
+            Err(KeyError::Repeated)
+        );
+    }
+
+    #[test]
+    fn absent_header_is_none() {
+        assert_eq!(IdempotencyKey::from_headers(&HeaderMap::new()), Ok(None));
+    }
+
+    #[test]
+    fn debug_never_shows_the_key() {
+        let key = parse("secret-key").unwrap();
+        assert!(!format!("{key:?}").contains("secret"));
+    }
+}

@@ -1,0 +1,350 @@
+use std::{fmt, sync::Arc, time::Duration};
+
+use http::Method;
+use tower_layer::Layer;
+
+use crate::{
+    fingerprint::FingerprintMode,
+    policy::{Disconnect, RetentionPolicy, StoreFailure},
+    scope::Scope,
+    service::Idempotency,
+    store::{MemoryStore, Store},
+};
+
+/// Applies [`Idempotency`] to a service: the entry point of the crate.
+///
+/// `IdempotencyLayer::new(store)` is the constructor; [`postgres`](Self::postgres) and
+/// [`memory`](Self::memory) are shorthands for the two bundled stores. Settings are `with_*`
+/// methods; those that can be given an invalid value return `Result<Self, ConfigError>`.
+///
+/// ```
+/// use std::time::Duration;
+/// use http::Method;
+/// use tower_idempotency::{IdempotencyLayer, RetentionPolicy, Scope};
+///
+/// # fn main() -> Result<(), tower_idempotency::ConfigError> {
+/// let layer = IdempotencyLayer::memory()
+///     .required()
+///     .with_ttl(Duration::from_secs(24 * 3600))?
+///     .with_lease(Duration::from_secs(30))?
+///     .with_methods([Method::POST])?
+///     .with_max_body_bytes(256 * 1024)?
+///     .with_retention(RetentionPolicy::keep_server_errors())
+///     .with_scope(Scope::single_tenant());
+/// # let _ = layer; Ok(()) }
+/// ```
+#[must_use]
+pub struct IdempotencyLayer<St> {
+    store: Arc<St>,
+    config: Arc<Config>,
+}
+
+/// The settings, shared by every clone of the service.
+#[derive(Clone, Debug)]
+pub(crate) struct Config {
+    pub(crate) ttl: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) required: bool,
+    pub(crate) max_body_bytes: usize,
+    pub(crate) max_response_bytes: usize,
+    pub(crate) scope: Scope,
+    pub(crate) fingerprint: FingerprintMode,
+    pub(crate) store_failure: StoreFailure,
+    pub(crate) retention: RetentionPolicy,
+    pub(crate) disconnect: Disconnect,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(24 * 60 * 60),
+            lease: Duration::from_secs(30),
+            methods: vec![Method::POST, Method::PATCH],
+            required: false,
+            max_body_bytes: 2 * 1024 * 1024,
+            max_response_bytes: 1024 * 1024,
+            scope: Scope::default(),
+            fingerprint: FingerprintMode::default(),
+            store_failure: StoreFailure::default(),
+            retention: RetentionPolicy::default(),
+            disconnect: Disconnect::default(),
+        }
+    }
+}
+
+impl Config {
+    pub(crate) fn covers(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+}
+
+impl<St: Store> IdempotencyLayer<St> {
+    /// A layer keeping its keys in `store`, with the default settings:
+    ///
+    /// | setting | default |
+    /// |---|---|
+    /// | [`with_ttl`](Self::with_ttl) | 24 hours from the first request |
+    /// | [`with_lease`](Self::with_lease) | 30 seconds, renewed every 10 while the handler runs |
+    /// | [`with_methods`](Self::with_methods) | `POST`, `PATCH` |
+    /// | [`required`](Self::required) | no: requests without a key pass through unprotected |
+    /// | [`with_max_body_bytes`](Self::with_max_body_bytes) | 2 MiB (larger: `413`) |
+    /// | [`with_max_response_bytes`](Self::with_max_response_bytes) | 1 MiB (larger: delivered, body not stored) |
+    /// | [`with_scope`](Self::with_scope) | the [`Principal`](crate::Principal) request extension |
+    /// | [`with_fingerprint`](Self::with_fingerprint) | [`FingerprintMode::Semantic`] |
+    /// | [`with_store_failure`](Self::with_store_failure) | fail closed: `503`, `Retry-After: 1` |
+    /// | [`with_retention`](Self::with_retention) | [`RetentionPolicy::final_outcomes`] |
+    /// | [`with_disconnect`](Self::with_disconnect) | [`Disconnect::RunToCompletion`] |
+    pub fn new(store: St) -> Self {
+        Self {
+            store: Arc::new(store),
+            config: Arc::new(Config::default()),
+        }
+    }
+
+    /// The store, for spawning its expiry loop
+    /// ([`continuously_delete_expired`](crate::store::continuously_delete_expired)).
+    pub fn store(&self) -> &St {
+        &self.store
+    }
+
+    fn config_mut(&mut self) -> &mut Config {
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// How long a record lives, counted from the key's first claim. Retries after that run
+    /// again. Choose it longer than your clients' retry horizon.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Zero`] for a zero TTL; [`ConfigError::LeaseNotShorterThanTtl`] when the
+    /// TTL is not longer than the lease.
+    pub fn with_ttl(mut self, ttl: Duration) -> Result<Self, ConfigError> {
+        if ttl.is_zero() {
+            return Err(ConfigError::Zero("ttl"));
+        }
+        check_lease(self.config.lease, ttl)?;
+        self.config_mut().ttl = ttl;
+        Ok(self)
+    }
+
+    /// How long a claim is held without renewal. The layer renews it every third of that while
+    /// the handler runs, so it only lapses when the holder stops (a crash, a hung process);
+    /// then a retry takes the key over after at most this long. Shorter means faster recovery
+    /// from crashes, at the cost of more renewals for long handlers.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Zero`] for a zero lease; [`ConfigError::LeaseNotShorterThanTtl`] when it
+    /// is not shorter than the TTL.
+    pub fn with_lease(mut self, lease: Duration) -> Result<Self, ConfigError> {
+        if lease.is_zero() {
+            return Err(ConfigError::Zero("lease"));
+        }
+        check_lease(lease, self.config.ttl)?;
+        self.config_mut().lease = lease;
+        Ok(self)
+    }
+
+    /// The methods the layer covers; requests with other methods pass through untouched.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::NoMethods`] when `methods` is empty.
+    pub fn with_methods(
+        mut self,
+        methods: impl IntoIterator<Item = Method>,
+    ) -> Result<Self, ConfigError> {
+        let methods: Vec<Method> = methods.into_iter().collect();
+        if methods.is_empty() {
+            return Err(ConfigError::NoMethods);
+        }
+        self.config_mut().methods = methods;
+        Ok(self)
+    }
+
+    /// Makes the key mandatory on covered methods: a request without one gets `400`.
+    pub fn required(mut self) -> Self {
+        self.config_mut().required = true;
+        self
+    }
+
+    /// The largest request body buffered for fingerprinting; larger bodies get `413` and run
+    /// nothing. A `Content-Length` over the limit is refused before any byte is read.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Zero`] for zero.
+    pub fn with_max_body_bytes(mut self, limit: usize) -> Result<Self, ConfigError> {
+        if limit == 0 {
+            return Err(ConfigError::Zero("max_body_bytes"));
+        }
+        self.config_mut().max_body_bytes = limit;
+        Ok(self)
+    }
+
+    /// The largest response body stored for replay. A larger response is still delivered in
+    /// full; its record keeps the status and headers but not the body, and a retry gets the
+    /// original status with a problem body saying so (see [`replay`](crate::replay)). The
+    /// handler is never run again for that key.
+    pub fn with_max_response_bytes(mut self, limit: usize) -> Self {
+        self.config_mut().max_response_bytes = limit;
+        self
+    }
+
+    /// Where the principal that owns a key comes from; see [`Scope`].
+    pub fn with_scope(mut self, scope: Scope) -> Self {
+        self.config_mut().scope = scope;
+        self
+    }
+
+    /// How request payloads are compared; see [`FingerprintMode`].
+    pub fn with_fingerprint(mut self, mode: FingerprintMode) -> Self {
+        self.config_mut().fingerprint = mode;
+        self
+    }
+
+    /// What a request gets when the store fails; see [`StoreFailure`].
+    pub fn with_store_failure(mut self, policy: StoreFailure) -> Self {
+        self.config_mut().store_failure = policy;
+        self
+    }
+
+    /// Which responses are kept; see [`RetentionPolicy`].
+    pub fn with_retention(mut self, policy: RetentionPolicy) -> Self {
+        self.config_mut().retention = policy;
+        self
+    }
+
+    /// What happens to a running handler when the client disconnects; see [`Disconnect`].
+    pub fn with_disconnect(mut self, policy: Disconnect) -> Self {
+        self.config_mut().disconnect = policy;
+        self
+    }
+}
+
+impl IdempotencyLayer<MemoryStore> {
+    /// A layer on a new in-process [`MemoryStore`].
+    pub fn memory() -> Self {
+        Self::new(MemoryStore::new())
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl IdempotencyLayer<crate::store::PostgresStore> {
+    /// A layer on a [`PostgresStore`](crate::store::PostgresStore) over `pool`. Apply the store's
+    /// migrations once at start-up with
+    /// [`PostgresStore::migrate`](crate::store::PostgresStore::migrate).
+    pub fn postgres(pool: sqlx::PgPool) -> Self {
+        Self::new(crate::store::PostgresStore::new(pool))
+    }
+}
+
+fn check_lease(lease: Duration, ttl: Duration) -> Result<(), ConfigError> {
+    if lease >= ttl {
+        return Err(ConfigError::LeaseNotShorterThanTtl { lease, ttl });
+    }
+    Ok(())
+}
+
+impl<St> Clone for IdempotencyLayer<St> {
+    fn clone(&self) -> Self {
+        Self {
+            store: Arc::clone(&self.store),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<St> fmt::Debug for IdempotencyLayer<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("store", &std::any::type_name::<St>())
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S, St> Layer<S> for IdempotencyLayer<St> {
+    type Service = Idempotency<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::new(inner, Arc::clone(&self.store), Arc::clone(&self.config))
+    }
+}
+
+/// An invalid [`IdempotencyLayer`] setting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A duration or limit that must be positive was zero.
+    Zero(&'static str),
+    /// The lease must be shorter than the TTL, or records could expire while held.
+    LeaseNotShorterThanTtl {
+        /// The lease.
+        lease: Duration,
+        /// The TTL.
+        ttl: Duration,
+    },
+    /// The layer must cover at least one method.
+    NoMethods,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Zero(setting) => write!(f, "idempotency setting `{setting}` must not be zero"),
+            Self::LeaseNotShorterThanTtl { lease, ttl } => write!(
+                f,
+                "idempotency lease ({lease:?}) must be shorter than the TTL ({ttl:?})"
+            ),
+            Self::NoMethods => f.write_str("idempotency layer must cover at least one method"),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalid_settings_are_errors() {
+        let layer = IdempotencyLayer::memory;
+        assert_eq!(
+            layer().with_ttl(Duration::ZERO).unwrap_err(),
+            ConfigError::Zero("ttl")
+        );
+        assert_eq!(
+            layer().with_lease(Duration::ZERO).unwrap_err(),
+            ConfigError::Zero("lease")
+        );
+        assert!(matches!(
+            layer().with_ttl(Duration::from_secs(30)),
+            Err(ConfigError::LeaseNotShorterThanTtl { .. })
+        ));
+        assert!(matches!(
+            layer().with_lease(Duration::from_secs(24 * 3600)),
+            Err(ConfigError::LeaseNotShorterThanTtl { .. })
+        ));
+        assert_eq!(
+            layer().with_methods([]).unwrap_err(),
+            ConfigError::NoMethods
+        );
+        assert_eq!(
+            layer().with_max_body_bytes(0).unwrap_err(),
+            ConfigError::Zero("max_body_bytes")
+        );
+    }
+
+    #[test]
+    fn settings_apply_in_any_valid_order() {
+        let layer = IdempotencyLayer::memory()
+            .with_lease(Duration::from_secs(1))
+            .and_then(|l| l.with_ttl(Duration::from_secs(2)))
+            .unwrap();
+        assert_eq!(layer.config.ttl, Duration::from_secs(2));
+        assert_eq!(layer.config.lease, Duration::from_secs(1));
+    }
+}

@@ -1,0 +1,92 @@
+//! Idempotency-Key middleware for [Tower] and [Axum]: a retried write runs once, and every retry
+//! gets the first response back, byte for byte.
+//!
+//! ```
+//! use axum::{Router, body::Body, http::Request, routing::post};
+//! use tower::ServiceExt;
+//! use tower_idempotency::{IdempotencyLayer, Scope};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let app = Router::new()
+//!     .route("/v1/charges", post(|| async { "charged once" }))
+//!     // Production: IdempotencyLayer::postgres(pool), see `store::PostgresStore`.
+//!     .layer(IdempotencyLayer::memory().with_scope(Scope::single_tenant()));
+//!
+//! let charge = || Request::post("/v1/charges").header("idempotency-key", "order-1042")
+//!     .body(Body::empty()).unwrap();
+//! let first = app.clone().oneshot(charge()).await.unwrap();
+//! let retry = app.oneshot(charge()).await.unwrap();
+//! assert!(first.headers().get("idempotent-replayed").is_none());
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! # }
+//! ```
+//!
+//! It follows the IETF draft *The Idempotency-Key HTTP Header Field* and Stripe's practice:
+//!
+//! | situation | response |
+//! |---|---|
+//! | first request with a key | the handler runs once; its response is stored and returned |
+//! | retry after it completed | the stored status, headers and body, plus `Idempotent-Replayed: true` |
+//! | retry while the first is still running | `409` problem, `Retry-After: 1` |
+//! | same key, different method, path, query or body | `422` problem; the stored record is untouched |
+//! | key missing where [`required`](IdempotencyLayer::required) | `400` problem |
+//! | key malformed, empty, over 255 characters, repeated | `400` problem |
+//! | body over `max_body_bytes` | `413` problem, nothing run |
+//! | handler answers 400/401/403/422/429..., or 5xx | delivered, key released: a corrected retry runs ([`RetentionPolicy`]) |
+//! | handler panics | `500` problem, key released |
+//! | client disconnects mid-handler | the handler finishes and its response is stored for the retry |
+//! | holder crashes | its lease lapses (30 s) and the next retry takes the key over |
+//! | store unreachable | `503` problem, `Retry-After` (or fail open, [`StoreFailure`]) |
+//!
+//! Every refusal is an RFC 9457 `application/problem+json` body ([`problem`]).
+//!
+//! # How a request flows
+//!
+//! 1. [`key`]: the `Idempotency-Key` header is parsed (sf-string or bare token).
+//! 2. [`scope`]: the key is scoped to the authenticated [`Principal`], method and path, and hashed.
+//! 3. [`fingerprint`]: the body is buffered (bounded) and fingerprinted.
+//! 4. [`store`]: the key is claimed in one atomic step ([`Store::begin`](store::Store::begin)).
+//! 5. The handler runs under a lease renewed by a heartbeat, in its own task.
+//! 6. [`record`]: its response is captured and stored, or the key released ([`RetentionPolicy`]).
+//! 7. [`replay`]: retries get the record back.
+//!
+//! # Features
+//!
+//! * `postgres` (default): [`PostgresStore`](store::PostgresStore) on sqlx.
+//! * `axum`: [`IdempotencyContext`] as an axum extractor.
+//!
+//! [Tower]: https://docs.rs/tower
+//! [Axum]: https://docs.rs/axum
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub, clippy::unwrap_used)]
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+
+mod body;
+mod context;
+pub mod fingerprint;
+mod future;
+pub mod key;
+mod layer;
+pub mod policy;
+pub mod problem;
+pub mod record;
+pub mod replay;
+pub mod scope;
+mod service;
+pub mod store;
+
+pub use body::{RequestBody, ResponseBody};
+pub use context::IdempotencyContext;
+#[cfg(feature = "axum")]
+pub use context::MissingIdempotencyContext;
+pub use fingerprint::{Fingerprint, FingerprintMode};
+pub use future::ResponseFuture;
+pub use key::{IdempotencyKey, KeyError};
+pub use layer::{ConfigError, IdempotencyLayer};
+pub use policy::{Disconnect, Retention, RetentionPolicy, StoreFailure};
+pub use problem::{Rejection, RejectionKind};
+pub use record::Record;
+pub use scope::{Principal, Scope, ScopeKey};
+pub use service::Idempotency;

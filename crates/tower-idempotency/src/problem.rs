@@ -1,0 +1,229 @@
+//! Refusals, as RFC 9457 `application/problem+json` responses.
+//!
+//! Every answer the layer gives instead of running the handler is a [`Rejection`]: a problem
+//! body with `type`, `title`, `status` and `detail`, and a copy of the rejection in the response
+//! extensions so outer layers (metrics, logging, a custom error renderer) can tell it apart from
+//! the handler's own responses.
+//!
+//! ```
+//! use tower_idempotency::problem::{Rejection, RejectionKind};
+//!
+//! let response = Rejection::new(RejectionKind::InFlight, "the original request is still running")
+//!     .into_response::<http_body_util::Full<bytes::Bytes>>();
+//! assert_eq!(response.status(), 409);
+//! assert_eq!(response.headers()["content-type"], "application/problem+json");
+//! assert_eq!(response.headers()["retry-after"], "1");
+//! let rejection = response.extensions().get::<Rejection>().unwrap();
+//! assert_eq!(rejection.kind(), RejectionKind::InFlight);
+//! ```
+//!
+//! | kind | status | when |
+//! |---|---|---|
+//! | [`KeyMissing`](RejectionKind::KeyMissing) | 400 | the key is [required](crate::IdempotencyLayer::required) and absent |
+//! | [`KeyInvalid`](RejectionKind::KeyInvalid) | 400 | the header is malformed, empty, too long or repeated |
+//! | [`BodyUnreadable`](RejectionKind::BodyUnreadable) | 400 | the request body failed while being read |
+//! | [`InFlight`](RejectionKind::InFlight) | 409 | the first request with this key is still running (`Retry-After: 1`) |
+//! | [`BodyTooLarge`](RejectionKind::BodyTooLarge) | 413 | the body exceeds `max_body_bytes` |
+//! | [`Mismatch`](RejectionKind::Mismatch) | 422 | the key was used with another request (method, path, query or body) |
+//! | [`PrincipalMissing`](RejectionKind::PrincipalMissing) | 500 | no principal to scope the key to (a misconfiguration) |
+//! | [`HandlerPanicked`](RejectionKind::HandlerPanicked) | 500 | the handler panicked; the key is released |
+//! | [`StoreUnavailable`](RejectionKind::StoreUnavailable) | 503 | the store failed and the layer fails closed (`Retry-After`) |
+
+use std::{borrow::Cow, fmt};
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+/// Base of the problem `type` URIs: the documentation of each [`RejectionKind`] variant.
+pub const PROBLEM_TYPE_BASE: &str = "https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/enum.RejectionKind.html#variant.";
+
+/// The media type of problem bodies.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// Why the layer answered instead of the handler; see the [module documentation](self).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RejectionKind {
+    /// `400`: a covered request without the `Idempotency-Key` the layer requires.
+    KeyMissing,
+    /// `400`: the `Idempotency-Key` header is malformed, empty, too long or repeated.
+    KeyInvalid,
+    /// `400`: the request body could not be read (the client went away or sent a broken body).
+    BodyUnreadable,
+    /// `409`: a request with this key is still being processed. Retry after `Retry-After`.
+    InFlight,
+    /// `413`: the request body is larger than the layer buffers.
+    BodyTooLarge,
+    /// `422`: the key was already used for a different request.
+    Mismatch,
+    /// `500`: no principal was found to scope the key to; the server is misconfigured.
+    PrincipalMissing,
+    /// `500`: the handler panicked. Nothing was stored and the key is free again.
+    HandlerPanicked,
+    /// `503`: the idempotency store could not be reached. Retry after `Retry-After`.
+    StoreUnavailable,
+}
+
+impl RejectionKind {
+    /// The HTTP status of this kind of rejection.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::KeyMissing | Self::KeyInvalid | Self::BodyUnreadable => StatusCode::BAD_REQUEST,
+            Self::InFlight => StatusCode::CONFLICT,
+            Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::PrincipalMissing | Self::HandlerPanicked => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The problem `title`: the same for every occurrence of this kind.
+    pub fn title(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "Idempotency-Key is missing",
+            Self::KeyInvalid => "Idempotency-Key is invalid",
+            Self::BodyUnreadable => "Request body could not be read",
+            Self::InFlight => "A request with this Idempotency-Key is being processed",
+            Self::BodyTooLarge => "Request body is too large",
+            Self::Mismatch => "Idempotency-Key was used for a different request",
+            Self::PrincipalMissing => "Idempotency scope is unavailable",
+            Self::HandlerPanicked => "The request failed",
+            Self::StoreUnavailable => "Idempotency store is unavailable",
+        }
+    }
+
+    /// The variant name, used as the anchor of the problem `type` URI and as a metric label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "KeyMissing",
+            Self::KeyInvalid => "KeyInvalid",
+            Self::BodyUnreadable => "BodyUnreadable",
+            Self::InFlight => "InFlight",
+            Self::BodyTooLarge => "BodyTooLarge",
+            Self::Mismatch => "Mismatch",
+            Self::PrincipalMissing => "PrincipalMissing",
+            Self::HandlerPanicked => "HandlerPanicked",
+            Self::StoreUnavailable => "StoreUnavailable",
+        }
+    }
+}
+
+/// A refusal by the layer: rendered as a problem response and kept in its extensions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    kind: RejectionKind,
+    detail: Cow<'static, str>,
+    retry_after: Option<u64>,
+}
+
+impl Rejection {
+    /// A rejection of `kind` with a `detail` for this occurrence. `409` and `503` carry
+    /// `Retry-After: 1` unless [`with_retry_after`](Self::with_retry_after) says otherwise.
+    pub fn new(kind: RejectionKind, detail: impl Into<Cow<'static, str>>) -> Self {
+        let retry_after = matches!(
+            kind,
+            RejectionKind::InFlight | RejectionKind::StoreUnavailable
+        )
+        .then_some(1);
+        Self {
+            kind,
+            detail: detail.into(),
+            retry_after,
+        }
+    }
+
+    /// Sets the `Retry-After` seconds.
+    #[must_use]
+    pub fn with_retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    /// What kind of rejection this is.
+    pub fn kind(&self) -> RejectionKind {
+        self.kind
+    }
+
+    /// The human-readable explanation of this occurrence.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// The `Retry-After` seconds, if the client should retry.
+    pub fn retry_after(&self) -> Option<u64> {
+        self.retry_after
+    }
+
+    /// The problem document, as JSON bytes.
+    pub fn to_json(&self) -> Bytes {
+        let status = self.kind.status();
+        let body = serde_json::json!({
+            "type": format!("{PROBLEM_TYPE_BASE}{}", self.kind.name()),
+            "title": self.kind.title(),
+            "status": status.as_u16(),
+            "detail": self.detail,
+        });
+        // Serialising a `Value` of strings and a number cannot fail.
+        serde_json::to_vec(&body)
+            .map(Bytes::from)
+            .unwrap_or_default()
+    }
+
+    /// The problem response, with a copy of `self` in its extensions.
+    pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
+        let mut response = Response::new(B::from(self.to_json()));
+        *response.status_mut() = self.kind.status();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Some(seconds) = self.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response.extensions_mut().insert(self);
+        response
+    }
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.title(), self.detail)
+    }
+}
+
+impl std::error::Error for Rejection {}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::{BodyExt, Full};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn renders_rfc9457_members() {
+        let response: Response<Full<Bytes>> =
+            Rejection::new(RejectionKind::Mismatch, "different body").into_response();
+        assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(response.headers().get(header::RETRY_AFTER).is_none());
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "type": format!("{PROBLEM_TYPE_BASE}Mismatch"),
+                "title": "Idempotency-Key was used for a different request",
+                "status": 422,
+                "detail": "different body",
+            })
+        );
+    }
+
+    #[test]
+    fn store_unavailable_retry_after_is_configurable() {
+        let response: Response<Full<Bytes>> =
+            Rejection::new(RejectionKind::StoreUnavailable, "down")
+                .with_retry_after(7)
+                .into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "7");
+    }
+}

@@ -1,0 +1,253 @@
+//! Whose key is it: the principal, and the scoped record key.
+//!
+//! A key is only meaningful for the client that made it up. The record the layer stores is
+//! addressed by a [`ScopeKey`]: the SHA-256 of the **principal**, the method, the path and the
+//! key, so one tenant's `Idempotency-Key: 1` never meets another's, the same key on two endpoints
+//! names two operations, and neither principals nor raw keys reach the store in clear.
+//!
+//! The principal comes from the application's authentication, which runs *before* this layer
+//! (in axum, a layer added *after* this one with `.layer(...)`) and inserts a [`Principal`] into
+//! the request extensions. Keying on the authenticated account rather than on a credential means
+//! a retry made after a token refresh still finds its record.
+//!
+//! ```
+//! use axum::{Router, routing::post, middleware::{self, Next}, extract::Request};
+//! use tower_idempotency::{IdempotencyLayer, Principal};
+//!
+//! async fn authenticate(mut request: Request, next: Next) -> axum::response::Response {
+//!     // A real app checks the credential and finds the account here.
+//!     request.extensions_mut().insert(Principal::new("acct_123"));
+//!     next.run(request).await
+//! }
+//!
+//! let app: Router = Router::new()
+//!     .route("/v1/charges", post(|| async { "charged" }))
+//!     .layer(IdempotencyLayer::memory())
+//!     // Outermost: runs first, so the principal is there when the idempotency layer looks.
+//!     .layer(middleware::from_fn(authenticate));
+//! ```
+//!
+//! **No principal, no service.** When a covered request carries an `Idempotency-Key` but the
+//! [`Scope`] finds no principal, the layer does not guess: sharing one scope between everyone who
+//! is unauthenticated would let one client replay another's response. It answers `500` with a
+//! problem body naming the misconfiguration (usually the authentication layer sits inside this
+//! one instead of outside it), runs nothing and stores nothing. An application that really has a
+//! single tenant says so with [`Scope::single_tenant`].
+
+use std::{fmt, sync::Arc};
+
+use http::request::Parts;
+use sha2::{Digest, Sha256};
+
+use crate::key::IdempotencyKey;
+
+/// The authenticated account a request acts for: the owner of its idempotency keys.
+///
+/// Insert one into the request extensions from the authentication layer; see the
+/// [module documentation](self).
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Principal(Arc<str>);
+
+impl Principal {
+    /// A principal from a stable account identifier (not a token that rotates).
+    pub fn new(id: impl Into<Arc<str>>) -> Self {
+        Self(id.into())
+    }
+
+    /// The identifier.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Principal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Principal").field(&self.0).finish()
+    }
+}
+
+/// Where the layer finds the [`Principal`] of a request; set with
+/// [`IdempotencyLayer::with_scope`](crate::IdempotencyLayer::with_scope).
+#[derive(Clone, Default)]
+pub struct Scope(ScopeSource);
+
+type PrincipalFn = dyn Fn(&Parts) -> Option<Principal> + Send + Sync;
+
+#[derive(Clone, Default)]
+enum ScopeSource {
+    #[default]
+    Extension,
+    SingleTenant,
+    Custom(Arc<PrincipalFn>),
+}
+
+impl Scope {
+    /// The default: the [`Principal`] in the request extensions, put there by the app's
+    /// authentication layer. A request without one is refused (see the
+    /// [module documentation](self)).
+    pub fn principal_extension() -> Self {
+        Self(ScopeSource::Extension)
+    }
+
+    /// Every request belongs to the same principal. Only for applications with a single tenant
+    /// (or none): every client shares one key space.
+    pub fn single_tenant() -> Self {
+        Self(ScopeSource::SingleTenant)
+    }
+
+    /// A principal derived from the request head by `f`, for apps whose authentication leaves
+    /// something other than a [`Principal`] behind. `None` refuses the request as a missing
+    /// principal does.
+    pub fn from_fn<F>(f: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<Principal> + Send + Sync + 'static,
+    {
+        Self(ScopeSource::Custom(Arc::new(f)))
+    }
+
+    pub(crate) fn principal(&self, parts: &Parts) -> Option<Principal> {
+        match &self.0 {
+            ScopeSource::Extension => parts.extensions.get::<Principal>().cloned(),
+            ScopeSource::SingleTenant => Some(Principal::new("")),
+            ScopeSource::Custom(f) => f(parts),
+        }
+    }
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self.0 {
+            ScopeSource::Extension => "Scope::principal_extension()",
+            ScopeSource::SingleTenant => "Scope::single_tenant()",
+            ScopeSource::Custom(_) => "Scope::from_fn(..)",
+        })
+    }
+}
+
+/// The address of a stored record: SHA-256 over principal, method, path and key.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ScopeKey([u8; 32]);
+
+impl ScopeKey {
+    /// Derives the record key of `key` sent by `principal` to `method` `path`.
+    pub fn new(
+        principal: &Principal,
+        method: &http::Method,
+        path: &str,
+        key: &IdempotencyKey,
+    ) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-idempotency/scope/v1\0");
+        for part in [
+            principal.as_str().as_bytes(),
+            method.as_str().as_bytes(),
+            path.as_bytes(),
+            key.as_str().as_bytes(),
+        ] {
+            // Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part);
+        }
+        Self(hasher.finalize().into())
+    }
+
+    /// Rebuilds a key from its 32 bytes, as a store reads it back.
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The 32 bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+/// Lowercase hex: the form used in logs, safe to show (it reveals neither key nor principal).
+impl fmt::Display for ScopeKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+impl fmt::Debug for ScopeKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ScopeKey({self})")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{Method, Request};
+
+    use super::*;
+
+    fn key(k: &str) -> IdempotencyKey {
+        IdempotencyKey::new(k).unwrap()
+    }
+
+    #[test]
+    fn every_component_separates_scopes() {
+        let a = Principal::new("acct_a");
+        let b = Principal::new("acct_b");
+        let base = ScopeKey::new(&a, &Method::POST, "/v1/charges", &key("k"));
+        assert_ne!(
+            base,
+            ScopeKey::new(&b, &Method::POST, "/v1/charges", &key("k"))
+        );
+        assert_ne!(
+            base,
+            ScopeKey::new(&a, &Method::PATCH, "/v1/charges", &key("k"))
+        );
+        assert_ne!(
+            base,
+            ScopeKey::new(&a, &Method::POST, "/v1/refunds", &key("k"))
+        );
+        assert_ne!(
+            base,
+            ScopeKey::new(&a, &Method::POST, "/v1/charges", &key("k2"))
+        );
+        assert_eq!(
+            base,
+            ScopeKey::new(&a, &Method::POST, "/v1/charges", &key("k"))
+        );
+    }
+
+    #[test]
+    fn components_are_length_prefixed() {
+        let ab = ScopeKey::new(&Principal::new("ab"), &Method::POST, "/", &key("c"));
+        let a = ScopeKey::new(&Principal::new("a"), &Method::POST, "/", &key("bc"));
+        assert_ne!(ab, a);
+    }
+
+    #[test]
+    fn default_scope_needs_a_principal_extension() {
+        let (mut parts, ()) = Request::new(()).into_parts();
+        assert_eq!(Scope::default().principal(&parts), None);
+        parts.extensions.insert(Principal::new("acct"));
+        assert_eq!(
+            Scope::default().principal(&parts),
+            Some(Principal::new("acct"))
+        );
+    }
+
+    #[test]
+    fn single_tenant_and_custom_scopes() {
+        let (parts, ()) = Request::builder()
+            .header("x-tenant", "t1")
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert!(Scope::single_tenant().principal(&parts).is_some());
+        let custom = Scope::from_fn(|parts| {
+            let tenant = parts.headers.get("x-tenant")?.to_str().ok()?;
+            Some(Principal::new(tenant))
+        });
+        assert_eq!(custom.principal(&parts), Some(Principal::new("t1")));
+    }
+
+    #[test]
+    fn display_is_hex() {
+        let k = ScopeKey::from_bytes([0xab; 32]);
+        assert_eq!(k.to_string(), "ab".repeat(32));
+    }
+}

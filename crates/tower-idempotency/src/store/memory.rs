@@ -1,0 +1,297 @@
+use std::{
+    collections::HashMap,
+    convert::Infallible,
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicI64, Ordering},
+    },
+    time::Duration,
+};
+
+use tokio::time::Instant;
+
+use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Lease, Store};
+use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
+
+/// An in-process [`Store`]: for single-process applications, development and unit tests.
+///
+/// Keys live in this process only: two instances of an app behind a load balancer do not see
+/// each other's keys, and a restart forgets them all. Use [`PostgresStore`](super::PostgresStore)
+/// when either matters. Expired records are removed when their key is claimed again or by
+/// [`continuously_delete_expired`](super::continuously_delete_expired); memory grows with the
+/// number of keys claimed within one TTL.
+///
+/// Time is `tokio::time`, so tests can drive leases and expiry with `tokio::time::pause`.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    records: Mutex<HashMap<ScopeKey, Entry>>,
+    tokens: AtomicI64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    fingerprint: Fingerprint,
+    token: i64,
+    expires_at: Instant,
+    state: State,
+}
+
+#[derive(Debug)]
+enum State {
+    InFlight { lease_until: Instant },
+    Completed(Record),
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The number of records held, expired ones not yet deleted included.
+    pub fn len(&self) -> usize {
+        self.records().len()
+    }
+
+    /// Whether no records are held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn records(&self) -> MutexGuard<'_, HashMap<ScopeKey, Entry>> {
+        // Every critical section leaves the map consistent, so a panic elsewhere while the
+        // lock was held does not make it unusable.
+        self.inner
+            .records
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the entry still held by `lease`, if any.
+    fn with_held(
+        &self,
+        lease: &Lease,
+        f: impl FnOnce(&mut HashMap<ScopeKey, Entry>),
+    ) -> ClaimStatus {
+        let mut records = self.records();
+        match records.get(&lease.key) {
+            Some(entry)
+                if entry.token == lease.token && matches!(entry.state, State::InFlight { .. }) =>
+            {
+                f(&mut records);
+                ClaimStatus::Held
+            }
+            _ => ClaimStatus::Lost,
+        }
+    }
+}
+
+impl Store for MemoryStore {
+    type Claim = Lease;
+    type Error = Infallible;
+
+    async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, Infallible> {
+        let now = Instant::now();
+        let mut records = self.records();
+        let takeover = match records.get(&request.key) {
+            None => false,
+            Some(entry) if entry.expires_at <= now => false,
+            Some(entry) if entry.fingerprint != request.fingerprint => return Ok(Begin::Mismatch),
+            Some(Entry {
+                state: State::Completed(record),
+                ..
+            }) => return Ok(Begin::Completed(record.clone())),
+            Some(Entry {
+                state: State::InFlight { lease_until },
+                ..
+            }) if *lease_until > now => {
+                return Ok(Begin::InFlight {
+                    lease_remaining: Some(*lease_until - now),
+                });
+            }
+            Some(_) => true,
+        };
+        let token = self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1;
+        records.insert(
+            request.key,
+            Entry {
+                fingerprint: request.fingerprint,
+                token,
+                expires_at: now + request.ttl,
+                state: State::InFlight {
+                    lease_until: now + request.lease,
+                },
+            },
+        );
+        Ok(Begin::Acquired {
+            claim: Lease {
+                key: request.key,
+                token,
+            },
+            takeover,
+        })
+    }
+
+    async fn renew(&self, claim: &Lease, lease: Duration) -> Result<ClaimStatus, Infallible> {
+        Ok(self.with_held(claim, |records| {
+            if let Some(entry) = records.get_mut(&claim.key) {
+                let lease_until = Instant::now() + lease;
+                entry.expires_at = entry.expires_at.max(lease_until);
+                entry.state = State::InFlight { lease_until };
+            }
+        }))
+    }
+
+    async fn complete(&self, claim: &Lease, record: &Record) -> Result<ClaimStatus, Infallible> {
+        Ok(self.with_held(claim, |records| {
+            if let Some(entry) = records.get_mut(&claim.key) {
+                entry.state = State::Completed(record.clone());
+            }
+        }))
+    }
+
+    async fn release(&self, claim: &Lease) -> Result<ClaimStatus, Infallible> {
+        Ok(self.with_held(claim, |records| {
+            records.remove(&claim.key);
+        }))
+    }
+}
+
+impl ExpiredDeletion for MemoryStore {
+    async fn delete_expired(&self, batch: u32) -> Result<u64, Infallible> {
+        let now = Instant::now();
+        let mut records = self.records();
+        let expired: Vec<ScopeKey> = records
+            .iter()
+            .filter(|(_, entry)| entry.expires_at <= now)
+            .map(|(key, _)| *key)
+            .take(batch as usize)
+            .collect();
+        for key in &expired {
+            records.remove(key);
+        }
+        Ok(expired.len() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::StatusCode;
+
+    use super::*;
+
+    fn request(fingerprint: u8) -> ClaimRequest {
+        ClaimRequest {
+            key: ScopeKey::from_bytes([7; 32]),
+            fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        }
+    }
+
+    fn record() -> Record {
+        Record::from_parts(StatusCode::CREATED, Default::default(), Some("done".into()))
+    }
+
+    async fn acquire(store: &MemoryStore, request: &ClaimRequest) -> (Lease, bool) {
+        match store.begin(request).await.unwrap() {
+            Begin::Acquired { claim, takeover } => (claim, takeover),
+            other => panic!("expected to acquire, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lapsed_lease_is_taken_over_and_the_stale_holder_is_fenced_out() {
+        let store = MemoryStore::new();
+        let (stale, takeover) = acquire(&store, &request(1)).await;
+        assert!(!takeover);
+        tokio::time::advance(Duration::from_secs(29)).await;
+        assert!(matches!(
+            store.begin(&request(1)).await,
+            Ok(Begin::InFlight { .. })
+        ));
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let (fresh, takeover) = acquire(&store, &request(1)).await;
+        assert!(takeover);
+        assert!(fresh.token > stale.token);
+        assert_eq!(
+            store.complete(&stale, &record()).await,
+            Ok(ClaimStatus::Lost)
+        );
+        assert_eq!(store.release(&stale).await, Ok(ClaimStatus::Lost));
+        assert_eq!(
+            store.renew(&stale, Duration::from_secs(1)).await,
+            Ok(ClaimStatus::Lost)
+        );
+        assert_eq!(
+            store.complete(&fresh, &record()).await,
+            Ok(ClaimStatus::Held)
+        );
+        assert_eq!(
+            store.begin(&request(1)).await,
+            Ok(Begin::Completed(record()))
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn renewal_keeps_the_lease_alive() {
+        let store = MemoryStore::new();
+        let (claim, _) = acquire(&store, &request(1)).await;
+        for _ in 0..5 {
+            tokio::time::advance(Duration::from_secs(20)).await;
+            assert_eq!(
+                store.renew(&claim, Duration::from_secs(30)).await,
+                Ok(ClaimStatus::Held)
+            );
+        }
+        assert!(matches!(
+            store.begin(&request(1)).await,
+            Ok(Begin::InFlight { .. })
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_different_fingerprint_is_a_mismatch_until_expiry() {
+        let store = MemoryStore::new();
+        let (claim, _) = acquire(&store, &request(1)).await;
+        assert_eq!(store.begin(&request(2)).await, Ok(Begin::Mismatch));
+        assert_eq!(
+            store.complete(&claim, &record()).await,
+            Ok(ClaimStatus::Held)
+        );
+        assert_eq!(store.begin(&request(2)).await, Ok(Begin::Mismatch));
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        let (_, takeover) = acquire(&store, &request(2)).await;
+        assert!(!takeover, "an expired record is new, not a takeover");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn released_keys_are_free_for_any_payload() {
+        let store = MemoryStore::new();
+        let (claim, _) = acquire(&store, &request(1)).await;
+        assert_eq!(store.release(&claim).await, Ok(ClaimStatus::Held));
+        let (again, takeover) = acquire(&store, &request(2)).await;
+        assert!(!takeover);
+        assert!(again.token > claim.token);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn delete_expired_works_in_batches() {
+        let store = MemoryStore::new();
+        for i in 0..5u8 {
+            let mut req = request(1);
+            req.key = ScopeKey::from_bytes([i; 32]);
+            acquire(&store, &req).await;
+        }
+        assert_eq!(store.delete_expired(10).await, Ok(0));
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert_eq!(store.delete_expired(3).await, Ok(3));
+        assert_eq!(store.delete_expired(3).await, Ok(2));
+        assert!(store.is_empty());
+    }
+}

@@ -1,0 +1,206 @@
+//! Where keys are claimed and responses kept: the [`Store`] protocol and its two backends.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_idempotency::store::{Begin, ClaimRequest, ClaimStatus, MemoryStore, Store};
+//! use tower_idempotency::{Fingerprint, Record, ScopeKey};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let store = MemoryStore::new();
+//! let request = ClaimRequest {
+//!     key: ScopeKey::from_bytes([1; 32]),
+//!     fingerprint: Fingerprint::from_bytes([2; 32]),
+//!     lease: Duration::from_secs(30),
+//!     ttl: Duration::from_secs(86_400),
+//! };
+//!
+//! // The first request acquires the key and runs the handler...
+//! let Ok(Begin::Acquired { claim, .. }) = store.begin(&request).await else { panic!() };
+//! // ...a duplicate meanwhile learns it is in flight...
+//! assert!(matches!(store.begin(&request).await, Ok(Begin::InFlight { .. })));
+//! // ...the holder stores the response...
+//! let record = Record::from_parts(http::StatusCode::OK, Default::default(), Some("ok".into()));
+//! assert_eq!(store.complete(&claim, &record).await, Ok(ClaimStatus::Held));
+//! // ...and every retry gets it.
+//! assert_eq!(store.begin(&request).await, Ok(Begin::Completed(record)));
+//! # }
+//! ```
+//!
+//! # The protocol
+//!
+//! [`Store::begin`] is one atomic step that answers, for a scoped key and the request's
+//! fingerprint:
+//!
+//! | stored state | same fingerprint | other fingerprint |
+//! |---|---|---|
+//! | nothing, or a record past its TTL | [`Acquired`](Begin::Acquired) | [`Acquired`](Begin::Acquired) |
+//! | in flight, lease live | [`InFlight`](Begin::InFlight) | [`Mismatch`](Begin::Mismatch) |
+//! | in flight, lease lapsed (holder crashed) | [`Acquired`](Begin::Acquired) with `takeover` | [`Mismatch`](Begin::Mismatch) |
+//! | completed | [`Completed`](Begin::Completed) | [`Mismatch`](Begin::Mismatch) |
+//!
+//! Every acquisition hands out a new **fencing token**, larger than any the key had before.
+//! [`renew`](Store::renew), [`complete`](Store::complete) and [`release`](Store::release) act only
+//! while the claim still holds that token, so a holder that stalled past its lease and was taken
+//! over can no longer write: it gets [`ClaimStatus::Lost`].
+//!
+//! A third-party store (Redis, DynamoDB...) implements [`Store`] (and [`ExpiredDeletion`] if
+//! records do not expire by themselves) and passes the shared test suite in the repository's
+//! `tests/` crate.
+
+use std::{future::Future, time::Duration};
+
+use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
+
+mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
+
+pub use memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use postgres::{PostgresStore, PostgresStoreError};
+
+/// What the layer asks a store to claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRequest {
+    /// The scoped record key.
+    pub key: ScopeKey,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// How long the claim is held without renewal.
+    pub lease: Duration,
+    /// How long the record lives, counted from its claim.
+    pub ttl: Duration,
+}
+
+/// The answer to [`Store::begin`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Begin<C> {
+    /// The caller holds the key and runs the handler.
+    Acquired {
+        /// The claim, to renew, complete or release.
+        claim: C,
+        /// `true` when a previous holder's lease lapsed before it finished: its handler may
+        /// have run partly (or fully) before it crashed.
+        takeover: bool,
+    },
+    /// Another request holds the key with a live lease.
+    InFlight {
+        /// How long that lease has left, if the store knows.
+        lease_remaining: Option<Duration>,
+    },
+    /// The key completed; replay this record.
+    Completed(Record),
+    /// The key belongs to a request with another fingerprint.
+    Mismatch,
+}
+
+/// Whether a claim was still held when it was renewed, completed or released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum ClaimStatus {
+    /// The operation took effect.
+    Held,
+    /// The claim had been taken over (or had expired and been deleted): nothing was written.
+    Lost,
+}
+
+/// A claim on a key in a store that fences holders by token; the claim type of
+/// [`MemoryStore`] and [`PostgresStore`], and ready for other stores to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Lease {
+    /// The claimed key.
+    pub key: ScopeKey,
+    /// The fencing token handed out with this claim.
+    pub token: i64,
+}
+
+/// A backend that claims keys atomically and keeps completed responses.
+///
+/// See the [module documentation](self) for the protocol every implementation follows.
+pub trait Store: Send + Sync + 'static {
+    /// What [`begin`](Self::begin) hands to the holder of a key.
+    type Claim: Send + Sync + 'static;
+    /// The error of every operation: the store could not be reached or answered nonsense.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Atomically claims `request.key`, or says why not.
+    fn begin(
+        &self,
+        request: &ClaimRequest,
+    ) -> impl Future<Output = Result<Begin<Self::Claim>, Self::Error>> + Send;
+
+    /// Extends a held claim's lease to `lease` from now.
+    fn renew(
+        &self,
+        claim: &Self::Claim,
+        lease: Duration,
+    ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send;
+
+    /// Stores the response of a held claim; the key is completed until it expires.
+    fn complete(
+        &self,
+        claim: &Self::Claim,
+        record: &Record,
+    ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send;
+
+    /// Gives a held claim up without a response: the key is free for the next request.
+    fn release(
+        &self,
+        claim: &Self::Claim,
+    ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send;
+}
+
+/// Deleting records past their TTL, for stores whose records do not expire by themselves.
+///
+/// Spawn [`continuously_delete_expired`] once per process (or per cluster, it is safe to run
+/// many), or call [`delete_expired`](Self::delete_expired) from your own scheduler.
+pub trait ExpiredDeletion: Store {
+    /// Deletes at most `batch` expired records and returns how many were deleted.
+    fn delete_expired(&self, batch: u32) -> impl Future<Output = Result<u64, Self::Error>> + Send;
+}
+
+/// Deletes expired records forever: a batch every `period`, and further batches at once while
+/// batches come back full. An error is logged and the loop goes on at the next period.
+///
+/// ```no_run
+/// # #[tokio::main] async fn main() {
+/// use std::time::Duration;
+/// use tower_idempotency::store::{continuously_delete_expired, MemoryStore};
+///
+/// let store = MemoryStore::new();
+/// tokio::spawn(continuously_delete_expired(store.clone(), Duration::from_secs(60), 1_000));
+/// # }
+/// ```
+pub async fn continuously_delete_expired<S: ExpiredDeletion>(
+    store: S,
+    period: Duration,
+    batch: u32,
+) {
+    let mut interval = tokio::time::interval(period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        loop {
+            match store.delete_expired(batch).await {
+                Ok(deleted) => {
+                    if deleted > 0 {
+                        tracing::debug!(deleted, "deleted expired idempotency records");
+                    }
+                    if deleted < u64::from(batch) {
+                        break;
+                    }
+                    // A full batch: more may be waiting. Yield so live traffic interleaves.
+                    tokio::task::yield_now().await;
+                }
+                Err(error) => {
+                    tracing::warn!(
+                        error = &error as &dyn std::error::Error,
+                        "deleting expired idempotency records failed; retrying next period"
+                    );
+                    break;
+                }
+            }
+        }
+    }
+}

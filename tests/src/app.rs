@@ -1,0 +1,212 @@
+//! The application under test: handlers that count their executions, can be held at a gate, and
+//! answer with whatever status, headers and bytes a scenario needs.
+
+use std::sync::{
+    Arc,
+    atomic::{AtomicUsize, Ordering},
+};
+
+use axum::{
+    Extension, Router,
+    body::Bytes,
+    extract::{Path, Query, Request, State},
+    http::{HeaderMap, HeaderValue, StatusCode, header},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::post,
+};
+use tokio::sync::Semaphore;
+use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Principal, Retention, store::Store};
+
+/// Shared with the handlers: what ran, and the gate they may wait at.
+#[derive(Clone)]
+pub struct Probe {
+    executions: Arc<AtomicUsize>,
+    started: Arc<Semaphore>,
+    gate: Arc<Semaphore>,
+    finished: Arc<Semaphore>,
+}
+
+impl Default for Probe {
+    fn default() -> Self {
+        let closed = || Arc::new(Semaphore::new(0));
+        Self {
+            executions: Arc::default(),
+            started: closed(),
+            gate: closed(),
+            finished: closed(),
+        }
+    }
+}
+
+impl Probe {
+    /// How many times any handler body ran.
+    pub fn executions(&self) -> usize {
+        self.executions.load(Ordering::SeqCst)
+    }
+
+    /// Waits until `n` more handlers have started.
+    pub async fn started(&self, n: u32) {
+        self.started.acquire_many(n).await.expect("open").forget();
+    }
+
+    /// Waits until `n` more gated handlers have finished.
+    pub async fn finished(&self, n: u32) {
+        self.finished.acquire_many(n).await.expect("open").forget();
+    }
+
+    /// Lets `n` handlers waiting at the gate go on.
+    pub fn open_gate(&self, n: usize) {
+        self.gate.add_permits(n);
+    }
+
+    async fn enter(&self, headers: &HeaderMap) -> usize {
+        let n = self.executions.fetch_add(1, Ordering::SeqCst) + 1;
+        self.started.add_permits(1);
+        if headers.contains_key("x-test-gate") {
+            self.gate.acquire().await.expect("open").forget();
+            self.finished.add_permits(1);
+        }
+        n
+    }
+}
+
+/// Reads `Authorization: Bearer <account>` into a [`Principal`]; no header, no principal.
+async fn authenticate(mut request: Request, next: Next) -> Response {
+    let account = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_owned);
+    if let Some(account) = account {
+        request.extensions_mut().insert(Principal::new(account));
+    }
+    next.run(request).await
+}
+
+/// The test routes behind `layer`, with authentication outside it.
+pub fn app<St: Store>(layer: IdempotencyLayer<St>, probe: Probe) -> Router {
+    Router::new()
+        .route("/charges", post(charge).get(list))
+        .route("/binary", post(binary))
+        .route("/status/{code}", post(status))
+        .route("/keep/{code}", post(keep))
+        .route("/release/{code}", post(release))
+        .route("/panic", post(panic))
+        .route("/large", post(large))
+        .with_state(probe)
+        .layer(layer)
+        .layer(middleware::from_fn(authenticate))
+}
+
+/// Creates a "charge": its number, the request body echoed, and whether it took a key over.
+async fn charge(
+    State(probe): State<Probe>,
+    context: Option<IdempotencyContext>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> impl IntoResponse {
+    let n = probe.enter(&headers).await;
+    let body = serde_json::json!({
+        "id": format!("ch_{n}"),
+        "object": "charge",
+        "request": String::from_utf8_lossy(&body),
+        "takeover": context.as_ref().map(IdempotencyContext::takeover),
+    });
+    (
+        StatusCode::CREATED,
+        [
+            (header::LOCATION, format!("/charges/ch_{n}")),
+            (header::SET_COOKIE, "session=secret".to_owned()),
+        ],
+        axum::Json(body),
+    )
+}
+
+async fn list(State(probe): State<Probe>, headers: HeaderMap) -> String {
+    format!("list {}", probe.enter(&headers).await)
+}
+
+/// A response with repeated headers and a body that is not UTF-8.
+async fn binary(State(probe): State<Probe>, headers: HeaderMap) -> Response {
+    let n = probe.enter(&headers).await;
+    let mut response = Response::new(axum::body::Body::from(vec![
+        0u8, 159, 146, 150, 255, n as u8,
+    ]));
+    *response.status_mut() = StatusCode::ACCEPTED;
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    h.insert(header::ETAG, HeaderValue::from_static("\"v1\""));
+    h.append("x-trace", HeaderValue::from_static("a"));
+    h.append("x-trace", HeaderValue::from_static("b"));
+    h.insert(
+        header::DATE,
+        HeaderValue::from_static("Thu, 01 Jan 1970 00:00:00 GMT"),
+    );
+    response
+}
+
+async fn status(State(probe): State<Probe>, headers: HeaderMap, Path(code): Path<u16>) -> Response {
+    let n = probe.enter(&headers).await;
+    (
+        StatusCode::from_u16(code).expect("status"),
+        format!("status {code} #{n}"),
+    )
+        .into_response()
+}
+
+async fn keep(State(probe): State<Probe>, headers: HeaderMap, Path(code): Path<u16>) -> Response {
+    let n = probe.enter(&headers).await;
+    let status = StatusCode::from_u16(code).expect("status");
+    (
+        status,
+        Extension(Retention::Keep),
+        format!("kept {code} #{n}"),
+    )
+        .into_response()
+}
+
+async fn release(
+    State(probe): State<Probe>,
+    headers: HeaderMap,
+    Path(code): Path<u16>,
+) -> Response {
+    let n = probe.enter(&headers).await;
+    let status = StatusCode::from_u16(code).expect("status");
+    (
+        status,
+        Extension(Retention::Release),
+        format!("released {code} #{n}"),
+    )
+        .into_response()
+}
+
+async fn panic(State(probe): State<Probe>, headers: HeaderMap) -> String {
+    let n = probe.enter(&headers).await;
+    if n == 1 {
+        panic!("handler panicked on purpose");
+    }
+    format!("survived #{n}")
+}
+
+#[derive(serde::Deserialize)]
+struct Size {
+    bytes: usize,
+}
+
+async fn large(
+    State(probe): State<Probe>,
+    headers: HeaderMap,
+    Query(size): Query<Size>,
+) -> Response {
+    probe.enter(&headers).await;
+    let mut response = Response::new(axum::body::Body::from(vec![b'x'; size.bytes]));
+    response
+        .headers_mut()
+        .insert(header::LOCATION, HeaderValue::from_static("/exports/1"));
+    response
+}

@@ -1,0 +1,19 @@
+//! Shared support for tower-idempotency's integration tests: isolated PostgreSQL databases, a
+//! real HTTP server, the application under test, an observable store wrapper, and the protocol
+//! suite every store runs ([`store_suite!`]).
+
+pub mod app;
+pub mod db;
+pub mod server;
+pub mod store;
+pub mod suite;
+
+/// Logs to the test's captured output at `RUST_LOG` (default `warn`); safe to call repeatedly.
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}

@@ -1,0 +1,192 @@
+//! A store wrapper that tells the test what the layer did, and can be switched off.
+
+use std::{
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use tokio::sync::Semaphore;
+use tower_idempotency::{
+    Record,
+    store::{Begin, ClaimRequest, ClaimStatus, Store},
+};
+
+/// Wraps a store: counts settled claims, signals them, and fails every call while [`down`].
+///
+/// [`down`]: ObservedStore::set_down
+pub struct ObservedStore<St> {
+    inner: St,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    down: AtomicBool,
+    settled: Semaphore,
+    completed: AtomicUsize,
+    released: AtomicUsize,
+    lost: AtomicUsize,
+}
+
+impl<St: Clone> Clone for ObservedStore<St> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<St> ObservedStore<St> {
+    /// Wraps `inner`.
+    pub fn new(inner: St) -> Self {
+        Self {
+            inner,
+            shared: Arc::new(Shared {
+                down: AtomicBool::new(false),
+                settled: Semaphore::new(0),
+                completed: AtomicUsize::new(0),
+                released: AtomicUsize::new(0),
+                lost: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &St {
+        &self.inner
+    }
+
+    /// Makes every call fail (`true`) or pass through again (`false`).
+    pub fn set_down(&self, down: bool) {
+        self.shared.down.store(down, Ordering::SeqCst);
+    }
+
+    /// Waits until `n` more claims were completed or released (held or lost).
+    pub async fn settled(&self, n: u32) {
+        tokio::time::timeout(Duration::from_secs(30), self.shared.settled.acquire_many(n))
+            .await
+            .expect("claims settled within 30 s")
+            .expect("open")
+            .forget();
+    }
+
+    /// Completions that were stored.
+    pub fn completed(&self) -> usize {
+        self.shared.completed.load(Ordering::SeqCst)
+    }
+
+    /// Releases that freed a key.
+    pub fn released(&self) -> usize {
+        self.shared.released.load(Ordering::SeqCst)
+    }
+
+    /// Completions or releases refused because the claim had been taken over.
+    pub fn lost(&self) -> usize {
+        self.shared.lost.load(Ordering::SeqCst)
+    }
+
+    fn check(&self) -> Result<(), StoreDown> {
+        if self.shared.down.load(Ordering::SeqCst) {
+            Err(StoreDown)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn settle(&self, status: ClaimStatus, counter: &AtomicUsize) -> ClaimStatus {
+        match status {
+            ClaimStatus::Held => counter.fetch_add(1, Ordering::SeqCst),
+            ClaimStatus::Lost => self.shared.lost.fetch_add(1, Ordering::SeqCst),
+        };
+        self.shared.settled.add_permits(1);
+        status
+    }
+}
+
+/// The error of a store that is switched off, or of the store it wraps.
+#[derive(Debug)]
+pub enum ObservedError<E> {
+    /// [`ObservedStore::set_down`] is on.
+    Down(StoreDown),
+    /// The wrapped store failed.
+    Inner(E),
+}
+
+/// The store is switched off.
+#[derive(Debug)]
+pub struct StoreDown;
+
+impl fmt::Display for StoreDown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("test store is switched off")
+    }
+}
+
+impl std::error::Error for StoreDown {}
+
+impl<E: fmt::Display> fmt::Display for ObservedError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Down(down) => down.fmt(f),
+            Self::Inner(error) => error.fmt(f),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for ObservedError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Down(down) => Some(down),
+            Self::Inner(error) => Some(error),
+        }
+    }
+}
+
+impl<St: Store> Store for ObservedStore<St> {
+    type Claim = St::Claim;
+    type Error = ObservedError<St::Error>;
+
+    async fn begin(&self, request: &ClaimRequest) -> Result<Begin<St::Claim>, Self::Error> {
+        self.check().map_err(ObservedError::Down)?;
+        self.inner
+            .begin(request)
+            .await
+            .map_err(ObservedError::Inner)
+    }
+
+    async fn renew(&self, claim: &St::Claim, lease: Duration) -> Result<ClaimStatus, Self::Error> {
+        self.check().map_err(ObservedError::Down)?;
+        self.inner
+            .renew(claim, lease)
+            .await
+            .map_err(ObservedError::Inner)
+    }
+
+    async fn complete(
+        &self,
+        claim: &St::Claim,
+        record: &Record,
+    ) -> Result<ClaimStatus, Self::Error> {
+        self.check().map_err(ObservedError::Down)?;
+        let status = self
+            .inner
+            .complete(claim, record)
+            .await
+            .map_err(ObservedError::Inner)?;
+        Ok(self.settle(status, &self.shared.completed))
+    }
+
+    async fn release(&self, claim: &St::Claim) -> Result<ClaimStatus, Self::Error> {
+        self.check().map_err(ObservedError::Down)?;
+        let status = self
+            .inner
+            .release(claim)
+            .await
+            .map_err(ObservedError::Inner)?;
+        Ok(self.settle(status, &self.shared.released))
+    }
+}

@@ -47,6 +47,7 @@ pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
     pub(crate) required: bool,
     pub(crate) max_body_bytes: usize,
+    pub(crate) body_timeout: Duration,
     pub(crate) max_response_bytes: usize,
     pub(crate) scope: Scope,
     pub(crate) fingerprint: FingerprintMode,
@@ -63,6 +64,7 @@ impl Default for Config {
             methods: vec![Method::POST, Method::PATCH],
             required: false,
             max_body_bytes: 2 * 1024 * 1024,
+            body_timeout: Duration::from_secs(30),
             max_response_bytes: 1024 * 1024,
             scope: Scope::default(),
             fingerprint: FingerprintMode::default(),
@@ -89,6 +91,7 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_methods`](Self::with_methods) | `POST`, `PATCH` |
     /// | [`required`](Self::required) | no: requests without a key pass through unprotected |
     /// | [`with_max_body_bytes`](Self::with_max_body_bytes) | 2 MiB (larger: `413`) |
+    /// | [`with_body_timeout`](Self::with_body_timeout) | 30 seconds to receive the whole body (slower: `408`) |
     /// | [`with_max_response_bytes`](Self::with_max_response_bytes) | 1 MiB (larger: delivered, body not stored) |
     /// | [`with_scope`](Self::with_scope) | the [`Principal`](crate::Principal) request extension |
     /// | [`with_fingerprint`](Self::with_fingerprint) | [`FingerprintMode::Semantic`] |
@@ -180,6 +183,20 @@ impl<St: Store> IdempotencyLayer<St> {
             return Err(ConfigError::Zero("max_body_bytes"));
         }
         self.config_mut().max_body_bytes = limit;
+        Ok(self)
+    }
+
+    /// How long the layer waits for a covered request's whole body before answering `408`
+    /// (nothing claimed, nothing run). Bounds what a stalled or deliberately slow client can hold.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Zero`] for zero.
+    pub fn with_body_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
+        if timeout.is_zero() {
+            return Err(ConfigError::Zero("body_timeout"));
+        }
+        self.config_mut().body_timeout = timeout;
         Ok(self)
     }
 

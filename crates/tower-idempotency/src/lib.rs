@@ -33,6 +33,7 @@
 //! | key missing where [`required`](IdempotencyLayer::required) | `400` problem |
 //! | key malformed, empty, over 255 characters, repeated | `400` problem |
 //! | body over `max_body_bytes` | `413` problem, nothing run |
+//! | body slower than `body_timeout` | `408` problem, nothing run |
 //! | handler answers 400/401/403/422/429..., or 5xx | delivered, key released: a corrected retry runs ([`RetentionPolicy`]) |
 //! | handler panics | `500` problem, key released |
 //! | client disconnects mid-handler | the handler finishes and its response is stored for the retry |

@@ -22,6 +22,7 @@
 //! | [`KeyMissing`](RejectionKind::KeyMissing) | 400 | the key is [required](crate::IdempotencyLayer::required) and absent |
 //! | [`KeyInvalid`](RejectionKind::KeyInvalid) | 400 | the header is malformed, empty, too long or repeated |
 //! | [`BodyUnreadable`](RejectionKind::BodyUnreadable) | 400 | the request body failed while being read |
+//! | [`BodyTimeout`](RejectionKind::BodyTimeout) | 408 | the body did not arrive within `body_timeout` |
 //! | [`InFlight`](RejectionKind::InFlight) | 409 | the first request with this key is still running (`Retry-After: 1`) |
 //! | [`BodyTooLarge`](RejectionKind::BodyTooLarge) | 413 | the body exceeds `max_body_bytes` |
 //! | [`Mismatch`](RejectionKind::Mismatch) | 422 | the key was used with another request (method, path, query or body) |
@@ -50,6 +51,8 @@ pub enum RejectionKind {
     KeyInvalid,
     /// `400`: the request body could not be read (the client went away or sent a broken body).
     BodyUnreadable,
+    /// `408`: the request body did not arrive in time (a stalled or very slow client).
+    BodyTimeout,
     /// `409`: a request with this key is still being processed. Retry after `Retry-After`.
     InFlight,
     /// `413`: the request body is larger than the layer buffers.
@@ -69,6 +72,7 @@ impl RejectionKind {
     pub fn status(self) -> StatusCode {
         match self {
             Self::KeyMissing | Self::KeyInvalid | Self::BodyUnreadable => StatusCode::BAD_REQUEST,
+            Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::InFlight => StatusCode::CONFLICT,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
@@ -83,6 +87,7 @@ impl RejectionKind {
             Self::KeyMissing => "Idempotency-Key is missing",
             Self::KeyInvalid => "Idempotency-Key is invalid",
             Self::BodyUnreadable => "Request body could not be read",
+            Self::BodyTimeout => "Request body timed out",
             Self::InFlight => "A request with this Idempotency-Key is being processed",
             Self::BodyTooLarge => "Request body is too large",
             Self::Mismatch => "Idempotency-Key was used for a different request",
@@ -98,6 +103,7 @@ impl RejectionKind {
             Self::KeyMissing => "KeyMissing",
             Self::KeyInvalid => "KeyInvalid",
             Self::BodyUnreadable => "BodyUnreadable",
+            Self::BodyTimeout => "BodyTimeout",
             Self::InFlight => "InFlight",
             Self::BodyTooLarge => "BodyTooLarge",
             Self::Mismatch => "Mismatch",

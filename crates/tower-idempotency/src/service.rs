@@ -193,7 +193,17 @@ where
     /// [`Disconnect::Cancel`], so a client hanging up cannot stop a handler half-way.
     async fn serve(self, parts: Parts, body: ReqBody) -> Served<ResBody, S::Error> {
         let limit = self.config.max_body_bytes;
-        let body = match body::buffer(Box::pin(body), limit).await {
+        let timeout = self.config.body_timeout;
+        let Ok(buffered) = tokio::time::timeout(timeout, body::buffer(Box::pin(body), limit)).await
+        else {
+            return Ok(reject(Rejection::new(
+                RejectionKind::BodyTimeout,
+                format!(
+                    "the request body did not arrive within {timeout:?}; nothing was processed"
+                ),
+            )));
+        };
+        let body = match buffered {
             Buffered::Complete(body) => body,
             Buffered::TooLarge { .. } => {
                 return Ok(reject(Rejection::new(

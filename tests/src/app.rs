@@ -210,3 +210,90 @@ async fn large(
         .insert(header::LOCATION, HeaderValue::from_static("/exports/1"));
     response
 }
+
+/// The table the transactional routes write to, in the test's own database.
+pub const CHARGES_TABLE: &str = "CREATE TABLE IF NOT EXISTS charges (
+    id bigserial PRIMARY KEY,
+    idempotency_key text NOT NULL,
+    body text NOT NULL
+)";
+
+#[derive(Clone)]
+struct TxState {
+    probe: Probe,
+    pool: sqlx::PgPool,
+}
+
+/// Routes whose handlers write charges to PostgreSQL: `/tx/charges` through the request's
+/// [`IdempotentTx`](tower_idempotency::IdempotentTx), `/tx/untransacted` straight to the pool.
+/// Headers steer them: `x-test-gate` (wait at the probe's gate after the insert),
+/// `x-test-status: N` (answer N after the insert), `x-test-panic`, `x-test-abort` (make the
+/// transaction fail, then answer 201), `x-test-hang` (print `handler started` on stdout after
+/// the insert, then never return: for a child process about to be killed).
+pub fn tx_app<St: Store>(layer: IdempotencyLayer<St>, probe: Probe, pool: sqlx::PgPool) -> Router {
+    Router::new()
+        .route("/tx/charges", post(tx_charge))
+        .route("/tx/untransacted", post(untransacted_charge))
+        .with_state(TxState { probe, pool })
+        .layer(layer)
+        .layer(middleware::from_fn(authenticate))
+}
+
+async fn tx_charge(
+    State(state): State<TxState>,
+    context: IdempotencyContext,
+    mut tx: tower_idempotency::IdempotentTx,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO charges (idempotency_key, body) VALUES ($1, $2) RETURNING id",
+    )
+    .bind(context.key().as_str())
+    .bind(String::from_utf8_lossy(&body).into_owned())
+    .fetch_one(&mut *tx)
+    .await
+    .expect("insert charge");
+    if headers.contains_key("x-test-hang") {
+        use std::io::Write;
+        let mut stdout = std::io::stdout();
+        let _ = writeln!(stdout, "handler started");
+        let _ = stdout.flush();
+        std::future::pending::<()>().await;
+    }
+    let n = state.probe.enter(&headers).await;
+    if headers.contains_key("x-test-panic") {
+        panic!("handler panicked after its insert");
+    }
+    if headers.contains_key("x-test-abort") {
+        let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
+        assert!(failed.is_err(), "division by zero fails");
+    }
+    let status = headers
+        .get("x-test-status")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .and_then(|code| StatusCode::from_u16(code).ok())
+        .unwrap_or(StatusCode::CREATED);
+    let body = serde_json::json!({ "id": id, "execution": n });
+    (status, axum::Json(body)).into_response()
+}
+
+async fn untransacted_charge(
+    State(state): State<TxState>,
+    context: IdempotencyContext,
+    headers: HeaderMap,
+) -> Response {
+    let n = state.probe.enter(&headers).await;
+    let id: i64 = sqlx::query_scalar(
+        "INSERT INTO charges (idempotency_key, body) VALUES ($1, '') RETURNING id",
+    )
+    .bind(context.key().as_str())
+    .fetch_one(&state.pool)
+    .await
+    .expect("insert charge");
+    (
+        StatusCode::CREATED,
+        axum::Json(serde_json::json!({ "id": id, "execution": n })),
+    )
+        .into_response()
+}

@@ -189,4 +189,12 @@ impl<St: Store> Store for ObservedStore<St> {
             .map_err(ObservedError::Inner)?;
         Ok(self.settle(status, &self.shared.released))
     }
+
+    fn attach(&self, claim: &St::Claim, extensions: &mut http::Extensions) {
+        self.inner.attach(claim, extensions);
+    }
+
+    fn commits_effects(&self, claim: &St::Claim) -> bool {
+        self.inner.commits_effects(claim)
+    }
 }

@@ -42,3 +42,38 @@ impl Backend for Postgres {
 }
 
 idempotency_tests::store_suite!(Postgres);
+
+/// The same suite with the store in transactional mode.
+mod transactional {
+    use idempotency_tests::suite::Backend;
+    use tower_idempotency::store::PostgresStore;
+
+    struct PostgresTransactional(super::Postgres);
+
+    impl Backend for PostgresTransactional {
+        type Store = PostgresStore;
+        const TRANSACTIONAL: bool = true;
+
+        async fn start() -> Self {
+            let inner = super::Postgres::start().await;
+            Self(super::Postgres {
+                store: inner.store.clone().transactional(),
+                db: inner.db,
+            })
+        }
+
+        fn store(&self) -> PostgresStore {
+            self.0.store()
+        }
+
+        async fn lapse_leases(&self) {
+            self.0.lapse_leases().await;
+        }
+
+        async fn expire_records(&self) {
+            self.0.expire_records().await;
+        }
+    }
+
+    idempotency_tests::store_suite!(PostgresTransactional);
+}

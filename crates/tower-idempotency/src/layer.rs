@@ -255,6 +255,14 @@ impl IdempotencyLayer<crate::store::PostgresStore> {
     pub fn postgres(pool: sqlx::PgPool) -> Self {
         Self::new(crate::store::PostgresStore::new(pool))
     }
+
+    /// Switches the store to [transactional mode](crate::transaction): the handler's writes
+    /// through [`IdempotentTx`](crate::IdempotentTx) and the stored response commit together.
+    pub fn transactional(mut self) -> Self {
+        let store = Arc::make_mut(&mut self.store);
+        *store = store.clone().transactional();
+        self
+    }
 }
 
 fn check_lease(lease: Duration, ttl: Duration) -> Result<(), ConfigError> {

@@ -54,8 +54,10 @@
 //!
 //! # Features
 //!
-//! * `postgres` (default): [`PostgresStore`](store::PostgresStore) on sqlx.
-//! * `axum`: [`IdempotencyContext`] as an axum extractor.
+//! * `postgres` (default): [`PostgresStore`](store::PostgresStore) on sqlx, with its
+//!   [transactional mode](transaction) in which the handler's writes and the stored response
+//!   commit together.
+//! * `axum`: [`IdempotencyContext`] and [`IdempotentTx`] as axum extractors.
 //!
 //! [Tower]: https://docs.rs/tower
 //! [Axum]: https://docs.rs/axum
@@ -77,6 +79,8 @@ pub mod replay;
 pub mod scope;
 mod service;
 pub mod store;
+#[cfg(feature = "postgres")]
+pub mod transaction;
 
 pub use body::{RequestBody, ResponseBody};
 pub use context::IdempotencyContext;
@@ -91,3 +95,5 @@ pub use problem::{Rejection, RejectionKind};
 pub use record::Record;
 pub use scope::{Principal, Scope, ScopeKey};
 pub use service::Idempotency;
+#[cfg(feature = "postgres")]
+pub use transaction::{IdempotentTx, TxUnavailable};

@@ -311,6 +311,7 @@ where
             scope_key,
             ..
         } = self;
+        store.attach(&claim, &mut parts.extensions);
         let guard = ClaimGuard::new(Arc::clone(&store), claim);
         parts.extensions.insert(IdempotencyContext {
             key,
@@ -377,12 +378,21 @@ where
         };
         match retention {
             Retention::Keep => {
+                let record = Record::capture(&parts, kept_body);
+                if !guard.complete(record).await {
+                    // The handler's writes were to commit with the record, and did not.
+                    outcome(Outcome::StoreError);
+                    return Ok(reject(Rejection::new(
+                        RejectionKind::StoreUnavailable,
+                        "the request could not be committed and was rolled back, so nothing \
+                         was processed; retry with the same Idempotency-Key",
+                    )));
+                }
                 outcome(if takeover {
                     Outcome::Takeover
                 } else {
                     Outcome::Acquired
                 });
-                guard.complete(Record::capture(&parts, kept_body)).await;
             }
             Retention::Release => {
                 outcome(Outcome::Released);
@@ -487,14 +497,30 @@ impl<St: Store> ClaimGuard<St> {
         self.claim.as_ref().expect("claim is present until settled")
     }
 
-    /// Stores the record. If the store fails, the response is delivered anyway and storing is
-    /// retried in the background; the claim stays held meanwhile, so no retry runs the handler.
-    async fn complete(mut self, record: Record) {
+    /// Stores the record; `false` when the handler's effects were bound to the claim
+    /// ([`Store::commits_effects`]) and did not commit, so the response must not be delivered.
+    ///
+    /// Otherwise a store failure does not undo what the handler did: the response is delivered
+    /// and storing is retried in the background; the claim stays held meanwhile, so no retry
+    /// runs the handler.
+    async fn complete(mut self, record: Record) -> bool {
         let Some(claim) = self.claim.take() else {
-            return;
+            return true;
         };
+        let atomic = self.store.commits_effects(&claim);
         match self.store.complete(&claim, &record).await {
-            Ok(status) => log_fenced(status, "complete"),
+            Ok(ClaimStatus::Held) => true,
+            Ok(ClaimStatus::Lost) => {
+                log_fenced(ClaimStatus::Lost, "complete");
+                !atomic
+            }
+            Err(error) if atomic => {
+                tracing::error!(
+                    error = %Chain(&error),
+                    "committing the request failed; it was rolled back"
+                );
+                false
+            }
             Err(error) => {
                 tracing::error!(error = %Chain(&error), "storing the response failed; retrying in the background");
                 let store = Arc::clone(&self.store);
@@ -514,6 +540,7 @@ impl<St: Store> ClaimGuard<St> {
                     }
                     .in_current_span(),
                 );
+                true
             }
         }
     }

@@ -58,7 +58,9 @@ mod postgres;
 
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
-pub use postgres::{PostgresStore, PostgresStoreError};
+pub(crate) use postgres::PgTransaction;
+#[cfg(feature = "postgres")]
+pub use postgres::{PgClaim, PostgresStore, PostgresStoreError};
 
 /// What the layer asks a store to claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,6 +97,21 @@ pub enum Begin<C> {
     Mismatch,
 }
 
+impl<C> Begin<C> {
+    /// Maps the claim of an [`Acquired`](Begin::Acquired) answer, for stores that wrap others.
+    pub fn map_claim<D>(self, f: impl FnOnce(C) -> D) -> Begin<D> {
+        match self {
+            Self::Acquired { claim, takeover } => Begin::Acquired {
+                claim: f(claim),
+                takeover,
+            },
+            Self::InFlight { lease_remaining } => Begin::InFlight { lease_remaining },
+            Self::Completed(record) => Begin::Completed(record),
+            Self::Mismatch => Begin::Mismatch,
+        }
+    }
+}
+
 /// Whether a claim was still held when it was renewed, completed or released.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
@@ -105,8 +122,8 @@ pub enum ClaimStatus {
     Lost,
 }
 
-/// A claim on a key in a store that fences holders by token; the claim type of
-/// [`MemoryStore`] and [`PostgresStore`], and ready for other stores to use.
+/// A claim on a key in a store that fences holders by token: the claim type of
+/// [`MemoryStore`], held inside [`PgClaim`], and ready for other stores to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Lease {
     /// The claimed key.
@@ -149,6 +166,22 @@ pub trait Store: Send + Sync + 'static {
         &self,
         claim: &Self::Claim,
     ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send;
+
+    /// Called once a key is acquired, before the handler runs, to hand the handler what the
+    /// claim holds through the request extensions (PostgreSQL's transactional mode hands it the
+    /// transaction). The default adds nothing.
+    fn attach(&self, claim: &Self::Claim, extensions: &mut http::Extensions) {
+        let _ = (claim, extensions);
+    }
+
+    /// Whether the handler's effects commit or roll back together with this claim: then a
+    /// failed [`complete`](Self::complete) means nothing happened, and the layer answers `503`
+    /// instead of the handler's response. The default, `false`, is right for every store whose
+    /// claims do not carry the handler's writes.
+    fn commits_effects(&self, claim: &Self::Claim) -> bool {
+        let _ = claim;
+        false
+    }
 }
 
 /// Deleting records past their TTL, for stores whose records do not expire by themselves.

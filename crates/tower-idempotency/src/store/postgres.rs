@@ -1,11 +1,16 @@
-use std::{fmt, future::Future, sync::LazyLock, time::Duration};
+use std::{
+    fmt,
+    future::Future,
+    sync::{Arc, LazyLock},
+    time::Duration,
+};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
-use sqlx::{PgPool, Row, migrate::Migrator, postgres::PgRow};
+use sqlx::{PgPool, Postgres, Row, Transaction, migrate::Migrator, postgres::PgRow};
 
 use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Lease, Store};
-use crate::record::Record;
+use crate::{record::Record, transaction::TxSlot};
 
 /// The [`Store`] for production: PostgreSQL, shared by every instance of the application.
 ///
@@ -29,6 +34,14 @@ use crate::record::Record;
 /// token. All times are `timestamptz` compared with `now()` in the database, so app servers'
 /// clocks never matter.
 ///
+/// # Two modes
+///
+/// * **Lease mode** (the default): the claim commits at once and is held by a lease that the
+///   layer renews while the handler runs; the response is stored when the handler returns.
+/// * **Transactional mode** ([`transactional`](Self::transactional)): the claim, the handler's
+///   own writes through [`IdempotentTx`](crate::IdempotentTx) and the stored response commit in
+///   **one transaction**, or roll back together. See [`transaction`](crate::transaction).
+///
 /// Every operation is bounded by [`with_timeout`](Self::with_timeout) (5 s by default), so an
 /// exhausted pool or an unreachable server becomes a prompt error (and the layer's `503`) rather
 /// than a hung request.
@@ -36,6 +49,22 @@ use crate::record::Record;
 pub struct PostgresStore {
     pool: PgPool,
     timeout: Duration,
+    transactional: bool,
+}
+
+/// A claim held in a [`PostgresStore`]: its fencing token and, in transactional mode, the open
+/// transaction.
+#[derive(Debug)]
+pub struct PgClaim {
+    lease: Lease,
+    tx: Option<Arc<TxSlot>>,
+}
+
+impl PgClaim {
+    /// The claimed key and its fencing token.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
 }
 
 static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
@@ -46,44 +75,90 @@ static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
     migrator
 });
 
-/// One statement: acquire the key if it is free, expired, or held by a lapsed lease of the same
-/// fingerprint; otherwise return the row as it stands. The fallback `SELECT` shares the
-/// statement's snapshot, so a row committed by a racing claim after the snapshot was taken can
-/// be invisible to it; the caller then runs the statement again (rare, and safe: nothing was
-/// claimed).
-const BEGIN: &str = r#"
-WITH claimed AS (
-    INSERT INTO idempotency.records AS r
-        (scope_key, fingerprint, token, expires_at, lease_until)
-    VALUES ($1, $2, nextval('idempotency.fencing_tokens'), now() + $4::interval, now() + $3::interval)
-    ON CONFLICT (scope_key) DO UPDATE SET
-        fingerprint   = excluded.fingerprint,
-        token         = excluded.token,
-        takeover      = r.expires_at > now(),
-        created_at    = now(),
-        expires_at    = excluded.expires_at,
-        lease_until   = excluded.lease_until,
-        completed_at  = NULL,
-        status        = NULL,
-        header_names  = NULL,
-        header_values = NULL,
-        body          = NULL
-    WHERE r.expires_at <= now()
-       OR (r.status IS NULL AND r.lease_until <= now() AND r.fingerprint = excluded.fingerprint)
-    RETURNING r.token, r.takeover
-)
-SELECT true AS acquired, token, takeover,
-       NULL::boolean AS same_fingerprint, NULL::float8 AS lease_remaining,
-       NULL::int2 AS status, NULL::text[] AS header_names, NULL::bytea[] AS header_values,
-       NULL::bytea AS body
-FROM claimed
-UNION ALL
-SELECT false, r.token, r.takeover,
-       r.fingerprint = $2, extract(epoch FROM r.lease_until - now())::float8,
-       r.status, r.header_names, r.header_values, r.body
-FROM idempotency.records r
-WHERE r.scope_key = $1 AND r.expires_at > now() AND NOT EXISTS (SELECT FROM claimed)
-"#;
+// The claim statement, in two variants sharing their text: lease mode inserts unconditionally;
+// transactional mode first tries a transaction-scoped advisory lock on the key and claims only if
+// it got it, so a duplicate never waits on the holder's uncommitted row.
+//
+// The row is claimed if it is free, expired, or in flight under a lapsed lease with the same
+// fingerprint; otherwise the statement returns the row as it stands. That fallback `SELECT`
+// shares the statement's snapshot, so a row committed by a racing claim after the snapshot was
+// taken can be invisible to it; the caller then runs the statement again (rare, and safe:
+// nothing was claimed).
+macro_rules! insert_columns {
+    () => {
+        "INSERT INTO idempotency.records AS r \
+            (scope_key, fingerprint, token, expires_at, lease_until) "
+    };
+}
+macro_rules! new_row {
+    () => {
+        "$1, $2, nextval('idempotency.fencing_tokens'), now() + $4::interval, now() + $3::interval"
+    };
+}
+macro_rules! on_conflict {
+    () => {
+        " ON CONFLICT (scope_key) DO UPDATE SET
+            fingerprint   = excluded.fingerprint,
+            token         = excluded.token,
+            takeover      = r.expires_at > now(),
+            created_at    = now(),
+            expires_at    = excluded.expires_at,
+            lease_until   = excluded.lease_until,
+            completed_at  = NULL,
+            status        = NULL,
+            header_names  = NULL,
+            header_values = NULL,
+            body          = NULL
+        WHERE r.expires_at <= now()
+           OR (r.status IS NULL AND r.lease_until <= now() AND r.fingerprint = excluded.fingerprint)
+        RETURNING r.token, r.takeover
+    ) "
+    };
+}
+macro_rules! acquired_row {
+    () => {
+        "SELECT 'acquired' AS outcome, token, takeover,
+               NULL::boolean AS same_fingerprint, NULL::float8 AS lease_remaining,
+               NULL::int2 AS status, NULL::text[] AS header_names, NULL::bytea[] AS header_values,
+               NULL::bytea AS body
+        FROM claimed "
+    };
+}
+macro_rules! existing_row {
+    () => {
+        " UNION ALL
+        SELECT 'existing', r.token, r.takeover,
+               r.fingerprint = $2, extract(epoch FROM r.lease_until - now())::float8,
+               r.status, r.header_names, r.header_values, r.body
+        FROM idempotency.records r
+        WHERE r.scope_key = $1 AND r.expires_at > now() AND NOT EXISTS (SELECT FROM claimed)"
+    };
+}
+
+const BEGIN_LEASE: &str = concat!(
+    "WITH claimed AS (",
+    insert_columns!(),
+    "VALUES (",
+    new_row!(),
+    ")",
+    on_conflict!(),
+    acquired_row!(),
+    existing_row!(),
+);
+
+const BEGIN_TRANSACTIONAL: &str = concat!(
+    "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($5) AS held), claimed AS (",
+    insert_columns!(),
+    "SELECT ",
+    new_row!(),
+    " FROM lock WHERE lock.held",
+    on_conflict!(),
+    acquired_row!(),
+    " UNION ALL
+    SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM lock WHERE NOT lock.held",
+    existing_row!(),
+    " AND (SELECT held FROM lock)",
+);
 
 const RENEW: &str = r#"
 UPDATE idempotency.records
@@ -119,12 +194,28 @@ WHERE scope_key IN (
 const BEGIN_ATTEMPTS: usize = 5;
 
 impl PostgresStore {
-    /// A store on `pool`. Call [`migrate`](Self::migrate) once before use.
+    /// A store on `pool`, in lease mode. Call [`migrate`](Self::migrate) once before use.
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,
             timeout: Duration::from_secs(5),
+            transactional: false,
         }
+    }
+
+    /// Switches to transactional mode: each claim opens a transaction on a pooled connection,
+    /// the handler writes through [`IdempotentTx`](crate::IdempotentTx), and the layer stores
+    /// the response in the same transaction and commits. See [`transaction`](crate::transaction)
+    /// for when to choose it and what it costs.
+    #[must_use]
+    pub fn transactional(mut self) -> Self {
+        self.transactional = true;
+        self
+    }
+
+    /// Whether the store is in transactional mode.
+    pub fn is_transactional(&self) -> bool {
+        self.transactional
     }
 
     /// Bounds every store operation, waiting for a pooled connection included (default 5 s).
@@ -168,103 +259,208 @@ impl PostgresStore {
         }
     }
 
+    /// Runs a fenced `UPDATE`/`DELETE` on `conn`: `Held` if it touched the claim's row.
     async fn fenced(
         &self,
-        sql: &'static str,
         operation: &'static str,
-        claim: &Lease,
+        query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
+        conn: impl sqlx::PgExecutor<'_>,
     ) -> Result<ClaimStatus, PostgresStoreError> {
-        let done = self
-            .timed(
-                operation,
-                sqlx::query(sql)
-                    .bind(claim.key.as_bytes().as_slice())
-                    .bind(claim.token)
-                    .execute(&self.pool),
-            )
-            .await?;
-        Ok(claim_status(done.rows_affected()))
+        let done = self.timed(operation, query.execute(conn)).await?;
+        Ok(if done.rows_affected() == 1 {
+            ClaimStatus::Held
+        } else {
+            ClaimStatus::Lost
+        })
     }
-}
 
-fn claim_status(rows_affected: u64) -> ClaimStatus {
-    if rows_affected == 1 {
-        ClaimStatus::Held
-    } else {
-        ClaimStatus::Lost
-    }
-}
-
-impl Store for PostgresStore {
-    type Claim = Lease;
-    type Error = PostgresStoreError;
-
-    async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, PostgresStoreError> {
+    async fn begin_lease(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<Begin<PgClaim>, PostgresStoreError> {
         for _ in 0..BEGIN_ATTEMPTS {
             let row = self
                 .timed(
                     "begin",
-                    sqlx::query(BEGIN)
-                        .bind(request.key.as_bytes().as_slice())
-                        .bind(request.fingerprint.as_bytes().as_slice())
-                        .bind(request.lease)
-                        .bind(request.ttl)
-                        .fetch_optional(&self.pool),
+                    claim_query(BEGIN_LEASE, request).fetch_optional(&self.pool),
                 )
                 .await?;
             if let Some(row) = row {
-                return decode_begin(request, &row);
+                return Ok(
+                    decode_begin(request, &row)?.map_claim(|lease| PgClaim { lease, tx: None })
+                );
             }
         }
         Err(PostgresStoreError::Contended)
     }
 
-    async fn renew(
+    async fn begin_transactional(
         &self,
-        claim: &Lease,
-        lease: Duration,
-    ) -> Result<ClaimStatus, PostgresStoreError> {
-        let done = self
+        request: &ClaimRequest,
+    ) -> Result<Begin<PgClaim>, PostgresStoreError> {
+        let mut tx = self
             .timed(
-                "renew",
-                sqlx::query(RENEW)
-                    .bind(claim.key.as_bytes().as_slice())
-                    .bind(claim.token)
-                    .bind(lease)
-                    .execute(&self.pool),
+                "begin",
+                self.pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED"),
             )
             .await?;
-        Ok(claim_status(done.rows_affected()))
+        for _ in 0..BEGIN_ATTEMPTS {
+            let row = self
+                .timed(
+                    "begin",
+                    claim_query(BEGIN_TRANSACTIONAL, request)
+                        .bind(advisory_lock_key(request))
+                        .fetch_optional(&mut *tx),
+                )
+                .await?;
+            let Some(row) = row else { continue };
+            return match decode_begin(request, &row)? {
+                Begin::Acquired {
+                    claim: lease,
+                    takeover,
+                } => Ok(Begin::Acquired {
+                    claim: PgClaim {
+                        lease,
+                        tx: Some(Arc::new(TxSlot::new(tx))),
+                    },
+                    takeover,
+                }),
+                other => {
+                    let other = other.map_claim(|lease| PgClaim { lease, tx: None });
+                    // Nothing was written; end the transaction (and its lock attempt) now.
+                    self.timed("begin", tx.rollback()).await?;
+                    Ok(other)
+                }
+            };
+        }
+        Err(PostgresStoreError::Contended)
+    }
+}
+
+fn claim_query<'q>(
+    sql: &'static str,
+    request: &'q ClaimRequest,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql)
+        .bind(request.key.as_bytes().as_slice())
+        .bind(request.fingerprint.as_bytes().as_slice())
+        .bind(request.lease)
+        .bind(request.ttl)
+}
+
+/// The advisory lock of a key in transactional mode: the first 64 bits of its hash. Two keys
+/// sharing them (a chance of 2⁻⁶⁴ per pair) only make one of them wait its turn with a `409`.
+fn advisory_lock_key(request: &ClaimRequest) -> i64 {
+    let mut prefix = [0; 8];
+    prefix.copy_from_slice(&request.key.as_bytes()[..8]);
+    i64::from_be_bytes(prefix)
+}
+
+fn fenced_query<'q>(
+    sql: &'static str,
+    lease: &Lease,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql)
+        .bind(lease.key.as_bytes().to_vec())
+        .bind(lease.token)
+}
+
+fn complete_query<'q>(
+    lease: &Lease,
+    record: &'q Record,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    let (names, values): (Vec<&str>, Vec<&[u8]>) = record
+        .headers()
+        .iter()
+        .map(|(name, value)| (name.as_str(), value.as_bytes()))
+        .unzip();
+    fenced_query(COMPLETE, lease)
+        .bind(record.status().as_u16() as i16)
+        .bind(names)
+        .bind(values)
+        .bind(record.body().map(|b| b.as_ref()))
+}
+
+impl Store for PostgresStore {
+    type Claim = PgClaim;
+    type Error = PostgresStoreError;
+
+    async fn begin(&self, request: &ClaimRequest) -> Result<Begin<PgClaim>, PostgresStoreError> {
+        if self.transactional {
+            self.begin_transactional(request).await
+        } else {
+            self.begin_lease(request).await
+        }
+    }
+
+    async fn renew(
+        &self,
+        claim: &PgClaim,
+        lease: Duration,
+    ) -> Result<ClaimStatus, PostgresStoreError> {
+        if let Some(slot) = &claim.tx {
+            // The open transaction is the lease: it ends when the holder's connection does.
+            return Ok(if slot.is_settled() {
+                ClaimStatus::Lost
+            } else {
+                ClaimStatus::Held
+            });
+        }
+        let query = fenced_query(RENEW, &claim.lease).bind(lease);
+        self.fenced("renew", query, &self.pool).await
     }
 
     async fn complete(
         &self,
-        claim: &Lease,
+        claim: &PgClaim,
         record: &Record,
     ) -> Result<ClaimStatus, PostgresStoreError> {
-        let (names, values): (Vec<&str>, Vec<&[u8]>) = record
-            .headers()
-            .iter()
-            .map(|(name, value)| (name.as_str(), value.as_bytes()))
-            .unzip();
-        let done = self
-            .timed(
-                "complete",
-                sqlx::query(COMPLETE)
-                    .bind(claim.key.as_bytes().as_slice())
-                    .bind(claim.token)
-                    .bind(record.status().as_u16() as i16)
-                    .bind(names)
-                    .bind(values)
-                    .bind(record.body().map(|b| b.as_ref()))
-                    .execute(&self.pool),
-            )
+        let Some(slot) = &claim.tx else {
+            return self
+                .fenced("complete", complete_query(&claim.lease, record), &self.pool)
+                .await;
+        };
+        let Some(mut tx) = slot
+            .take()
+            .map_err(|_| PostgresStoreError::TransactionHeld)?
+        else {
+            return Ok(ClaimStatus::Lost);
+        };
+        let status = self
+            .fenced("complete", complete_query(&claim.lease, record), &mut *tx)
             .await?;
-        Ok(claim_status(done.rows_affected()))
+        match status {
+            ClaimStatus::Held => self.timed("complete", tx.commit()).await?,
+            ClaimStatus::Lost => self.timed("complete", tx.rollback()).await?,
+        }
+        Ok(status)
     }
 
-    async fn release(&self, claim: &Lease) -> Result<ClaimStatus, PostgresStoreError> {
-        self.fenced(RELEASE, "release", claim).await
+    async fn release(&self, claim: &PgClaim) -> Result<ClaimStatus, PostgresStoreError> {
+        let Some(slot) = &claim.tx else {
+            return self
+                .fenced("release", fenced_query(RELEASE, &claim.lease), &self.pool)
+                .await;
+        };
+        // Rolling back undoes the claim and the handler's writes together.
+        let Some(tx) = slot
+            .take()
+            .map_err(|_| PostgresStoreError::TransactionHeld)?
+        else {
+            return Ok(ClaimStatus::Lost);
+        };
+        self.timed("release", tx.rollback()).await?;
+        Ok(ClaimStatus::Held)
+    }
+
+    fn attach(&self, claim: &PgClaim, extensions: &mut http::Extensions) {
+        if let Some(slot) = &claim.tx {
+            extensions.insert(Arc::clone(slot));
+        }
+    }
+
+    fn commits_effects(&self, claim: &PgClaim) -> bool {
+        claim.tx.as_ref().is_some_and(|slot| slot.was_used())
     }
 }
 
@@ -283,14 +479,22 @@ impl ExpiredDeletion for PostgresStore {
 }
 
 fn decode_begin(request: &ClaimRequest, row: &PgRow) -> Result<Begin<Lease>, PostgresStoreError> {
-    if row.try_get::<bool, _>("acquired")? {
-        return Ok(Begin::Acquired {
-            claim: Lease {
-                key: request.key,
-                token: row.try_get("token")?,
-            },
-            takeover: row.try_get("takeover")?,
-        });
+    match row.try_get::<&str, _>("outcome")? {
+        "acquired" => {
+            return Ok(Begin::Acquired {
+                claim: Lease {
+                    key: request.key,
+                    token: row.try_get("token")?,
+                },
+                takeover: row.try_get("takeover")?,
+            });
+        }
+        "busy" => {
+            return Ok(Begin::InFlight {
+                lease_remaining: None,
+            });
+        }
+        _ => {}
     }
     if !row.try_get::<bool, _>("same_fingerprint")? {
         return Ok(Begin::Mismatch);
@@ -346,6 +550,10 @@ pub enum PostgresStoreError {
     Corrupt(String),
     /// Claim attempts kept racing with concurrent changes to the same key.
     Contended,
+    /// Transactional mode: the handler still held its [`IdempotentTx`](crate::IdempotentTx)
+    /// when it returned (it moved it into a task that outlived it), so the transaction could not
+    /// be committed; it is rolled back when that task lets go.
+    TransactionHeld,
 }
 
 impl fmt::Display for PostgresStoreError {
@@ -353,13 +561,13 @@ impl fmt::Display for PostgresStoreError {
         match self {
             Self::Database(_) => f.write_str("PostgreSQL idempotency store error"),
             Self::Timeout { operation, after } => {
-                write!(
-                    f,
-                    "PostgreSQL idempotency store `{operation}` timed out after {after:?}"
-                )
+                write!(f, "PostgreSQL idempotency store `{operation}` timed out after {after:?}")
             }
             Self::Corrupt(what) => write!(f, "stored idempotency record is corrupt: {what}"),
             Self::Contended => f.write_str("idempotency key kept changing while being claimed"),
+            Self::TransactionHeld => f.write_str(
+                "the handler still held its IdempotentTx after returning; the transaction was not committed",
+            ),
         }
     }
 }
@@ -378,3 +586,6 @@ impl From<sqlx::Error> for PostgresStoreError {
         Self::Database(error)
     }
 }
+
+/// The transaction a transactional claim holds.
+pub(crate) type PgTransaction = Transaction<'static, Postgres>;

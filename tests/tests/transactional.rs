@@ -1,0 +1,347 @@
+//! Transactional mode: the claim, the handler's writes and the stored response commit together or
+//! not at all. Each test has its own database; "rows" are the handler's `charges` inserts.
+
+use std::{process::Stdio, time::Duration};
+
+use http::StatusCode;
+use idempotency_tests::{
+    app::{CHARGES_TABLE, Probe, tx_app},
+    db::TestDb,
+    init_tracing,
+    server::TestServer,
+    store::ObservedStore,
+    suite::Reply,
+};
+use sqlx::{Executor, PgPool, postgres::PgPoolOptions};
+use tokio::{
+    io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
+    net::TcpStream,
+    process::Command,
+    task::JoinSet,
+};
+use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
+
+const BODY: &str = r#"{"amount":100}"#;
+
+struct Tx {
+    db: TestDb,
+    store: ObservedStore<PostgresStore>,
+    probe: Probe,
+    server: TestServer,
+    client: reqwest::Client,
+}
+
+impl Tx {
+    async fn start() -> Self {
+        Self::with_pool(|db| db.pool().clone(), |store| store).await
+    }
+
+    async fn with_pool(
+        pool: impl FnOnce(&TestDb) -> PgPool,
+        configure: impl FnOnce(PostgresStore) -> PostgresStore,
+    ) -> Self {
+        init_tracing();
+        let db = TestDb::new().await;
+        db.pool()
+            .execute(CHARGES_TABLE)
+            .await
+            .expect("charges table");
+        let pool = pool(&db);
+        let store = configure(PostgresStore::new(pool.clone()).transactional());
+        store.migrate().await.expect("migrate");
+        let store = ObservedStore::new(store);
+        let probe = Probe::default();
+        let layer = IdempotencyLayer::new(store.clone()).required();
+        let server = TestServer::start(tx_app(layer, probe.clone(), pool)).await;
+        Self {
+            db,
+            store,
+            probe,
+            server,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    fn post(&self, key: &str) -> reqwest::RequestBuilder {
+        post(&self.client, &self.server, "/tx/charges", key)
+    }
+
+    async fn rows(&self) -> i64 {
+        rows(self.db.pool()).await
+    }
+
+    async fn records(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM idempotency.records")
+            .fetch_one(self.db.pool())
+            .await
+            .expect("count records")
+    }
+}
+
+fn post(
+    client: &reqwest::Client,
+    server: &TestServer,
+    path: &str,
+    key: &str,
+) -> reqwest::RequestBuilder {
+    client
+        .post(server.url(path))
+        .bearer_auth("acct_a")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(BODY)
+}
+
+async fn rows(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM charges")
+        .fetch_one(pool)
+        .await
+        .expect("count charges")
+}
+
+#[tokio::test]
+async fn the_writes_and_the_record_commit_together() {
+    let t = Tx::start().await;
+    let first = Reply::of(t.post("k1")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(t.rows().await, 1);
+    assert_eq!(t.records().await, 1);
+    let retry = Reply::of(t.post("k1")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(t.rows().await, 1);
+    assert_eq!(t.probe.executions(), 1);
+}
+
+#[tokio::test]
+async fn a_panic_rolls_back_the_writes_and_frees_the_key() {
+    let t = Tx::start().await;
+    Reply::of(t.post("k-panic").header("x-test-panic", "1"))
+        .await
+        .assert_problem(500, "HandlerPanicked");
+    assert_eq!(
+        t.rows().await,
+        0,
+        "the insert before the panic was rolled back"
+    );
+    assert_eq!(t.records().await, 0);
+    let retry = Reply::of(t.post("k-panic")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(t.rows().await, 1);
+}
+
+#[tokio::test]
+async fn server_errors_and_released_answers_roll_back() {
+    let t = Tx::start().await;
+    for status in ["500", "503", "400", "422"] {
+        let reply = Reply::of(t.post("k-status").header("x-test-status", status)).await;
+        assert_eq!(
+            reply.status.as_str(),
+            status,
+            "the handler's answer is delivered"
+        );
+        assert_eq!(t.rows().await, 0, "{status}: its writes were rolled back");
+        assert_eq!(t.records().await, 0, "{status}: the key is free");
+    }
+    let kept = Reply::of(t.post("k-status").header("x-test-status", "402")).await;
+    assert_eq!(kept.status, StatusCode::PAYMENT_REQUIRED);
+    assert_eq!(t.rows().await, 1, "a final 4xx commits");
+    assert!(Reply::of(t.post("k-status")).await.replayed());
+}
+
+#[tokio::test]
+async fn a_failed_commit_is_a_503_and_nothing_happened() {
+    let t = Tx::start().await;
+    let reply = Reply::of(t.post("k-abort").header("x-test-abort", "1")).await;
+    reply.assert_problem(503, "StoreUnavailable");
+    assert_eq!(t.rows().await, 0);
+    assert_eq!(t.records().await, 0);
+    let retry = Reply::of(t.post("k-abort")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(t.rows().await, 1);
+}
+
+/// 50 duplicates while the first holds its transaction open: every one is a 409 at once
+/// (nobody waits on the uncommitted row), then one row, replayed to everyone after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_get_409_at_once_and_write_one_row() {
+    const N: usize = 50;
+    let t = Tx::start().await;
+    let holder = tokio::spawn(Reply::of(t.post("k-dup").header("x-test-gate", "1")));
+    t.probe.started(1).await;
+    let mut duplicates = JoinSet::new();
+    for _ in 0..N - 1 {
+        duplicates.spawn(Reply::of(t.post("k-dup")));
+    }
+    let answered = tokio::time::timeout(Duration::from_secs(20), async {
+        let mut conflicts = 0;
+        while let Some(reply) = duplicates.join_next().await {
+            let reply = reply.expect("task");
+            reply.assert_problem(409, "InFlight");
+            conflicts += 1;
+        }
+        conflicts
+    })
+    .await
+    .expect("duplicates are answered while the holder's transaction is still open");
+    assert_eq!(answered, N - 1);
+    t.probe.open_gate(1);
+    let first = holder.await.expect("task");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = Reply::of(t.post("k-dup")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(t.rows().await, 1);
+}
+
+/// Two app instances (two pools) racing 50 duplicates without any gate: one row, one body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_instances_write_one_row() {
+    let t = Tx::start().await;
+    let other_pool = PgPoolOptions::new()
+        .max_connections(20)
+        .connect_with(t.db.options().clone())
+        .await
+        .expect("second pool");
+    let other_layer = IdempotencyLayer::postgres(other_pool.clone())
+        .transactional()
+        .required();
+    let other = TestServer::start(tx_app(other_layer, Probe::default(), other_pool)).await;
+    let mut requests = JoinSet::new();
+    for i in 0..50 {
+        let server = if i % 2 == 0 { &t.server } else { &other };
+        requests.spawn(Reply::of(post(&t.client, server, "/tx/charges", "k-race")));
+    }
+    let mut bodies = Vec::new();
+    while let Some(reply) = requests.join_next().await {
+        let reply = reply.expect("task");
+        match reply.status {
+            StatusCode::CREATED => bodies.push(reply.body),
+            StatusCode::CONFLICT => reply.assert_problem(409, "InFlight"),
+            other => panic!("unexpected {other}: {:?}", reply.body),
+        }
+    }
+    assert!(!bodies.is_empty());
+    assert!(
+        bodies.iter().all(|b| *b == bodies[0]),
+        "every 201 is the same charge"
+    );
+    assert_eq!(t.rows().await, 1);
+}
+
+/// The server process is SIGKILLed with the handler's insert uncommitted: PostgreSQL aborts the
+/// transaction, so the retry runs at once (no lease to wait out) and exactly one row exists.
+#[tokio::test]
+async fn a_killed_process_leaves_nothing_and_frees_the_key_at_once() {
+    let t = Tx::start().await;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tx-server"))
+        .arg(t.db.url())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start tx-server");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let line = lines.next_line().await.expect("read").expect("a line");
+    let addr = line
+        .strip_prefix("listening on ")
+        .expect("listening line")
+        .to_owned();
+
+    let mut stream = TcpStream::connect(&addr).await.expect("connect");
+    let request = format!(
+        "POST /tx/charges HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer acct_a\r\n\
+         Idempotency-Key: k-kill\r\nX-Test-Hang: 1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let started = lines.next_line().await.expect("read").expect("a line");
+    assert_eq!(started, "handler started");
+    child.start_kill().expect("SIGKILL");
+    child.wait().await.expect("reaped");
+    drop(stream);
+
+    // PostgreSQL ends the dead connection's transaction as soon as it reads the EOF; allow it
+    // a moment (far below the 30 s a lease would take), answering 409 meanwhile.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let retry = loop {
+        let reply = Reply::of(t.post("k-kill")).await;
+        if reply.status != StatusCode::CONFLICT || tokio::time::Instant::now() > deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert!(!retry.replayed());
+    assert_eq!(t.rows().await, 1, "the killed attempt left no row");
+    assert!(Reply::of(t.post("k-kill")).await.replayed());
+}
+
+/// With every pooled connection held by a transaction in flight, another request gets a 503
+/// problem after the store's timeout instead of hanging; nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_pool_is_a_prompt_503() {
+    let t = Tx::with_pool(
+        |db| {
+            PgPoolOptions::new()
+                .max_connections(2)
+                .connect_lazy_with(db.options().clone())
+        },
+        |store| store.with_timeout(Duration::from_millis(300)),
+    )
+    .await;
+    let holders: Vec<_> = ["k-hold-1", "k-hold-2"]
+        .into_iter()
+        .map(|key| tokio::spawn(Reply::of(t.post(key).header("x-test-gate", "1"))))
+        .collect();
+    t.probe.started(2).await;
+    let started = tokio::time::Instant::now();
+    let refused = Reply::of(t.post("k-third")).await;
+    refused.assert_problem(503, "StoreUnavailable");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "answered promptly"
+    );
+    t.probe.open_gate(2);
+    for holder in holders {
+        assert_eq!(holder.await.expect("task").status, StatusCode::CREATED);
+    }
+    assert_eq!(
+        Reply::of(t.post("k-third")).await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(t.rows().await, 3);
+}
+
+#[tokio::test]
+async fn a_handler_without_the_transaction_still_works() {
+    let t = Tx::start().await;
+    let first = Reply::of(post(&t.client, &t.server, "/tx/untransacted", "k-plain")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = Reply::of(post(&t.client, &t.server, "/tx/untransacted", "k-plain")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(t.rows().await, 1);
+}
+
+#[tokio::test]
+async fn a_disconnected_client_still_commits() {
+    let t = Tx::start().await;
+    let mut stream = TcpStream::connect(t.server.addr()).await.expect("connect");
+    let request = format!(
+        "POST /tx/charges HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer acct_a\r\n\
+         Idempotency-Key: k-gone\r\nX-Test-Gate: 1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    stream.write_all(request.as_bytes()).await.expect("write");
+    t.probe.started(1).await;
+    drop(stream);
+    t.probe.open_gate(1);
+    t.store.settled(1).await;
+    assert_eq!(t.store.completed(), 1);
+    assert_eq!(t.rows().await, 1);
+    let retry = Reply::of(t.post("k-gone")).await;
+    assert!(retry.replayed());
+}

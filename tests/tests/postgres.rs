@@ -77,3 +77,220 @@ mod transactional {
 
     idempotency_tests::store_suite!(PostgresTransactional);
 }
+
+mod postgres_only {
+    use std::time::Duration;
+
+    use http::StatusCode;
+    use idempotency_tests::{
+        app::{Probe, app},
+        db::TestDb,
+        init_tracing,
+        server::TestServer,
+        suite::Reply,
+    };
+    use sqlx::{Executor, postgres::PgPoolOptions};
+    use tokio::task::JoinSet;
+    use tower_idempotency::{
+        IdempotencyLayer,
+        store::{ExpiredDeletion, PostgresStore},
+    };
+
+    async fn migrated() -> (TestDb, PostgresStore) {
+        init_tracing();
+        let db = TestDb::new().await;
+        let store = PostgresStore::new(db.pool().clone());
+        store.migrate().await.expect("migrate");
+        (db, store)
+    }
+
+    fn post(client: &reqwest::Client, server: &TestServer, key: &str) -> reqwest::RequestBuilder {
+        client
+            .post(server.url("/charges"))
+            .bearer_auth("acct_a")
+            .header("idempotency-key", key)
+            .body(r#"{"amount":100}"#)
+    }
+
+    /// Four app instances, each with its own pool, race 200 requests over 20 keys: every key
+    /// runs once, every 201 for a key carries the same body.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn many_instances_run_each_key_once() {
+        let (db, _) = migrated().await;
+        let probe = Probe::default();
+        let mut servers = Vec::new();
+        for _ in 0..4 {
+            let pool = PgPoolOptions::new()
+                .max_connections(10)
+                .connect_with(db.options().clone())
+                .await
+                .expect("pool");
+            servers.push(
+                TestServer::start(app(IdempotencyLayer::postgres(pool), probe.clone())).await,
+            );
+        }
+        let client = reqwest::Client::new();
+        let mut requests = JoinSet::new();
+        for i in 0..200 {
+            let key = format!("k-{}", i % 20);
+            let request = post(&client, &servers[i % 4], &key);
+            requests.spawn(async move { (key, Reply::of(request).await) });
+        }
+        let mut bodies = std::collections::HashMap::new();
+        while let Some(result) = requests.join_next().await {
+            let (key, reply) = result.expect("task");
+            match reply.status {
+                StatusCode::CREATED => {
+                    let first = bodies.entry(key).or_insert_with(|| reply.body.clone());
+                    assert_eq!(
+                        *first, reply.body,
+                        "every 201 for a key is the same response"
+                    );
+                }
+                StatusCode::CONFLICT => reply.assert_problem(409, "InFlight"),
+                other => panic!("unexpected {other}: {:?}", reply.body),
+            }
+        }
+        assert_eq!(
+            probe.executions(),
+            20,
+            "one execution per key across instances"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_database_is_a_prompt_503() {
+        init_tracing();
+        // Nothing listens on port 1; connecting fails at once, and the store's timeout bounds
+        // anything slower.
+        let pool = PgPoolOptions::new()
+            .acquire_timeout(Duration::from_secs(1))
+            .connect_lazy("postgres://postgres@127.0.0.1:1/none")
+            .expect("lazy pool");
+        let store = PostgresStore::new(pool).with_timeout(Duration::from_secs(2));
+        let probe = Probe::default();
+        let server = TestServer::start(app(IdempotencyLayer::new(store), probe.clone())).await;
+        let started = tokio::time::Instant::now();
+        let reply = Reply::of(post(&reqwest::Client::new(), &server, "k-down")).await;
+        reply.assert_problem(503, "StoreUnavailable");
+        assert_eq!(reply.headers["retry-after"], "1");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(probe.executions(), 0);
+    }
+
+    #[tokio::test]
+    async fn migrations_keep_to_their_own_schema_and_table() {
+        let (db, store) = migrated().await;
+        store.migrate().await.expect("migrating again is a no-op");
+        let tables: Vec<String> = sqlx::query_scalar(
+            "SELECT table_schema || '.' || table_name FROM information_schema.tables
+             WHERE table_schema NOT IN ('pg_catalog', 'information_schema') ORDER BY 1",
+        )
+        .fetch_all(db.pool())
+        .await
+        .expect("tables");
+        assert_eq!(
+            tables,
+            ["idempotency._sqlx_migrations", "idempotency.records"]
+        );
+        // The application's own migrations (default table) run beside it untouched.
+        let mut app_migrator =
+            sqlx::migrate::Migrator::with_migrations(vec![sqlx::migrate::Migration::new(
+                1,
+                "app".into(),
+                sqlx::migrate::MigrationType::Simple,
+                sqlx::SqlSafeStr::into_sql_str("CREATE TABLE app_things (id int)"),
+                false,
+            )]);
+        app_migrator.set_locking(true);
+        app_migrator.run(db.pool()).await.expect("app migrations");
+        store.migrate().await.expect("ours still applied");
+        let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM public._sqlx_migrations")
+            .fetch_one(db.pool())
+            .await
+            .expect("app migrations table");
+        assert_eq!(applied, 1);
+    }
+
+    /// Neither the key nor the principal reaches the database in clear.
+    #[tokio::test]
+    async fn raw_keys_and_principals_are_not_stored() {
+        let (db, store) = migrated().await;
+        let server = TestServer::start(app(IdempotencyLayer::new(store), Probe::default())).await;
+        let key = "secret-key-8e03978e";
+        let reply = Reply::of(post(&reqwest::Client::new(), &server, key)).await;
+        assert_eq!(reply.status, StatusCode::CREATED);
+        let leaked: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM idempotency.records r
+             WHERE position($1::bytea IN r::text::bytea) > 0 OR position($2::bytea IN r::text::bytea) > 0",
+        )
+        .bind(key.as_bytes())
+        .bind("acct_a".as_bytes())
+        .fetch_one(db.pool())
+        .await
+        .expect("search");
+        assert_eq!(leaked, 0);
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency.records")
+            .fetch_one(db.pool())
+            .await
+            .expect("count");
+        assert_eq!(rows, 1);
+    }
+
+    /// A handler slower than its lease keeps the key: the heartbeat renews it.
+    #[tokio::test]
+    async fn the_heartbeat_keeps_a_slow_handlers_key() {
+        let (db, store) = migrated().await;
+        let lease = Duration::from_millis(300);
+        let probe = Probe::default();
+        let layer = IdempotencyLayer::new(store)
+            .with_lease(lease)
+            .expect("lease");
+        let server = TestServer::start(app(layer, probe.clone())).await;
+        let client = reqwest::Client::new();
+        let slow = tokio::spawn(Reply::of(
+            post(&client, &server, "k-slow").header("x-test-gate", "1"),
+        ));
+        probe.started(1).await;
+        // Let several leases' worth of time pass: without renewal the key would be taken over.
+        tokio::time::sleep(lease * 5).await;
+        let lease_until_in_future: bool =
+            sqlx::query_scalar("SELECT bool_and(lease_until > now()) FROM idempotency.records")
+                .fetch_one(db.pool())
+                .await
+                .expect("lease");
+        assert!(lease_until_in_future, "the lease was renewed");
+        Reply::of(post(&client, &server, "k-slow"))
+            .await
+            .assert_problem(409, "InFlight");
+        probe.open_gate(1);
+        assert_eq!(slow.await.expect("task").status, StatusCode::CREATED);
+        assert_eq!(probe.executions(), 1);
+    }
+
+    /// The reaper deletes only expired rows, in bounded batches.
+    #[tokio::test]
+    async fn expired_records_are_deleted_in_bounded_batches() {
+        let (db, store) = migrated().await;
+        db.pool()
+            .execute(
+                "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, status, header_names, header_values, body)
+                 SELECT sha256(i::text::bytea), sha256('f'), i, now() - interval '1 minute', 200, '{}'::text[], '{}'::bytea[], 'x'::bytea
+                 FROM generate_series(1, 2500) i
+                 UNION ALL
+                 SELECT sha256(('live' || i)::bytea), sha256('f'), i, now() + interval '1 hour', 200, '{}'::text[], '{}'::bytea[], 'x'::bytea
+                 FROM generate_series(1, 10) i",
+            )
+            .await
+            .expect("seed");
+        for expected in [1000, 1000, 500, 0] {
+            assert_eq!(store.delete_expired(1000).await.expect("batch"), expected);
+        }
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM idempotency.records WHERE expires_at > now()")
+                .fetch_one(db.pool())
+                .await
+                .expect("count");
+        assert_eq!(left, 10, "live records stay");
+    }
+}

@@ -237,3 +237,109 @@ pub async fn continuously_delete_expired<S: ExpiredDeletion>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        fmt,
+        sync::{
+            Arc,
+            atomic::{AtomicU32, Ordering},
+        },
+    };
+
+    use super::*;
+
+    /// A memory store whose first `failures` expiry deletions fail.
+    #[derive(Clone)]
+    struct Flaky {
+        inner: MemoryStore,
+        failures: Arc<AtomicU32>,
+        calls: Arc<AtomicU32>,
+    }
+
+    #[derive(Debug)]
+    struct Down;
+
+    impl fmt::Display for Down {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("down")
+        }
+    }
+
+    impl std::error::Error for Down {}
+
+    fn infallible<T>(result: Result<T, std::convert::Infallible>) -> Result<T, Down> {
+        Ok(result.unwrap_or_else(|never| match never {}))
+    }
+
+    impl Store for Flaky {
+        type Claim = Lease;
+        type Error = Down;
+
+        async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, Down> {
+            infallible(self.inner.begin(request).await)
+        }
+
+        async fn renew(&self, claim: &Lease, lease: Duration) -> Result<ClaimStatus, Down> {
+            infallible(self.inner.renew(claim, lease).await)
+        }
+
+        async fn complete(&self, claim: &Lease, record: &Record) -> Result<ClaimStatus, Down> {
+            infallible(self.inner.complete(claim, record).await)
+        }
+
+        async fn release(&self, claim: &Lease) -> Result<ClaimStatus, Down> {
+            infallible(self.inner.release(claim).await)
+        }
+    }
+
+    impl ExpiredDeletion for Flaky {
+        async fn delete_expired(&self, batch: u32) -> Result<u64, Down> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let failing = self
+                .failures
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+            if failing {
+                return Err(Down);
+            }
+            infallible(self.inner.delete_expired(batch).await)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_expiry_loop_survives_errors_and_drains_full_batches() {
+        let store = Flaky {
+            inner: MemoryStore::new(),
+            failures: Arc::new(AtomicU32::new(2)),
+            calls: Arc::default(),
+        };
+        for i in 0..25u8 {
+            let request = ClaimRequest {
+                key: ScopeKey::from_bytes([i; 32]),
+                fingerprint: Fingerprint::from_bytes([0; 32]),
+                lease: Duration::from_secs(1),
+                ttl: Duration::from_secs(10),
+            };
+            assert!(matches!(
+                store.begin(&request).await,
+                Ok(Begin::Acquired { .. })
+            ));
+        }
+        tokio::time::advance(Duration::from_secs(11)).await;
+        let reaper = tokio::spawn(continuously_delete_expired(
+            store.clone(),
+            Duration::from_secs(60),
+            10,
+        ));
+        // Two failing periods, then one period that drains 25 records in batches of 10.
+        for _ in 0..3 {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
+        assert!(store.inner.is_empty(), "{} records left", store.inner.len());
+        // 2 failures, then batches of 10, 10 and 5: the loop waits after a short batch.
+        assert_eq!(store.calls.load(Ordering::SeqCst), 5);
+        reaper.abort();
+    }
+}

@@ -42,6 +42,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     }
 
     pub(crate) fn rejected(rejection: Rejection) -> Self {
+        crate::metrics::rejected(rejection.kind());
         Self {
             kind: Kind::Rejected {
                 rejection: Some(rejection),

@@ -58,6 +58,7 @@
 //!   [transactional mode](transaction) in which the handler's writes and the stored response
 //!   commit together.
 //! * `axum`: [`IdempotencyContext`] and [`IdempotentTx`] as axum extractors.
+//! * `metrics`: counters and histograms through the `metrics` facade ([`metrics`]).
 //!
 //! [Tower]: https://docs.rs/tower
 //! [Axum]: https://docs.rs/axum
@@ -72,6 +73,7 @@ pub mod fingerprint;
 mod future;
 pub mod key;
 mod layer;
+pub mod metrics;
 pub mod policy;
 pub mod problem;
 pub mod record;

@@ -97,7 +97,23 @@ impl RejectionKind {
         }
     }
 
-    /// The variant name, used as the anchor of the problem `type` URI and as a metric label.
+    /// The variant in snake case (`key_missing`...): the `kind` label of the rejection metric.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "key_missing",
+            Self::KeyInvalid => "key_invalid",
+            Self::BodyUnreadable => "body_unreadable",
+            Self::BodyTimeout => "body_timeout",
+            Self::InFlight => "in_flight",
+            Self::BodyTooLarge => "body_too_large",
+            Self::Mismatch => "mismatch",
+            Self::PrincipalMissing => "principal_missing",
+            Self::HandlerPanicked => "handler_panicked",
+            Self::StoreUnavailable => "store_unavailable",
+        }
+    }
+
+    /// The variant name: the anchor of the problem `type` URI.
     pub fn name(self) -> &'static str {
         match self {
             Self::KeyMissing => "KeyMissing",

@@ -27,6 +27,7 @@ use crate::{
     future::ResponseFuture,
     key::IdempotencyKey,
     layer::Config,
+    metrics,
     policy::{Disconnect, Retention, StoreFailure},
     problem::{Rejection, RejectionKind},
     record::Record,
@@ -258,7 +259,7 @@ where
             lease: self.config.lease,
             ttl: self.config.ttl,
         };
-        let begin = match self.store.begin(&request).await {
+        let begin = match metrics::timed("begin", self.store.begin(&request)).await {
             Ok(begin) => begin,
             Err(error) => return self.store_failed(&error, parts, body).await,
         };
@@ -451,17 +452,23 @@ async fn with_heartbeat<St: Store, F: Future>(
             output = &mut future => return output,
             _ = ticker.tick() => {}
         }
-        let renewal = pin!(store.renew(claim, lease));
+        let renewal = pin!(metrics::timed("renew", store.renew(claim, lease)));
         tokio::select! {
             biased;
             output = &mut future => return output,
             renewed = renewal => match renewed {
-                Ok(ClaimStatus::Held) => {}
-                Ok(ClaimStatus::Lost) => tracing::warn!(
-                    "lease lost while the handler runs (another request took the key over); \
-                     this response will not be stored"
-                ),
-                Err(error) => tracing::warn!(error = %Chain(&error), "lease renewal failed"),
+                Ok(ClaimStatus::Held) => metrics::renewal("held"),
+                Ok(ClaimStatus::Lost) => {
+                    metrics::renewal("lost");
+                    tracing::warn!(
+                        "lease lost while the handler runs (another request took the key over); \
+                         this response will not be stored"
+                    );
+                }
+                Err(error) => {
+                    metrics::renewal("error");
+                    tracing::warn!(error = %Chain(&error), "lease renewal failed");
+                }
             },
         }
     }
@@ -508,7 +515,10 @@ impl<St: Store> ClaimGuard<St> {
             return true;
         };
         let atomic = self.store.commits_effects(&claim);
-        match self.store.complete(&claim, &record).await {
+        if let Some(body) = record.body() {
+            metrics::stored_body(body.len());
+        }
+        match metrics::timed("complete", self.store.complete(&claim, &record)).await {
             Ok(ClaimStatus::Held) => true,
             Ok(ClaimStatus::Lost) => {
                 log_fenced(ClaimStatus::Lost, "complete");
@@ -550,7 +560,7 @@ impl<St: Store> ClaimGuard<St> {
         let Some(claim) = self.claim.take() else {
             return;
         };
-        match self.store.release(&claim).await {
+        match metrics::timed("release", self.store.release(&claim)).await {
             Ok(status) => log_fenced(status, "release"),
             Err(error) => tracing::warn!(
                 error = %Chain(&error),
@@ -588,6 +598,7 @@ fn log_fenced(status: ClaimStatus, operation: &str) {
 }
 
 fn reject<B>(rejection: Rejection) -> Response<ResponseBody<B>> {
+    metrics::rejected(rejection.kind());
     rejection.into_response()
 }
 
@@ -625,6 +636,7 @@ impl Outcome {
 }
 
 fn outcome(outcome: Outcome) {
+    metrics::outcome(outcome.as_str());
     tracing::Span::current().record("outcome", outcome.as_str());
     tracing::debug!(outcome = outcome.as_str(), "idempotent request");
 }

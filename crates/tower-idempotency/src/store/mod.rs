@@ -217,6 +217,7 @@ pub async fn continuously_delete_expired<S: ExpiredDeletion>(
         loop {
             match store.delete_expired(batch).await {
                 Ok(deleted) => {
+                    crate::metrics::expired_deleted(deleted);
                     if deleted > 0 {
                         tracing::debug!(deleted, "deleted expired idempotency records");
                     }
@@ -227,6 +228,7 @@ pub async fn continuously_delete_expired<S: ExpiredDeletion>(
                     tokio::task::yield_now().await;
                 }
                 Err(error) => {
+                    crate::metrics::expiry_error();
                     tracing::warn!(
                         error = &error as &dyn std::error::Error,
                         "deleting expired idempotency records failed; retrying next period"

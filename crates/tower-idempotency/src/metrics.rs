@@ -1,0 +1,100 @@
+//! Counters and histograms, through the [`metrics`](https://docs.rs/metrics) facade (feature
+//! `metrics`): install any recorder (Prometheus, StatsD, OpenTelemetry...) and they appear.
+//!
+//! ```
+//! # #[cfg(feature = "metrics")] {
+//! // e.g. with metrics-exporter-prometheus:
+//! // let handle = PrometheusBuilder::new().install_recorder()?;
+//! // ...then serve handle.render() at /metrics.
+//! assert_eq!(tower_idempotency::metrics::REQUESTS, "idempotency_requests_total");
+//! # }
+//! ```
+//!
+//! | metric | type | labels | an alert on it means |
+//! |---|---|---|---|
+//! | `idempotency_requests_total` | counter | `outcome`: `acquired`, `takeover`, `replayed`, `conflict`, `mismatch`, `released`, `store_error` | a rising `replayed` share: clients time out before the server answers (raise their timeout); `takeover`: handlers outlive their lease or processes crash; `mismatch`: a client reuses keys for new requests; `store_error`: the store is failing |
+//! | `idempotency_rejections_total` | counter | `kind`: the [`RejectionKind`](crate::RejectionKind) in snake case | `key_missing`/`key_invalid`: a client integration is broken; `body_too_large`/`body_timeout`: limits too tight or abuse; `principal_missing`: the auth layer is misplaced |
+//! | `idempotency_store_seconds` | histogram | `operation`: `begin`, `complete`, `release`, `renew` | the store is slow: every keyed request pays `begin` |
+//! | `idempotency_lease_renewals_total` | counter | `result`: `held`, `lost`, `error` | `lost`: a holder kept running after another took its key over |
+//! | `idempotency_stored_body_bytes` | histogram | | storage growth; responses near `max_response_bytes` |
+//! | `idempotency_expired_deleted_total` | counter | | expiry keeps up (compare with the rate of new keys) |
+//! | `idempotency_expiry_errors_total` | counter | | the expiry loop is failing: the table grows |
+
+/// Keyed requests by outcome.
+pub const REQUESTS: &str = "idempotency_requests_total";
+/// Refusals by kind.
+pub const REJECTIONS: &str = "idempotency_rejections_total";
+/// Store operation latency, in seconds.
+pub const STORE_SECONDS: &str = "idempotency_store_seconds";
+/// Lease renewals by result.
+pub const LEASE_RENEWALS: &str = "idempotency_lease_renewals_total";
+/// Stored response body sizes, in bytes.
+pub const STORED_BODY_BYTES: &str = "idempotency_stored_body_bytes";
+/// Records deleted by expiry.
+pub const EXPIRED_DELETED: &str = "idempotency_expired_deleted_total";
+/// Failed expiry batches.
+pub const EXPIRY_ERRORS: &str = "idempotency_expiry_errors_total";
+
+#[cfg(feature = "metrics")]
+mod record {
+    use std::time::Duration;
+
+    use crate::problem::RejectionKind;
+
+    pub(crate) fn outcome(outcome: &'static str) {
+        metrics::counter!(super::REQUESTS, "outcome" => outcome).increment(1);
+    }
+
+    pub(crate) fn rejected(kind: RejectionKind) {
+        metrics::counter!(super::REJECTIONS, "kind" => kind.label()).increment(1);
+    }
+
+    pub(crate) fn store_operation(operation: &'static str, elapsed: Duration) {
+        metrics::histogram!(super::STORE_SECONDS, "operation" => operation)
+            .record(elapsed.as_secs_f64());
+    }
+
+    pub(crate) fn renewal(result: &'static str) {
+        metrics::counter!(super::LEASE_RENEWALS, "result" => result).increment(1);
+    }
+
+    pub(crate) fn stored_body(bytes: usize) {
+        metrics::histogram!(super::STORED_BODY_BYTES).record(bytes as f64);
+    }
+
+    pub(crate) fn expired_deleted(count: u64) {
+        metrics::counter!(super::EXPIRED_DELETED).increment(count);
+    }
+
+    pub(crate) fn expiry_error() {
+        metrics::counter!(super::EXPIRY_ERRORS).increment(1);
+    }
+}
+
+#[cfg(not(feature = "metrics"))]
+mod record {
+    use std::time::Duration;
+
+    use crate::problem::RejectionKind;
+
+    pub(crate) fn outcome(_: &'static str) {}
+    pub(crate) fn rejected(_: RejectionKind) {}
+    pub(crate) fn store_operation(_: &'static str, _: Duration) {}
+    pub(crate) fn renewal(_: &'static str) {}
+    pub(crate) fn stored_body(_: usize) {}
+    pub(crate) fn expired_deleted(_: u64) {}
+    pub(crate) fn expiry_error() {}
+}
+
+pub(crate) use record::*;
+
+/// Times a store operation.
+pub(crate) async fn timed<T>(
+    operation: &'static str,
+    future: impl std::future::Future<Output = T>,
+) -> T {
+    let started = std::time::Instant::now();
+    let output = future.await;
+    store_operation(operation, started.elapsed());
+    output
+}

@@ -28,11 +28,12 @@ use crate::{record::Record, transaction::TxSlot};
 /// ```
 ///
 /// Each key is one row of `idempotency.records`, addressed by the SHA-256 of its scope. Claiming
-/// is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE <claimable>` statement, so two requests
-/// racing for a key are ordered by PostgreSQL's row lock and exactly one acquires it; replays and
-/// conflicts write nothing. Completing or releasing is one `UPDATE`/`DELETE` fenced by the claim's
-/// token. All times are `timestamptz` compared with `now()` in the database, so app servers'
-/// clocks never matter.
+/// is one statement: it reads the key's row and, in the same statement, inserts a new key
+/// (`ON CONFLICT DO NOTHING`) or takes over an expired record or a lapsed lease with a conditional
+/// `UPDATE`, so two requests racing for a key are ordered by PostgreSQL and exactly one acquires
+/// it. Replays and conflicts neither write nor lock. Completing or releasing is one
+/// `UPDATE`/`DELETE` fenced by the claim's token. All times are `timestamptz` compared with
+/// `now()` in the database, so app servers' clocks never matter.
 ///
 /// # Two modes
 ///
@@ -75,89 +76,79 @@ static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
     migrator
 });
 
-// The claim statement, in two variants sharing their text: lease mode inserts unconditionally;
+// The claim statement, in two variants sharing their text: lease mode claims unconditionally;
 // transactional mode first tries a transaction-scoped advisory lock on the key and claims only if
 // it got it, so a duplicate never waits on the holder's uncommitted row.
 //
-// The row is claimed if it is free, expired, or in flight under a lapsed lease with the same
-// fingerprint; otherwise the statement returns the row as it stands. That fallback `SELECT`
-// shares the statement's snapshot, so a row committed by a racing claim after the snapshot was
-// taken can be invisible to it; the caller then runs the statement again (rare, and safe:
-// nothing was claimed).
-macro_rules! insert_columns {
-    () => {
-        "INSERT INTO idempotency.records AS r \
-            (scope_key, fingerprint, token, expires_at, lease_until) "
-    };
-}
-macro_rules! new_row {
-    () => {
-        "$1, $2, nextval('idempotency.fencing_tokens'), now() + $4::interval, now() + $3::interval"
-    };
-}
-macro_rules! on_conflict {
-    () => {
-        " ON CONFLICT (scope_key) DO UPDATE SET
-            fingerprint   = excluded.fingerprint,
-            token         = excluded.token,
-            takeover      = r.expires_at > now(),
-            created_at    = now(),
-            expires_at    = excluded.expires_at,
-            lease_until   = excluded.lease_until,
-            completed_at  = NULL,
-            status        = NULL,
-            header_names  = NULL,
-            header_values = NULL,
-            body          = NULL
-        WHERE r.expires_at <= now()
-           OR (r.status IS NULL AND r.lease_until <= now() AND r.fingerprint = excluded.fingerprint)
-        RETURNING r.token, r.takeover
-    ) "
-    };
-}
-macro_rules! acquired_row {
-    () => {
-        "SELECT 'acquired' AS outcome, token, takeover,
-               NULL::boolean AS same_fingerprint, NULL::float8 AS lease_remaining,
-               NULL::int2 AS status, NULL::text[] AS header_names, NULL::bytea[] AS header_values,
-               NULL::bytea AS body
-        FROM claimed "
-    };
-}
-macro_rules! existing_row {
-    () => {
-        " UNION ALL
-        SELECT 'existing', r.token, r.takeover,
-               r.fingerprint = $2, extract(epoch FROM r.lease_until - now())::float8,
-               r.status, r.header_names, r.header_values, r.body
-        FROM idempotency.records r
-        WHERE r.scope_key = $1 AND r.expires_at > now() AND NOT EXISTS (SELECT FROM claimed)"
+// The key's row is read first. A key with no row is inserted (`ON CONFLICT DO NOTHING`); a row
+// that expired, or is in flight under a lapsed lease with the same fingerprint, is taken over by
+// a conditional `UPDATE` whose row lock orders racing claimers (the loser re-checks the winner's
+// version and leaves it). Otherwise the row is returned as it stands: replays and conflicts
+// neither write, nor lock, nor take a transaction id. The reads share the statement's snapshot,
+// so a row committed by a racing claim after the snapshot was taken can be invisible; the
+// statement then returns nothing and the caller runs it again (rare, and safe: nothing was
+// claimed).
+macro_rules! begin_statement {
+    (lock: $lock:literal, gate: $gate:literal, busy: $busy:literal) => {
+        concat!(
+            "WITH ",
+            $lock,
+            "existing AS MATERIALIZED (
+                SELECT token, takeover, fingerprint, lease_until, expires_at,
+                       status, header_names, header_values, body
+                FROM idempotency.records WHERE scope_key = $1
+            ),
+            inserted AS (
+                INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
+                SELECT $1, $2, nextval('idempotency.fencing_tokens'), now() + $4::interval, now() + $3::interval
+                WHERE NOT EXISTS (SELECT FROM existing) ",
+            $gate,
+            " ON CONFLICT (scope_key) DO NOTHING
+                RETURNING token, takeover
+            ),
+            taken AS (
+                UPDATE idempotency.records r SET
+                    fingerprint   = $2,
+                    token         = nextval('idempotency.fencing_tokens'),
+                    takeover      = r.expires_at > now(),
+                    created_at    = now(),
+                    expires_at    = now() + $4::interval,
+                    lease_until   = now() + $3::interval,
+                    completed_at  = NULL,
+                    status        = NULL,
+                    header_names  = NULL,
+                    header_values = NULL,
+                    body          = NULL
+                WHERE r.scope_key = $1 AND EXISTS (SELECT FROM existing) ",
+            $gate,
+            " AND (r.expires_at <= now()
+                       OR (r.status IS NULL AND r.lease_until <= now() AND r.fingerprint = $2))
+                RETURNING r.token, r.takeover
+            ),
+            claimed AS (SELECT token, takeover FROM inserted UNION ALL SELECT token, takeover FROM taken)
+            SELECT 'acquired' AS outcome, token, takeover,
+                   NULL::boolean AS same_fingerprint, NULL::float8 AS lease_remaining,
+                   NULL::int2 AS status, NULL::text[] AS header_names, NULL::bytea[] AS header_values,
+                   NULL::bytea AS body
+            FROM claimed ",
+            $busy,
+            " UNION ALL
+            SELECT 'existing', e.token, e.takeover,
+                   e.fingerprint = $2, extract(epoch FROM e.lease_until - now())::float8,
+                   e.status, e.header_names, e.header_values, e.body
+            FROM existing e
+            WHERE e.expires_at > now() AND NOT EXISTS (SELECT FROM claimed) ",
+            $gate,
+        )
     };
 }
 
-const BEGIN_LEASE: &str = concat!(
-    "WITH claimed AS (",
-    insert_columns!(),
-    "VALUES (",
-    new_row!(),
-    ")",
-    on_conflict!(),
-    acquired_row!(),
-    existing_row!(),
-);
+const BEGIN_LEASE: &str = begin_statement!(lock: "", gate: "", busy: "");
 
-const BEGIN_TRANSACTIONAL: &str = concat!(
-    "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($5) AS held), claimed AS (",
-    insert_columns!(),
-    "SELECT ",
-    new_row!(),
-    " FROM lock WHERE lock.held",
-    on_conflict!(),
-    acquired_row!(),
-    " UNION ALL
-    SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM lock WHERE NOT lock.held",
-    existing_row!(),
-    " AND (SELECT held FROM lock)",
+const BEGIN_TRANSACTIONAL: &str = begin_statement!(
+    lock: "lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($5) AS held), ",
+    gate: "AND (SELECT held FROM lock)",
+    busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM lock WHERE NOT lock.held"
 );
 
 const RENEW: &str = r#"

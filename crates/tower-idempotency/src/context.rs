@@ -1,30 +1,30 @@
 //! What a handler can learn about the key it runs under.
-//!
-//! The layer inserts an [`IdempotencyContext`] into the request extensions of every request it
-//! claimed a key for. With the `axum` feature it is an extractor; `Option<IdempotencyContext>`
-//! is `None` for requests that run without a key.
-//!
-//! ```
-//! # #[cfg(feature = "axum")] {
-//! use axum::{Router, routing::post};
-//! use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Scope};
-//!
-//! async fn create_charge(idempotency: IdempotencyContext) -> String {
-//!     if idempotency.takeover() {
-//!         // An earlier attempt with this key crashed mid-way: check for its partial effects.
-//!     }
-//!     format!("charged under key {}", idempotency.key().as_str())
-//! }
-//!
-//! let app: Router = Router::new()
-//!     .route("/v1/charges", post(create_charge))
-//!     .layer(IdempotencyLayer::memory().required().with_scope(Scope::single_tenant()));
-//! # }
-//! ```
 
 use crate::{key::IdempotencyKey, scope::ScopeKey};
 
-/// The key a request runs under; see the [module documentation](self).
+/// What a handler can learn about the key it runs under.
+///
+/// The layer inserts an [`IdempotencyContext`] into the request extensions of every request it
+/// claimed a key for. With the `axum` feature it is an extractor; `Option<IdempotencyContext>`
+/// is `None` for requests that run without a key.
+///
+/// ```
+/// # #[cfg(feature = "axum")] {
+/// use axum::{Router, routing::post};
+/// use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Scope};
+///
+/// async fn create_charge(idempotency: IdempotencyContext) -> String {
+///     if idempotency.takeover() {
+///         // An earlier attempt with this key crashed mid-way: check for its partial effects.
+///     }
+///     format!("charged under key {}", idempotency.key().as_str())
+/// }
+///
+/// let app: Router = Router::new()
+///     .route("/v1/charges", post(create_charge))
+///     .layer(IdempotencyLayer::memory().required().with_scope(Scope::single_tenant()));
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct IdempotencyContext {
     pub(crate) key: IdempotencyKey,

@@ -116,17 +116,16 @@ impl<St: Store> IdempotencyLayer<St> {
     }
 
     /// How long a record lives, counted from the key's first claim. Retries after that run
-    /// again. Choose it longer than your clients' retry horizon.
+    /// again. Choose it longer than your clients' retry horizon. It is independent of the
+    /// [lease](Self::with_lease): a claim in flight is never expired while its lease runs.
     ///
     /// # Errors
     ///
-    /// [`ConfigError::Zero`] for a zero TTL; [`ConfigError::LeaseNotShorterThanTtl`] when the
-    /// TTL is not longer than the lease.
+    /// [`ConfigError::Zero`] for a zero TTL.
     pub fn with_ttl(mut self, ttl: Duration) -> Result<Self, ConfigError> {
         if ttl.is_zero() {
             return Err(ConfigError::Zero("ttl"));
         }
-        check_lease(self.config.lease, ttl)?;
         self.config_mut().ttl = ttl;
         Ok(self)
     }
@@ -134,17 +133,16 @@ impl<St: Store> IdempotencyLayer<St> {
     /// How long a claim is held without renewal. The layer renews it every third of that while
     /// the handler runs, so it only lapses when the holder stops (a crash, a hung process);
     /// then a retry takes the key over after at most this long. Shorter means faster recovery
-    /// from crashes, at the cost of more renewals for long handlers.
+    /// from crashes, at the cost of more renewals for long handlers. Choose it longer than your
+    /// slowest handler's usual pauses between polls of its future.
     ///
     /// # Errors
     ///
-    /// [`ConfigError::Zero`] for a zero lease; [`ConfigError::LeaseNotShorterThanTtl`] when it
-    /// is not shorter than the TTL.
+    /// [`ConfigError::Zero`] for a zero lease.
     pub fn with_lease(mut self, lease: Duration) -> Result<Self, ConfigError> {
         if lease.is_zero() {
             return Err(ConfigError::Zero("lease"));
         }
-        check_lease(lease, self.config.ttl)?;
         self.config_mut().lease = lease;
         Ok(self)
     }
@@ -265,13 +263,6 @@ impl IdempotencyLayer<crate::store::PostgresStore> {
     }
 }
 
-fn check_lease(lease: Duration, ttl: Duration) -> Result<(), ConfigError> {
-    if lease >= ttl {
-        return Err(ConfigError::LeaseNotShorterThanTtl { lease, ttl });
-    }
-    Ok(())
-}
-
 impl<St> Clone for IdempotencyLayer<St> {
     fn clone(&self) -> Self {
         Self {
@@ -304,13 +295,6 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
 pub enum ConfigError {
     /// A duration or limit that must be positive was zero.
     Zero(&'static str),
-    /// The lease must be shorter than the TTL, or records could expire while held.
-    LeaseNotShorterThanTtl {
-        /// The lease.
-        lease: Duration,
-        /// The TTL.
-        ttl: Duration,
-    },
     /// The layer must cover at least one method.
     NoMethods,
 }
@@ -319,10 +303,6 @@ impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Zero(setting) => write!(f, "idempotency setting `{setting}` must not be zero"),
-            Self::LeaseNotShorterThanTtl { lease, ttl } => write!(
-                f,
-                "idempotency lease ({lease:?}) must be shorter than the TTL ({ttl:?})"
-            ),
             Self::NoMethods => f.write_str("idempotency layer must cover at least one method"),
         }
     }
@@ -345,14 +325,6 @@ mod tests {
             layer().with_lease(Duration::ZERO).unwrap_err(),
             ConfigError::Zero("lease")
         );
-        assert!(matches!(
-            layer().with_ttl(Duration::from_secs(30)),
-            Err(ConfigError::LeaseNotShorterThanTtl { .. })
-        ));
-        assert!(matches!(
-            layer().with_lease(Duration::from_secs(24 * 3600)),
-            Err(ConfigError::LeaseNotShorterThanTtl { .. })
-        ));
         assert_eq!(
             layer().with_methods([]).unwrap_err(),
             ConfigError::NoMethods
@@ -361,15 +333,32 @@ mod tests {
             layer().with_max_body_bytes(0).unwrap_err(),
             ConfigError::Zero("max_body_bytes")
         );
+        assert_eq!(
+            layer().with_body_timeout(Duration::ZERO).unwrap_err(),
+            ConfigError::Zero("body_timeout")
+        );
     }
 
     #[test]
-    fn settings_apply_in_any_valid_order() {
-        let layer = IdempotencyLayer::memory()
-            .with_lease(Duration::from_secs(1))
-            .and_then(|l| l.with_ttl(Duration::from_secs(2)))
+    fn ttl_and_lease_apply_in_either_order() {
+        let short = Duration::from_secs(10);
+        let shorter = Duration::from_secs(5);
+        let a = IdempotencyLayer::memory()
+            .with_ttl(short)
+            .and_then(|l| l.with_lease(shorter))
             .unwrap();
-        assert_eq!(layer.config.ttl, Duration::from_secs(2));
-        assert_eq!(layer.config.lease, Duration::from_secs(1));
+        let b = IdempotencyLayer::memory()
+            .with_lease(shorter)
+            .and_then(|l| l.with_ttl(short))
+            .unwrap();
+        assert_eq!((a.config.ttl, a.config.lease), (short, shorter));
+        assert_eq!((b.config.ttl, b.config.lease), (short, shorter));
+        // A lease longer than the TTL is valid too: records are kept while a claim is held.
+        assert!(
+            IdempotencyLayer::memory()
+                .with_ttl(shorter)
+                .and_then(|l| l.with_lease(short))
+                .is_ok()
+        );
     }
 }

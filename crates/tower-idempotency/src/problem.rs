@@ -185,10 +185,11 @@ impl Rejection {
             "status": status.as_u16(),
             "detail": self.detail,
         });
-        // Serialising a `Value` of strings and a number cannot fail.
-        serde_json::to_vec(&body)
-            .map(Bytes::from)
-            .unwrap_or_default()
+        // Serialising a `Value` of strings and a number cannot fail. A final newline, as curl
+        // users expect.
+        let mut json = serde_json::to_vec(&body).unwrap_or_default();
+        json.push(b'\n');
+        Bytes::from(json)
     }
 
     /// The problem response, with a copy of `self` in its extensions.

@@ -122,7 +122,8 @@ impl Store for MemoryStore {
             Entry {
                 fingerprint: request.fingerprint,
                 token,
-                expires_at: now + request.ttl,
+                // A claim in flight outlives its TTL until its lease ends.
+                expires_at: now + request.ttl.max(request.lease),
                 state: State::InFlight {
                     lease_until: now + request.lease,
                 },
@@ -236,6 +237,20 @@ mod tests {
             store.begin(&request(1)).await,
             Ok(Begin::Completed(record()))
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_longer_than_the_ttl_keeps_the_record() {
+        let store = MemoryStore::new();
+        let mut long_lease = request(1);
+        long_lease.ttl = Duration::from_secs(10);
+        long_lease.lease = Duration::from_secs(60);
+        acquire(&store, &long_lease).await;
+        tokio::time::advance(Duration::from_secs(30)).await;
+        assert!(matches!(
+            store.begin(&long_lease).await,
+            Ok(Begin::InFlight { .. })
+        ));
     }
 
     #[tokio::test(start_paused = true)]

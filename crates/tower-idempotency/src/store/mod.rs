@@ -71,7 +71,7 @@ pub struct ClaimRequest {
     pub fingerprint: Fingerprint,
     /// How long the claim is held without renewal.
     pub lease: Duration,
-    /// How long the record lives, counted from its claim.
+    /// How long the record lives, counted from its claim (and at least as long as the lease).
     pub ttl: Duration,
 }
 

@@ -100,7 +100,7 @@ macro_rules! begin_statement {
             ),
             inserted AS (
                 INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
-                SELECT $1, $2, nextval('idempotency.fencing_tokens'), now() + $4::interval, now() + $3::interval
+                SELECT $1, $2, nextval('idempotency.fencing_tokens'), now() + greatest($4::interval, $3::interval), now() + $3::interval
                 WHERE NOT EXISTS (SELECT FROM existing) ",
             $gate,
             " ON CONFLICT (scope_key) DO NOTHING
@@ -112,7 +112,7 @@ macro_rules! begin_statement {
                     token         = nextval('idempotency.fencing_tokens'),
                     takeover      = r.expires_at > now(),
                     created_at    = now(),
-                    expires_at    = now() + $4::interval,
+                    expires_at    = now() + greatest($4::interval, $3::interval),
                     lease_until   = now() + $3::interval,
                     completed_at  = NULL,
                     status        = NULL,

@@ -1,0 +1,262 @@
+//! A small Stripe-style payments API whose `POST /v1/charges` is protected by
+//! [`tower_idempotency`]: a retried payment charges once, and every retry gets the first answer
+//! back, byte for byte.
+//!
+//! ```
+//! use axum::{body::Body, http::Request};
+//! use charges_demo::{AppState, Settings, app};
+//! use tower::ServiceExt;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let app = app(AppState::memory(&Settings::default()).unwrap());
+//! let charge = || {
+//!     Request::post("/v1/charges")
+//!         .header("authorization", "Bearer sk_test_123")
+//!         .header("idempotency-key", "order-1042")
+//!         .header("content-type", "application/x-www-form-urlencoded")
+//!         .body(Body::from("amount=2000&currency=usd"))
+//!         .unwrap()
+//! };
+//! let first = app.clone().oneshot(charge()).await.unwrap();
+//! let retry = app.oneshot(charge()).await.unwrap();
+//! assert_eq!(first.status(), 200);
+//! assert_eq!(retry.status(), 200);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! # }
+//! ```
+//!
+//! # How a request flows
+//!
+//! 1. [`auth::authenticate`] reads the API key, derives the [`Account`](auth::Account) and
+//!    inserts it with its [`Principal`](tower_idempotency::Principal): outside the idempotency
+//!    layer, so keys are scoped per account.
+//! 2. On `POST /v1/charges` the [`IdempotencyLayer`] claims the `Idempotency-Key` (required
+//!    there), or replays, or refuses (`409` in flight, `422` reused for another request).
+//! 3. The handler validates the [`params`], asks the simulated [`processor`] (which takes
+//!    `--processing-delay-ms`), records the charge in the [`ledger`], and answers with a charge
+//!    object, a `402` card error, or a `400` Stripe error.
+//! 4. The layer stores the answer for replay, or releases the key for a `400`. With PostgreSQL
+//!    it runs in [transactional mode](tower_idempotency::transaction): the charge row is written
+//!    in the request's transaction ([`ledger::insert_charge`]) and commits with the stored answer,
+//!    so a crash never leaves a charge without its response, nor a response without its charge.
+//!
+//! The binary (`src/main.rs`) parses [`server::Args`] and calls [`server::run`].
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod auth;
+pub mod error;
+pub mod ledger;
+pub mod params;
+pub mod processor;
+mod routes;
+pub mod server;
+
+use std::time::Duration;
+
+use axum::{
+    Router, middleware,
+    routing::{get, post},
+};
+use http::Method;
+use sqlx::PgPool;
+use tower_idempotency::{
+    ConfigError, IdempotencyLayer,
+    store::{MemoryStore, PostgresStore, Store},
+};
+
+pub use routes::{DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT};
+
+use crate::{
+    ledger::{Ledger, MemoryLedger, PostgresLedger},
+    processor::CardProcessor,
+};
+
+/// The largest `POST /v1/charges` body accepted (larger: the layer's `413` problem).
+pub const MAX_CHARGE_BODY_BYTES: usize = 64 * 1024;
+
+/// The demo's settings (the command line's `--key-ttl-secs`, `--lease-secs` and
+/// `--processing-delay-ms`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// How long an idempotency key and its stored response live (default 24 hours).
+    pub key_ttl: Duration,
+    /// How long a key is held without renewal before a retry may take it over (default 30 s).
+    pub lease: Duration,
+    /// The simulated card-processor latency of every charge (default none).
+    pub processing_delay: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            key_ttl: Duration::from_secs(24 * 60 * 60),
+            lease: Duration::from_secs(30),
+            processing_delay: Duration::ZERO,
+        }
+    }
+}
+
+/// The idempotency layer of `POST /v1/charges` on `store`: the key is required, only `POST` is
+/// covered, and TTL and lease come from `settings`.
+///
+/// # Errors
+///
+/// [`ConfigError`] when the TTL or lease is zero.
+pub fn idempotency_layer<St: Store>(
+    store: St,
+    settings: &Settings,
+) -> Result<IdempotencyLayer<St>, ConfigError> {
+    IdempotencyLayer::new(store)
+        .required()
+        .with_methods([Method::POST])?
+        .with_max_body_bytes(MAX_CHARGE_BODY_BYTES)?
+        .with_ttl(settings.key_ttl)?
+        .with_lease(settings.lease)
+}
+
+/// Everything [`app`] serves from: the ledger, the card processor and the idempotency layer
+/// (with its store).
+#[derive(Debug)]
+pub struct AppState<L, St> {
+    ledger: L,
+    processor: CardProcessor,
+    idempotency: IdempotencyLayer<St>,
+}
+
+impl<L: Ledger, St: Store> AppState<L, St> {
+    /// The state from its parts.
+    pub fn new(ledger: L, idempotency: IdempotencyLayer<St>, processor: CardProcessor) -> Self {
+        Self {
+            ledger,
+            processor,
+            idempotency,
+        }
+    }
+
+    /// Replaces the card processor (to set a delay, or a hook that observes charges in flight).
+    #[must_use]
+    pub fn with_processor(mut self, processor: CardProcessor) -> Self {
+        self.processor = processor;
+        self
+    }
+
+    /// The ledger.
+    pub fn ledger(&self) -> &L {
+        &self.ledger
+    }
+
+    /// The idempotency layer's store, to spawn its expiry loop
+    /// ([`continuously_delete_expired`](tower_idempotency::store::continuously_delete_expired)).
+    pub fn idempotency_store(&self) -> &St {
+        self.idempotency.store()
+    }
+}
+
+impl AppState<MemoryLedger, MemoryStore> {
+    /// The embedded mode: keys and charges in this process's memory.
+    ///
+    /// # Errors
+    ///
+    /// As [`idempotency_layer`].
+    pub fn memory(settings: &Settings) -> Result<Self, ConfigError> {
+        Ok(Self::new(
+            MemoryLedger::new(),
+            idempotency_layer(MemoryStore::new(), settings)?,
+            CardProcessor::new(settings.processing_delay),
+        ))
+    }
+}
+
+impl AppState<PostgresLedger, PostgresStore> {
+    /// Keys and charges in PostgreSQL, on `pool`. Apply [`migrate`] first.
+    ///
+    /// The store runs in tower-idempotency's [transactional
+    /// mode](tower_idempotency::transaction): each charge's row, its idempotency claim and its
+    /// stored response commit in one transaction. Each charge in flight holds one of the pool's
+    /// connections for as long as it is processed (the processing delay included); size the pool
+    /// for the concurrency you expect.
+    ///
+    /// # Errors
+    ///
+    /// As [`idempotency_layer`].
+    pub fn postgres(pool: PgPool, settings: &Settings) -> Result<Self, ConfigError> {
+        Ok(Self::new(
+            PostgresLedger::new(pool.clone()),
+            idempotency_layer(PostgresStore::new(pool).transactional(), settings)?,
+            CardProcessor::new(settings.processing_delay),
+        ))
+    }
+}
+
+/// Applies both sets of migrations to the database of `pool`: tower-idempotency's (schema
+/// `idempotency`, tracked in `idempotency._sqlx_migrations`) and the demo's own
+/// ([`ledger::MIGRATOR`]: table `charges`, tracked in the default `_sqlx_migrations`). Both are
+/// idempotent and safe to run from several instances at once.
+///
+/// # Errors
+///
+/// When the database cannot be reached or a migration fails.
+pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    PostgresStore::new(pool.clone()).migrate().await?;
+    ledger::MIGRATOR.run(pool).await
+}
+
+/// The API: `POST /v1/charges` under the idempotency layer, `GET /v1/charges` and
+/// `GET /v1/charges/{id}`, all behind [`auth::authenticate`].
+pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
+    let AppState {
+        ledger,
+        processor,
+        idempotency,
+    } = state;
+    Router::new()
+        .route(
+            "/v1/charges",
+            // Only the POST handler is wrapped: reads need no key.
+            post(routes::create_charge::<L>)
+                .layer(idempotency)
+                .get(routes::list_charges::<L>),
+        )
+        .route("/v1/charges/{id}", get(routes::retrieve_charge::<L>))
+        .fallback(routes::not_found)
+        .with_state(routes::Api { ledger, processor })
+        // Outermost, so the principal is in place when the idempotency layer looks for it.
+        .layer(middleware::from_fn(auth::authenticate))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_and_lease_apply_in_either_order() {
+        let short = Settings {
+            key_ttl: Duration::from_secs(10),
+            lease: Duration::from_secs(5),
+            ..Settings::default()
+        };
+        assert!(idempotency_layer(MemoryStore::new(), &short).is_ok());
+        let long = Settings {
+            key_ttl: Duration::from_secs(7 * 24 * 3600),
+            lease: Duration::from_secs(2 * 24 * 3600),
+            ..Settings::default()
+        };
+        assert!(idempotency_layer(MemoryStore::new(), &long).is_ok());
+        let lease_beyond_ttl = Settings {
+            key_ttl: Duration::from_secs(5),
+            lease: Duration::from_secs(10),
+            ..Settings::default()
+        };
+        assert!(idempotency_layer(MemoryStore::new(), &lease_beyond_ttl).is_ok());
+        let zero = Settings {
+            lease: Duration::ZERO,
+            ..Settings::default()
+        };
+        assert_eq!(
+            idempotency_layer(MemoryStore::new(), &zero).unwrap_err(),
+            ConfigError::Zero("lease")
+        );
+    }
+}

@@ -1,0 +1,482 @@
+//! The parameters of `POST /v1/charges`, read from a form or JSON body and validated.
+//!
+//! Stripe's client libraries send `application/x-www-form-urlencoded` bodies with nested fields in
+//! brackets (`metadata[order_id]=6735`); JSON bodies (`{"metadata": {"order_id": "6735"}}`) are
+//! accepted too. Both become the same list of named values before one validation, so both
+//! formats give the same errors.
+//!
+//! ```
+//! use charges_demo::params::ChargeParams;
+//!
+//! let params = ChargeParams::parse(
+//!     Some("application/x-www-form-urlencoded"),
+//!     b"amount=2000&currency=USD&metadata[order_id]=6735",
+//! )
+//! .unwrap();
+//! assert_eq!(params.amount, 2000);
+//! assert_eq!(params.currency, "usd");
+//! assert_eq!(params.source, "tok_visa");
+//! assert_eq!(params.metadata["order_id"], "6735");
+//! ```
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::error::ApiError;
+
+/// The largest amount accepted, in the currency's smallest unit (Stripe's limit).
+pub const MAX_AMOUNT: i64 = 99_999_999;
+/// The most metadata keys a charge can have.
+pub const MAX_METADATA_KEYS: usize = 50;
+/// The longest metadata key, in characters.
+pub const MAX_METADATA_KEY_LEN: usize = 40;
+/// The longest metadata value, in characters.
+pub const MAX_METADATA_VALUE_LEN: usize = 500;
+/// The longest `description`, in characters.
+pub const MAX_DESCRIPTION_LEN: usize = 1000;
+/// The longest `customer` or `source`, in characters.
+pub const MAX_ID_LEN: usize = 255;
+/// The source used when a request names none: Stripe's test Visa card.
+pub const DEFAULT_SOURCE: &str = "tok_visa";
+
+/// A valid request to create a charge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChargeParams {
+    /// A positive amount in the currency's smallest unit (cents for `usd`).
+    pub amount: i64,
+    /// A three-letter ISO currency code, lowercase.
+    pub currency: String,
+    /// The payment source: a card token such as `tok_visa` or `tok_chargeDeclined`.
+    pub source: String,
+    /// The customer the charge is for, if any.
+    pub customer: Option<String>,
+    /// A free-text description.
+    pub description: Option<String>,
+    /// Key-value pairs the client attaches.
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl ChargeParams {
+    /// Reads and validates a request body of the given `Content-Type` (a missing one is read
+    /// as a form, as Stripe does).
+    ///
+    /// # Errors
+    ///
+    /// A `400 invalid_request_error` [`ApiError`] naming the offending parameter in `param`.
+    pub fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Self, ApiError> {
+        let fields = match media_type(content_type) {
+            Media::Form => form_fields(body),
+            Media::Json => json_fields(body)?,
+            Media::Other(other) => {
+                return Err(ApiError::invalid_request(format!(
+                    "Unsupported Content-Type `{other}`: send \
+                     application/x-www-form-urlencoded (as Stripe's libraries do) or \
+                     application/json."
+                )));
+            }
+        };
+        Self::from_fields(fields)
+    }
+
+    /// Validates named values as a form sends them (`metadata[key]` for metadata).
+    ///
+    /// # Errors
+    ///
+    /// As [`parse`](Self::parse).
+    pub fn from_fields(fields: Vec<(String, String)>) -> Result<Self, ApiError> {
+        let mut raw = RawParams::default();
+        for (name, value) in fields {
+            raw.set(name, value)?;
+        }
+        raw.validate()
+    }
+}
+
+enum Media {
+    Form,
+    Json,
+    Other(String),
+}
+
+fn media_type(content_type: Option<&str>) -> Media {
+    let Some(content_type) = content_type else {
+        return Media::Form;
+    };
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    match essence.as_str() {
+        "" | "application/x-www-form-urlencoded" => Media::Form,
+        "application/json" => Media::Json,
+        other if other.starts_with("application/") && other.ends_with("+json") => Media::Json,
+        _ => Media::Other(essence),
+    }
+}
+
+fn form_fields(body: &[u8]) -> Vec<(String, String)> {
+    form_urlencoded::parse(body)
+        .map(|(name, value)| (name.into_owned(), value.into_owned()))
+        .collect()
+}
+
+/// Flattens a JSON object into form-style fields: scalars as their text, `metadata` members as
+/// `metadata[key]`. `null` leaves a field out.
+fn json_fields(body: &[u8]) -> Result<Vec<(String, String)>, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|error| ApiError::invalid_request(format!("Invalid JSON body: {error}.")))?;
+    let Value::Object(object) = value else {
+        return Err(ApiError::invalid_request(
+            "The JSON body must be an object of parameters.",
+        ));
+    };
+    let mut fields = Vec::with_capacity(object.len());
+    for (name, value) in object {
+        match value {
+            Value::Null => {}
+            Value::Object(members) if name == "metadata" => {
+                for (key, value) in members {
+                    let param = format!("metadata[{key}]");
+                    match value {
+                        Value::Null => {}
+                        Value::String(text) => fields.push((param, text)),
+                        Value::Number(n) => fields.push((param, n.to_string())),
+                        Value::Bool(b) => fields.push((param, b.to_string())),
+                        Value::Array(_) | Value::Object(_) => {
+                            return Err(ApiError::invalid_param(
+                                param,
+                                "parameter_invalid_string",
+                                "Metadata values must be strings.",
+                            ));
+                        }
+                    }
+                }
+            }
+            Value::String(text) => fields.push((name, text)),
+            Value::Number(n) => fields.push((name, n.to_string())),
+            Value::Bool(b) => fields.push((name, b.to_string())),
+            Value::Array(_) | Value::Object(_) => {
+                return Err(ApiError::invalid_param(
+                    name.clone(),
+                    "parameter_invalid_string",
+                    format!("Invalid value for {name}: expected a string or a number."),
+                ));
+            }
+        }
+    }
+    Ok(fields)
+}
+
+/// The fields as received, before validation.
+#[derive(Default)]
+struct RawParams {
+    amount: Option<String>,
+    currency: Option<String>,
+    source: Option<String>,
+    customer: Option<String>,
+    description: Option<String>,
+    metadata: BTreeMap<String, String>,
+}
+
+impl RawParams {
+    fn set(&mut self, name: String, value: String) -> Result<(), ApiError> {
+        let slot = match name.as_str() {
+            "amount" => &mut self.amount,
+            "currency" => &mut self.currency,
+            "source" => &mut self.source,
+            "customer" => &mut self.customer,
+            "description" => &mut self.description,
+            // `metadata=` (empty) is Stripe's way of saying "no metadata".
+            "metadata" if value.is_empty() => return Ok(()),
+            _ => return self.set_metadata(&name, value),
+        };
+        if slot.is_some() {
+            return Err(duplicate(&name));
+        }
+        // An empty value is an absent one, as in Stripe's form encoding.
+        if !value.is_empty() {
+            *slot = Some(value);
+        }
+        Ok(())
+    }
+
+    fn set_metadata(&mut self, name: &str, value: String) -> Result<(), ApiError> {
+        let Some(key) = name
+            .strip_prefix("metadata[")
+            .and_then(|rest| rest.strip_suffix(']'))
+        else {
+            return Err(ApiError::unknown_param(name));
+        };
+        if key.is_empty() || key.contains(['[', ']']) {
+            return Err(ApiError::invalid_param(
+                name,
+                "parameter_invalid_string",
+                "Metadata keys must be non-empty strings without brackets, as in \
+                 metadata[order_id]=6735.",
+            ));
+        }
+        if key.chars().count() > MAX_METADATA_KEY_LEN {
+            return Err(ApiError::invalid_param(
+                name,
+                "parameter_invalid_string",
+                format!(
+                    "Metadata keys can have a maximum length of {MAX_METADATA_KEY_LEN} characters."
+                ),
+            ));
+        }
+        if value.chars().count() > MAX_METADATA_VALUE_LEN {
+            return Err(ApiError::invalid_param(
+                name,
+                "parameter_invalid_string",
+                format!(
+                    "Metadata values can have a maximum length of {MAX_METADATA_VALUE_LEN} \
+                     characters."
+                ),
+            ));
+        }
+        if self.metadata.contains_key(key) {
+            return Err(duplicate(name));
+        }
+        // An empty value unsets a key in Stripe; on a new charge there is nothing to unset.
+        if !value.is_empty() {
+            if self.metadata.len() == MAX_METADATA_KEYS {
+                return Err(ApiError::invalid_param(
+                    "metadata",
+                    "parameter_invalid_string",
+                    format!("Metadata can have at most {MAX_METADATA_KEYS} keys."),
+                ));
+            }
+            self.metadata.insert(key.to_owned(), value);
+        }
+        Ok(())
+    }
+
+    fn validate(self) -> Result<ChargeParams, ApiError> {
+        let amount = self
+            .amount
+            .ok_or_else(|| ApiError::missing_param("amount"))?;
+        let amount = parse_amount(&amount)?;
+
+        let currency = self
+            .currency
+            .ok_or_else(|| ApiError::missing_param("currency"))?;
+        if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_alphabetic()) {
+            return Err(ApiError::invalid_param(
+                "currency",
+                "parameter_invalid_string",
+                format!(
+                    "Invalid currency: {currency}. Use a three-letter ISO currency code, such as \
+                     usd or eur."
+                ),
+            ));
+        }
+
+        let source = self.source.unwrap_or_else(|| DEFAULT_SOURCE.to_owned());
+        if !source.starts_with("tok_")
+            || source.len() > MAX_ID_LEN
+            || !source
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        {
+            return Err(ApiError::invalid_param(
+                "source",
+                "resource_missing",
+                format!(
+                    "No such token: '{source}'. Use a test token such as tok_visa or \
+                     tok_chargeDeclined."
+                ),
+            ));
+        }
+
+        if let Some(customer) = &self.customer
+            && (customer.chars().count() > MAX_ID_LEN || customer.chars().any(char::is_control))
+        {
+            return Err(ApiError::invalid_param(
+                "customer",
+                "parameter_invalid_string",
+                format!(
+                    "Invalid customer: at most {MAX_ID_LEN} characters, without control \
+                     characters."
+                ),
+            ));
+        }
+        if let Some(description) = &self.description
+            && description.chars().count() > MAX_DESCRIPTION_LEN
+        {
+            return Err(ApiError::invalid_param(
+                "description",
+                "parameter_invalid_string_too_long",
+                format!(
+                    "Descriptions can have a maximum length of {MAX_DESCRIPTION_LEN} characters."
+                ),
+            ));
+        }
+
+        Ok(ChargeParams {
+            amount,
+            currency: currency.to_ascii_lowercase(),
+            source,
+            customer: self.customer,
+            description: self.description,
+            metadata: self.metadata,
+        })
+    }
+}
+
+fn parse_amount(text: &str) -> Result<i64, ApiError> {
+    if text.is_empty() || text.len() > 18 || !text.bytes().all(|b| b.is_ascii_digit()) {
+        // A sign, a decimal point or an exponent: Stripe wants whole smallest units.
+        let message = if text.starts_with('-') {
+            "This value must be greater than or equal to 1.".to_owned()
+        } else {
+            format!("Invalid integer: {text}")
+        };
+        return Err(ApiError::invalid_param(
+            "amount",
+            "parameter_invalid_integer",
+            message,
+        ));
+    }
+    let amount: i64 = text.parse().map_err(|_| {
+        ApiError::invalid_param(
+            "amount",
+            "parameter_invalid_integer",
+            format!("Invalid integer: {text}"),
+        )
+    })?;
+    if amount < 1 {
+        return Err(ApiError::invalid_param(
+            "amount",
+            "parameter_invalid_integer",
+            "This value must be greater than or equal to 1.",
+        ));
+    }
+    if amount > MAX_AMOUNT {
+        return Err(ApiError::invalid_param(
+            "amount",
+            "amount_too_large",
+            format!("Amount must be no more than {MAX_AMOUNT}."),
+        ));
+    }
+    Ok(amount)
+}
+
+fn duplicate(name: &str) -> ApiError {
+    ApiError::invalid_param(
+        name,
+        "parameter_invalid_string",
+        format!("Received parameter {name} more than once."),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FORM: Option<&str> = Some("application/x-www-form-urlencoded");
+    const JSON: Option<&str> = Some("application/json; charset=utf-8");
+
+    fn param_of(content_type: Option<&str>, body: &str) -> Option<String> {
+        let error = ChargeParams::parse(content_type, body.as_bytes()).unwrap_err();
+        assert_eq!(error.status(), http::StatusCode::BAD_REQUEST, "{body}");
+        error.param().map(str::to_owned)
+    }
+
+    #[test]
+    fn form_and_json_read_the_same() {
+        let form = ChargeParams::parse(
+            FORM,
+            b"amount=2000&currency=EUR&source=tok_mastercard&customer=cus_1\
+              &description=Order+%231&metadata[order_id]=6735&metadata[note]=a%26b",
+        )
+        .unwrap();
+        let json = ChargeParams::parse(
+            JSON,
+            br##"{"amount": 2000, "currency": "EUR", "source": "tok_mastercard",
+                 "customer": "cus_1", "description": "Order #1",
+                 "metadata": {"order_id": 6735, "note": "a&b"}}"##,
+        )
+        .unwrap();
+        assert_eq!(form, json);
+        assert_eq!(form.currency, "eur");
+        assert_eq!(form.description.as_deref(), Some("Order #1"));
+        assert_eq!(form.metadata.len(), 2);
+        assert_eq!(form.metadata["note"], "a&b");
+    }
+
+    #[test]
+    fn defaults() {
+        let params = ChargeParams::parse(None, b"amount=1&currency=usd").unwrap();
+        assert_eq!(params.source, DEFAULT_SOURCE);
+        assert_eq!(params.customer, None);
+        assert_eq!(params.description, None);
+        assert!(params.metadata.is_empty());
+        let params = ChargeParams::parse(FORM, b"amount=1&currency=usd&metadata=").unwrap();
+        assert!(params.metadata.is_empty());
+    }
+
+    #[test]
+    fn invalid_parameters_are_named() {
+        let cases = [
+            (FORM, "currency=usd", "amount"),
+            (FORM, "amount=&currency=usd", "amount"),
+            (FORM, "amount=0&currency=usd", "amount"),
+            (FORM, "amount=-5&currency=usd", "amount"),
+            (FORM, "amount=12.5&currency=usd", "amount"),
+            (FORM, "amount=abc&currency=usd", "amount"),
+            (FORM, "amount=100000000&currency=usd", "amount"),
+            (FORM, "amount=99999999999999999999&currency=usd", "amount"),
+            (FORM, "amount=100", "currency"),
+            (FORM, "amount=100&currency=us", "currency"),
+            (FORM, "amount=100&currency=us1", "currency"),
+            (FORM, "amount=100&currency=usd&source=card_123", "source"),
+            (FORM, "amount=100&currency=usd&amount=200", "amount"),
+            (FORM, "amount=100&currency=usd&capture=false", "capture"),
+            (FORM, "amount=100&currency=usd&metadata[]=x", "metadata[]"),
+            (
+                FORM,
+                "amount=100&currency=usd&metadata[a][b]=x",
+                "metadata[a][b]",
+            ),
+            (JSON, r#"{"amount": 1.5, "currency": "usd"}"#, "amount"),
+            (
+                JSON,
+                r#"{"amount": "100", "currency": ["usd"]}"#,
+                "currency",
+            ),
+            (
+                JSON,
+                r#"{"amount": 100, "currency": "usd", "metadata": {"a": {}}}"#,
+                "metadata[a]",
+            ),
+        ];
+        for (content_type, body, param) in cases {
+            assert_eq!(
+                param_of(content_type, body).as_deref(),
+                Some(param),
+                "{body}"
+            );
+        }
+        let long_key = format!("amount=1&currency=usd&metadata[{}]=x", "k".repeat(41));
+        assert!(param_of(FORM, &long_key).is_some());
+        let long_value = format!("amount=1&currency=usd&metadata[k]={}", "v".repeat(501));
+        assert!(param_of(FORM, &long_value).is_some());
+        let many: String = (0..=MAX_METADATA_KEYS)
+            .map(|i| format!("&metadata[k{i}]=v"))
+            .collect();
+        assert_eq!(
+            param_of(FORM, &format!("amount=1&currency=usd{many}")).as_deref(),
+            Some("metadata")
+        );
+    }
+
+    #[test]
+    fn malformed_bodies_are_request_errors() {
+        assert_eq!(param_of(JSON, "{not json"), None);
+        assert_eq!(param_of(JSON, "[1, 2]"), None);
+        assert_eq!(param_of(Some("text/plain"), "amount=1&currency=usd"), None);
+    }
+}

@@ -1,0 +1,347 @@
+//! The server process: options, start-up, serving, graceful shutdown.
+//!
+//! Every option is a flag, else an environment variable, else a default:
+//!
+//! | flag | environment | default |
+//! |---|---|---|
+//! | `--listen ADDR` | `LISTEN_ADDR` | `127.0.0.1:3000` |
+//! | `--database-url URL` | `DATABASE_URL` | none: the embedded in-memory store and ledger |
+//! | `--processing-delay-ms N` | `CHARGE_PROCESSING_DELAY_MS` | `0` |
+//! | `--key-ttl-secs N` | `IDEMPOTENCY_KEY_TTL_SECS` | `86400` |
+//! | `--lease-secs N` | `IDEMPOTENCY_LEASE_SECS` | `30` |
+//!
+//! When it is ready the server prints exactly one line to standard output, `listening on ADDR`
+//! with the address it bound (so `--listen 127.0.0.1:0` tells which port it got); logs go to
+//! standard error. SIGTERM or Ctrl-C stops accepting connections, lets the requests in flight
+//! finish, and exits 0.
+
+use std::{
+    fmt,
+    io::{self, Write},
+    net::SocketAddr,
+    str::FromStr,
+    time::Duration,
+};
+
+use clap::Parser;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::net::TcpListener;
+use tower_idempotency::{
+    ConfigError,
+    store::{ExpiredDeletion, continuously_delete_expired},
+};
+
+use crate::{AppState, Settings, app, ledger::Ledger};
+
+/// How often expired idempotency records are deleted, and how many per batch.
+const EXPIRY_PERIOD: Duration = Duration::from_secs(60);
+const EXPIRY_BATCH: u32 = 1_000;
+
+/// The command line; see the [module documentation](self).
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "charges-demo",
+    version,
+    about = "A Stripe-style payments API whose POST /v1/charges runs once per Idempotency-Key"
+)]
+pub struct Args {
+    /// The address to listen on (port 0: any free port; the bound address is printed).
+    #[arg(
+        long,
+        env = "LISTEN_ADDR",
+        default_value = "127.0.0.1:3000",
+        value_name = "ADDR"
+    )]
+    pub listen: SocketAddr,
+
+    /// PostgreSQL for idempotency keys and charges; without it, both live in memory.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, value_name = "URL")]
+    pub database_url: Option<String>,
+
+    /// Simulated card-processor latency of every charge, in milliseconds.
+    #[arg(
+        long,
+        env = "CHARGE_PROCESSING_DELAY_MS",
+        default_value_t = 0,
+        value_name = "N"
+    )]
+    pub processing_delay_ms: u64,
+
+    /// How long an idempotency key and its stored response live, in seconds.
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_KEY_TTL_SECS",
+        default_value_t = 86_400,
+        value_name = "N",
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub key_ttl_secs: u64,
+
+    /// How long a key is held without renewal before a retry may take it over, in seconds.
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_LEASE_SECS",
+        default_value_t = 30,
+        value_name = "N",
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub lease_secs: u64,
+}
+
+impl Args {
+    /// The [`Settings`] these options give.
+    pub fn settings(&self) -> Settings {
+        Settings {
+            key_ttl: Duration::from_secs(self.key_ttl_secs),
+            lease: Duration::from_secs(self.lease_secs),
+            processing_delay: Duration::from_millis(self.processing_delay_ms),
+        }
+    }
+}
+
+/// Runs the server until SIGTERM or Ctrl-C, then returns once the requests in flight finished.
+///
+/// # Errors
+///
+/// A [`RunError`] when start-up fails: invalid settings, an unreachable database, a failed
+/// migration, an address that cannot be bound.
+pub async fn run(args: Args) -> Result<(), RunError> {
+    let settings = args.settings();
+    let Some(url) = &args.database_url else {
+        // This must stay the first log line of the embedded mode.
+        tracing::info!(
+            "no DATABASE_URL: using the embedded in-memory idempotency store and ledger \
+             (everything is lost on exit, and keys are not shared between instances)"
+        );
+        let state = AppState::memory(&settings).map_err(RunError::Config)?;
+        return serve(args.listen, state, &settings).await;
+    };
+
+    let options = PgConnectOptions::from_str(url).map_err(RunError::DatabaseUrl)?;
+    tracing::info!(
+        database = %describe(&options),
+        "using PostgreSQL for idempotency keys and the charges ledger"
+    );
+    let pool = PgPoolOptions::new()
+        .max_connections(20)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(options)
+        .await
+        .map_err(RunError::Connect)?;
+    crate::migrate(&pool).await.map_err(RunError::Migrate)?;
+    tracing::info!("migrations applied: idempotency._sqlx_migrations and _sqlx_migrations");
+    let state = AppState::postgres(pool.clone(), &settings).map_err(RunError::Config)?;
+    let served = serve(args.listen, state, &settings).await;
+    pool.close().await;
+    served
+}
+
+async fn serve<L, St>(
+    listen: SocketAddr,
+    state: AppState<L, St>,
+    settings: &Settings,
+) -> Result<(), RunError>
+where
+    L: Ledger,
+    St: ExpiredDeletion + Clone,
+{
+    let expiry = tokio::spawn(continuously_delete_expired(
+        state.idempotency_store().clone(),
+        EXPIRY_PERIOD,
+        EXPIRY_BATCH,
+    ));
+    // Signals are caught from here on, before anyone is told the server is up.
+    let shutdown = ShutdownSignal::install().map_err(RunError::Signal)?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| RunError::Bind {
+            addr: listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(RunError::Serve)?;
+    tracing::info!(
+        %addr,
+        processing_delay_ms = settings.processing_delay.as_millis(),
+        key_ttl_secs = settings.key_ttl.as_secs(),
+        lease_secs = settings.lease.as_secs(),
+        "ready"
+    );
+    announce(addr).map_err(RunError::Serve)?;
+
+    let served = axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown.recv())
+        .await
+        .map_err(RunError::Serve);
+    expiry.abort();
+    tracing::info!("stopped");
+    served
+}
+
+/// The one line on standard output.
+fn announce(addr: SocketAddr) -> io::Result<()> {
+    let mut stdout = io::stdout().lock();
+    writeln!(stdout, "listening on {addr}")?;
+    stdout.flush()
+}
+
+/// SIGTERM or SIGINT (Ctrl-C), registered when installed.
+struct ShutdownSignal {
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignal {
+    #[cfg(unix)]
+    fn install() -> io::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            terminate: signal(SignalKind::terminate())?,
+            interrupt: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    #[cfg(not(unix))]
+    fn install() -> io::Result<Self> {
+        Ok(Self {})
+    }
+
+    async fn recv(mut self) {
+        #[cfg(unix)]
+        let name = tokio::select! {
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = self.interrupt.recv() => "SIGINT",
+        };
+        #[cfg(not(unix))]
+        let name = match tokio::signal::ctrl_c().await {
+            Ok(()) => "Ctrl-C",
+            Err(_) => std::future::pending().await,
+        };
+        tracing::info!(
+            signal = name,
+            "shutting down: no new connections; waiting for requests in flight"
+        );
+    }
+}
+
+/// Where the database is, without credentials.
+fn describe(options: &PgConnectOptions) -> String {
+    let database = options.get_database().unwrap_or("(default database)");
+    match options.get_socket() {
+        Some(socket) => format!("{}/{database}", socket.display()),
+        None => format!("{}:{}/{database}", options.get_host(), options.get_port()),
+    }
+}
+
+/// Why the server could not start or keep serving.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RunError {
+    /// The TTL or lease is invalid.
+    Config(ConfigError),
+    /// `DATABASE_URL` is not a PostgreSQL URL.
+    DatabaseUrl(sqlx::Error),
+    /// PostgreSQL could not be reached.
+    Connect(sqlx::Error),
+    /// Applying the migrations failed.
+    Migrate(sqlx::migrate::MigrateError),
+    /// The signal handlers could not be installed.
+    Signal(io::Error),
+    /// The listen address could not be bound.
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: io::Error,
+    },
+    /// Serving failed.
+    Serve(io::Error),
+}
+
+impl fmt::Display for RunError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Config(_) => f.write_str("invalid settings"),
+            Self::DatabaseUrl(_) => f.write_str("DATABASE_URL is not a valid PostgreSQL URL"),
+            Self::Connect(_) => f.write_str("cannot connect to PostgreSQL"),
+            Self::Migrate(_) => f.write_str("applying the database migrations failed"),
+            Self::Signal(_) => f.write_str("cannot install the shutdown signal handlers"),
+            Self::Bind { addr, .. } => write!(f, "cannot listen on {addr}"),
+            Self::Serve(_) => f.write_str("serving failed"),
+        }
+    }
+}
+
+impl std::error::Error for RunError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Config(error) => Some(error),
+            Self::DatabaseUrl(error) | Self::Connect(error) => Some(error),
+            Self::Migrate(error) => Some(error),
+            Self::Signal(error) | Self::Serve(error) | Self::Bind { source: error, .. } => {
+                Some(error)
+            }
+        }
+    }
+}
+
+/// Displays an error with its sources: `outer: inner: innermost`.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(error) = source {
+            write!(f, ": {error}")?;
+            source = error.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("charges-demo").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn flags_parse_into_settings() {
+        let args = parse(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--processing-delay-ms",
+            "1500",
+            "--key-ttl-secs",
+            "600",
+            "--lease-secs",
+            "10",
+        ])
+        .unwrap();
+        assert_eq!(args.listen, "127.0.0.1:0".parse().unwrap());
+        assert_eq!(
+            args.settings(),
+            Settings {
+                key_ttl: Duration::from_secs(600),
+                lease: Duration::from_secs(10),
+                processing_delay: Duration::from_millis(1500),
+            }
+        );
+        assert!(parse(&["--lease-secs", "0"]).is_err());
+        assert!(parse(&["--listen", "not an address"]).is_err());
+    }
+
+    #[test]
+    fn database_description_has_no_credentials() {
+        let options =
+            PgConnectOptions::from_str("postgres://demo:s3cret@db.example:5433/charges").unwrap();
+        let text = describe(&options);
+        assert_eq!(text, "db.example:5433/charges");
+        assert!(!text.contains("s3cret"));
+    }
+}

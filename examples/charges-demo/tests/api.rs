@@ -1,0 +1,636 @@
+//! The API in process (`app()` with `oneshot`), every scenario on both backends: memory, and
+//! PostgreSQL with a database of its own per test.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use axum::{body::Body, http::Request, http::StatusCode};
+use base64::{Engine, engine::general_purpose::STANDARD};
+use common::{Backend, Gate, Harness, bounded, charge, charge_json, get, new_api_key, new_key};
+use serde_json::json;
+
+/// Runs each scenario on each backend, bounded in time.
+macro_rules! on_every_backend {
+    ($($scenario:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    crate::common::bounded(super::$scenario(crate::common::Backend::Memory)).await
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $scenario() {
+                    crate::common::bounded(super::$scenario(crate::common::Backend::Postgres)).await
+                }
+            )*
+        }
+    };
+}
+
+on_every_backend!(
+    creates_a_charge_from_a_stripe_form,
+    creates_a_charge_from_json,
+    retry_replays_the_charge_byte_for_byte,
+    reused_key_with_another_amount_is_422,
+    declined_card_is_402_and_replayed,
+    invalid_parameters_are_400_and_release_the_key,
+    idempotency_key_is_required,
+    authentication_is_required_and_checked,
+    basic_auth_with_the_key_as_user_name,
+    in_flight_duplicate_is_409,
+    processing_takes_the_configured_delay,
+    retrieve_and_list_are_scoped_per_account,
+    list_pages_and_validates_its_parameters,
+    same_key_in_two_accounts_makes_two_charges,
+    unknown_urls_and_methods,
+);
+
+async fn creates_a_charge_from_a_stripe_form(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let reply = h
+        .send(charge(
+            &api_key,
+            Some(&new_key()),
+            "amount=2000&currency=USD&description=Order+%236735\
+             &customer=cus_123&metadata[order_id]=6735&metadata[note]=a%26b",
+        ))
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(reply.content_type(), "application/json");
+    assert!(!reply.replayed());
+    let charge = reply.json();
+    assert!(charge["id"].as_str().unwrap().starts_with("ch_"));
+    assert_eq!(charge["object"], "charge");
+    assert_eq!(charge["amount"], 2000);
+    assert_eq!(charge["currency"], "usd", "currency is lowercased");
+    assert_eq!(charge["status"], "succeeded");
+    assert_eq!(charge["paid"], true);
+    assert_eq!(charge["captured"], true);
+    assert_eq!(charge["livemode"], false);
+    assert_eq!(charge["description"], "Order #6735");
+    assert_eq!(charge["customer"], "cus_123");
+    assert_eq!(
+        charge["metadata"],
+        json!({"order_id": "6735", "note": "a&b"})
+    );
+    assert!(charge["failure_code"].is_null());
+    let created = charge["created"].as_i64().unwrap();
+    assert!((before..=before + 60).contains(&created), "{created}");
+
+    // Retrievable, identical.
+    let id = charge["id"].as_str().unwrap();
+    let fetched = h.send(get(&api_key, &format!("/v1/charges/{id}"))).await;
+    assert_eq!(fetched.status, StatusCode::OK);
+    assert_eq!(fetched.json(), charge);
+}
+
+async fn creates_a_charge_from_json(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let key = new_key();
+    let body = json!({"amount": 1500, "currency": "eur", "metadata": {"cart": "42"}});
+    let reply = h.send(charge_json(&api_key, &key, &body)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let charge = reply.json();
+    assert_eq!(charge["amount"], 1500);
+    assert_eq!(charge["currency"], "eur");
+    assert_eq!(charge["metadata"], json!({"cart": "42"}));
+    assert!(charge["description"].is_null());
+
+    // The same parameters in another order are the same request: a replay.
+    let reordered = json!({"metadata": {"cart": "42"}, "currency": "eur", "amount": 1500});
+    let retry = h.send(charge_json(&api_key, &key, &reordered)).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.json()["id"], charge["id"]);
+}
+
+async fn retry_replays_the_charge_byte_for_byte(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let key = new_key();
+    let form = "amount=2000&currency=usd&metadata[order_id]=6735";
+    let first = h.send(charge(&api_key, Some(&key), form)).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    assert!(!first.replayed());
+
+    // The response was "lost"; the client retries twice with the same key.
+    for _ in 0..2 {
+        let retry = h.send(charge(&api_key, Some(&key), form)).await;
+        assert_eq!(retry.status, StatusCode::OK);
+        assert!(retry.replayed(), "a retry is marked as a replay");
+        assert_eq!(retry.body, first.body, "the replay is byte for byte");
+        assert_eq!(retry.content_type(), first.content_type());
+    }
+
+    let charges = h.charges_of(&api_key).await;
+    assert_eq!(charges.len(), 1, "charged once");
+    assert_eq!(charges[0]["id"], first.json()["id"]);
+}
+
+async fn reused_key_with_another_amount_is_422(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let key = new_key();
+    let first = h
+        .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
+        .await;
+    assert_eq!(first.status, StatusCode::OK);
+
+    let changed = h
+        .send(charge(&api_key, Some(&key), "amount=3000&currency=usd"))
+        .await;
+    changed.problem(StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
+    assert!(!changed.replayed());
+
+    // The stored outcome is untouched: the original request still replays, one charge exists.
+    let retry = h
+        .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
+        .await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    let charges = h.charges_of(&api_key).await;
+    assert_eq!(charges.len(), 1);
+    assert_eq!(charges[0]["amount"], 2000);
+}
+
+async fn declined_card_is_402_and_replayed(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let key = new_key();
+    let form = "amount=2000&currency=usd&source=tok_chargeDeclined";
+    let declined = h.send(charge(&api_key, Some(&key), form)).await;
+    let error = declined.stripe_error(StatusCode::PAYMENT_REQUIRED, "card_error");
+    assert_eq!(error["code"], "card_declined");
+    assert_eq!(error["decline_code"], "generic_decline");
+    let charge_id = error["charge"].as_str().expect("the failed charge's id");
+    assert!(charge_id.starts_with("ch_"));
+
+    // A decline is a final outcome: kept, and replayed rather than tried again.
+    let retry = h.send(charge(&api_key, Some(&key), form)).await;
+    assert_eq!(retry.status, StatusCode::PAYMENT_REQUIRED);
+    assert!(retry.replayed());
+    assert_eq!(retry.body, declined.body);
+
+    // Stripe records the failed attempt: one charge, failed.
+    let charges = h.charges_of(&api_key).await;
+    assert_eq!(charges.len(), 1);
+    assert_eq!(charges[0]["id"], charge_id);
+    assert_eq!(charges[0]["status"], "failed");
+    assert_eq!(charges[0]["paid"], false);
+    assert_eq!(charges[0]["failure_code"], "card_declined");
+
+    let insufficient = h
+        .send(charge(
+            &api_key,
+            Some(&new_key()),
+            "amount=2000&currency=usd&source=tok_chargeDeclinedInsufficientFunds",
+        ))
+        .await;
+    let error = insufficient.stripe_error(StatusCode::PAYMENT_REQUIRED, "card_error");
+    assert_eq!(error["decline_code"], "insufficient_funds");
+}
+
+async fn invalid_parameters_are_400_and_release_the_key(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let cases = [
+        ("currency=usd", "amount", "parameter_missing"),
+        (
+            "amount=0&currency=usd",
+            "amount",
+            "parameter_invalid_integer",
+        ),
+        (
+            "amount=-100&currency=usd",
+            "amount",
+            "parameter_invalid_integer",
+        ),
+        (
+            "amount=12.50&currency=usd",
+            "amount",
+            "parameter_invalid_integer",
+        ),
+        ("amount=2000", "currency", "parameter_missing"),
+        (
+            "amount=2000&currency=dollars",
+            "currency",
+            "parameter_invalid_string",
+        ),
+        (
+            "amount=2000&currency=usd&source=4242424242424242",
+            "source",
+            "resource_missing",
+        ),
+        (
+            "amount=2000&currency=usd&capture=false",
+            "capture",
+            "parameter_unknown",
+        ),
+    ];
+    for (form, param, code) in cases {
+        let key = new_key();
+        let reply = h.send(charge(&api_key, Some(&key), form)).await;
+        let error = reply.stripe_error(StatusCode::BAD_REQUEST, "invalid_request_error");
+        assert_eq!(error["param"], param, "{form}");
+        assert_eq!(error["code"], code, "{form}");
+
+        // Nothing was done, so the key was released: the corrected request runs under it.
+        let corrected = h
+            .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
+            .await;
+        assert_eq!(
+            corrected.status,
+            StatusCode::OK,
+            "{form}: {}",
+            corrected.text()
+        );
+        assert!(!corrected.replayed());
+    }
+    assert_eq!(h.charges_of(&api_key).await.len(), cases.len());
+
+    let bad_json = Request::post("/v1/charges")
+        .header("authorization", format!("Bearer {api_key}"))
+        .header("idempotency-key", new_key())
+        .header("content-type", "application/json")
+        .body(Body::from("{\"amount\": 2000,"))
+        .unwrap();
+    let reply = h.send(bad_json).await;
+    reply.stripe_error(StatusCode::BAD_REQUEST, "invalid_request_error");
+}
+
+async fn idempotency_key_is_required(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let reply = h
+        .send(charge(&api_key, None, "amount=2000&currency=usd"))
+        .await;
+    reply.problem(StatusCode::BAD_REQUEST, "KeyMissing");
+    assert!(h.charges_of(&api_key).await.is_empty(), "nothing charged");
+
+    // Reads are not covered by the layer: no key needed.
+    let list = h.send(get(&api_key, "/v1/charges")).await;
+    assert_eq!(list.status, StatusCode::OK);
+}
+
+async fn authentication_is_required_and_checked(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let unauthenticated = |authorization: Option<&str>| {
+        let mut request = Request::post("/v1/charges")
+            .header("idempotency-key", new_key())
+            .header("content-type", "application/x-www-form-urlencoded");
+        if let Some(value) = authorization {
+            request = request.header("authorization", value);
+        }
+        request
+            .body(Body::from("amount=2000&currency=usd"))
+            .unwrap()
+    };
+    for authorization in [
+        None,
+        Some("Bearer"),
+        Some("Bearer pk_test_123"),
+        Some("Bearer sk_live_1234567890abcdef"),
+        Some("Bearer sk_test_has spaces"),
+        Some("Token sk_test_123"),
+        Some("Basic not-base64!"),
+    ] {
+        let reply = h.send(unauthenticated(authorization)).await;
+        let error = reply.stripe_error(StatusCode::UNAUTHORIZED, "invalid_request_error");
+        assert!(
+            reply.headers.contains_key("www-authenticate"),
+            "{authorization:?}"
+        );
+        if let Some(value) = authorization {
+            let secret = value.rsplit(' ').next().unwrap();
+            if secret.len() > 12 {
+                assert!(
+                    !error["message"].as_str().unwrap().contains(secret),
+                    "the key is not echoed: {error}"
+                );
+            }
+        }
+    }
+    // Reads too.
+    let reply = h
+        .send(Request::get("/v1/charges").body(Body::empty()).unwrap())
+        .await;
+    reply.stripe_error(StatusCode::UNAUTHORIZED, "invalid_request_error");
+}
+
+async fn basic_auth_with_the_key_as_user_name(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    // `curl -u sk_test_...:`
+    let basic = format!("Basic {}", STANDARD.encode(format!("{api_key}:")));
+    let request = Request::post("/v1/charges")
+        .header("authorization", &basic)
+        .header("idempotency-key", new_key())
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(Body::from("amount=700&currency=usd"))
+        .unwrap();
+    let reply = h.send(request).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let id = reply.json()["id"].as_str().unwrap().to_owned();
+
+    // The same key over Bearer is the same account.
+    let fetched = h.send(get(&api_key, &format!("/v1/charges/{id}"))).await;
+    assert_eq!(fetched.status, StatusCode::OK);
+    assert_eq!(fetched.json()["amount"], 700);
+}
+
+async fn in_flight_duplicate_is_409(backend: Backend) {
+    let gate = Gate::new();
+    let h = Harness::with_processor(backend, gate.processor(Duration::from_millis(50))).await;
+    let api_key = new_api_key();
+    let key = new_key();
+    let form = "amount=2000&currency=usd";
+
+    let first = tokio::spawn({
+        let app = h.app.clone();
+        let request = charge(&api_key, Some(&key), form);
+        async move { tower::ServiceExt::oneshot(app, request).await }
+    });
+    // The first charge is now inside the card processor, holding the key.
+    gate.started().await;
+
+    // The double click.
+    let duplicate = h.send(charge(&api_key, Some(&key), form)).await;
+    duplicate.problem(StatusCode::CONFLICT, "InFlight");
+    assert_eq!(duplicate.headers["retry-after"], "1");
+
+    gate.release(1);
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let first = http_body_util::BodyExt::collect(first.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+
+    // Once it finished, the retry the 409 asked for gets the charge.
+    let retry = h.send(charge(&api_key, Some(&key), form)).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first);
+    assert_eq!(gate.entered(), 1, "the processor saw the charge once");
+    assert_eq!(h.charges_of(&api_key).await.len(), 1, "one charge");
+}
+
+async fn processing_takes_the_configured_delay(backend: Backend) {
+    let delay = Duration::from_millis(300);
+    let h =
+        Harness::with_processor(backend, charges_demo::processor::CardProcessor::new(delay)).await;
+    let start = Instant::now();
+    let reply = h
+        .send(charge(
+            &new_api_key(),
+            Some(&new_key()),
+            "amount=1&currency=usd",
+        ))
+        .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert!(start.elapsed() >= delay, "{:?}", start.elapsed());
+}
+
+async fn retrieve_and_list_are_scoped_per_account(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let alice = new_api_key();
+    let bob = new_api_key();
+    let mut alices = Vec::new();
+    for amount in [100, 200, 300] {
+        let reply = h
+            .send(charge(
+                &alice,
+                Some(&new_key()),
+                &format!("amount={amount}&currency=usd"),
+            ))
+            .await;
+        assert_eq!(reply.status, StatusCode::OK);
+        alices.push(reply.json()["id"].as_str().unwrap().to_owned());
+    }
+    let reply = h
+        .send(charge(&bob, Some(&new_key()), "amount=999&currency=usd"))
+        .await;
+    let bobs = reply.json()["id"].as_str().unwrap().to_owned();
+
+    // Bob cannot see Alice's charge, and cannot tell it exists.
+    let foreign = h
+        .send(get(&bob, &format!("/v1/charges/{}", alices[0])))
+        .await;
+    let error = foreign.stripe_error(StatusCode::NOT_FOUND, "invalid_request_error");
+    assert_eq!(error["code"], "resource_missing");
+    let missing = h.send(get(&bob, "/v1/charges/ch_doesnotexist")).await;
+    let missing_error = missing.stripe_error(StatusCode::NOT_FOUND, "invalid_request_error");
+    assert_eq!(
+        error["message"].as_str().unwrap().replace(&alices[0], "ID"),
+        missing_error["message"]
+            .as_str()
+            .unwrap()
+            .replace("ch_doesnotexist", "ID"),
+        "a foreign charge and a missing one look the same"
+    );
+
+    // Each list holds its own charges only, newest first.
+    let ids = |charges: Vec<serde_json::Value>| -> Vec<String> {
+        charges
+            .iter()
+            .map(|c| c["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let mut expected = alices.clone();
+    expected.reverse();
+    assert_eq!(ids(h.charges_of(&alice).await), expected);
+    assert_eq!(ids(h.charges_of(&bob).await), [bobs.as_str()]);
+
+    // A cursor of another account's is refused.
+    let cursor = h
+        .send(get(&alice, &format!("/v1/charges?starting_after={bobs}")))
+        .await;
+    let error = cursor.stripe_error(StatusCode::BAD_REQUEST, "invalid_request_error");
+    assert_eq!(error["param"], "starting_after");
+}
+
+async fn list_pages_and_validates_its_parameters(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let mut ids = Vec::new();
+    for amount in 1..=5 {
+        let reply = h
+            .send(charge(
+                &api_key,
+                Some(&new_key()),
+                &format!("amount={amount}&currency=usd"),
+            ))
+            .await;
+        ids.push(reply.json()["id"].as_str().unwrap().to_owned());
+    }
+    ids.reverse(); // newest first
+
+    let page = h.send(get(&api_key, "/v1/charges?limit=2")).await;
+    assert_eq!(page.status, StatusCode::OK);
+    let list = page.json();
+    assert_eq!(list["object"], "list");
+    assert_eq!(list["url"], "/v1/charges");
+    assert_eq!(list["has_more"], true);
+    let data = list["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    assert_eq!(data[0]["id"], ids[0]);
+    assert_eq!(data[1]["id"], ids[1]);
+    assert_eq!(data[0]["object"], "charge");
+
+    let next = h
+        .send(get(
+            &api_key,
+            &format!("/v1/charges?limit=2&starting_after={}", ids[3]),
+        ))
+        .await
+        .json();
+    assert_eq!(next["has_more"], false);
+    assert_eq!(next["data"].as_array().unwrap().len(), 1);
+    assert_eq!(next["data"][0]["id"], ids[4]);
+
+    let default = h.send(get(&api_key, "/v1/charges")).await.json();
+    assert_eq!(default["data"].as_array().unwrap().len(), 5);
+    assert_eq!(default["has_more"], false);
+
+    for query in ["limit=0", "limit=101", "limit=ten"] {
+        let reply = h.send(get(&api_key, &format!("/v1/charges?{query}"))).await;
+        let error = reply.stripe_error(StatusCode::BAD_REQUEST, "invalid_request_error");
+        assert_eq!(error["param"], "limit", "{query}");
+    }
+    let reply = h.send(get(&api_key, "/v1/charges?customer=cus_1")).await;
+    let error = reply.stripe_error(StatusCode::BAD_REQUEST, "invalid_request_error");
+    assert_eq!(error["code"], "parameter_unknown");
+}
+
+async fn same_key_in_two_accounts_makes_two_charges(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let key = new_key();
+    let form = "amount=2000&currency=usd";
+    let a = h.send(charge(&new_api_key(), Some(&key), form)).await;
+    let b = h.send(charge(&new_api_key(), Some(&key), form)).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(b.status, StatusCode::OK);
+    assert!(!b.replayed(), "keys are scoped to the account");
+    assert_ne!(a.json()["id"], b.json()["id"]);
+}
+
+async fn unknown_urls_and_methods(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let reply = h.send(get(&api_key, "/v1/refunds")).await;
+    let error = reply.stripe_error(StatusCode::NOT_FOUND, "invalid_request_error");
+    assert!(error["message"].as_str().unwrap().contains("/v1/refunds"));
+
+    let post_to_a_charge = Request::post("/v1/charges/ch_123")
+        .header("authorization", format!("Bearer {api_key}"))
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(
+        h.send(post_to_a_charge).await.status,
+        StatusCode::METHOD_NOT_ALLOWED
+    );
+}
+
+/// PostgreSQL only: the charge is written in the request's transaction. While it is processed,
+/// neither its claim nor its row is visible; both appear with the commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_charge_and_stored_response_commit_together() {
+    bounded(async {
+        let gate = Gate::new();
+        let h = Harness::with_processor(Backend::Postgres, gate.processor(Duration::ZERO)).await;
+        let pool = h.db.as_ref().unwrap().pool().clone();
+        let counts = || {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_as::<_, (i64, i64)>(
+                    "SELECT (SELECT count(*) FROM charges), \
+                            (SELECT count(*) FROM idempotency.records)",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+            }
+        };
+        let api_key = new_api_key();
+        let key = new_key();
+        let first = tokio::spawn({
+            let app = h.app.clone();
+            let request = charge(&api_key, Some(&key), "amount=2000&currency=usd");
+            async move { tower::ServiceExt::oneshot(app, request).await }
+        });
+        gate.started().await;
+        assert_eq!(counts().await, (0, 0), "uncommitted while in flight");
+        let duplicate = h
+            .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
+            .await;
+        duplicate.problem(StatusCode::CONFLICT, "InFlight");
+
+        gate.release(1);
+        assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+        assert_eq!(counts().await, (1, 1), "committed together");
+    })
+    .await
+}
+
+/// PostgreSQL only: both sets of migrations, each in its own table, re-runnable; and what a
+/// charge leaves in the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_migrations_live_apart_and_charges_are_rows() {
+    bounded(async {
+        let h = Harness::start(Backend::Postgres).await;
+        let pool = h.db.as_ref().unwrap().pool();
+        // Again: a restart applies nothing and fails on nothing.
+        charges_demo::migrate(pool)
+            .await
+            .expect("migrations are re-runnable");
+
+        let applied = |table: &'static str| async move {
+            sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(format!(
+                "SELECT description FROM {table} WHERE success ORDER BY version"
+            )))
+            .fetch_all(pool)
+            .await
+            .unwrap_or_else(|e| panic!("{table}: {e}"))
+        };
+        assert_eq!(applied("public._sqlx_migrations").await, ["create charges"]);
+        assert_eq!(
+            applied("idempotency._sqlx_migrations").await,
+            ["create records"]
+        );
+
+        let api_key = new_api_key();
+        let reply = h
+            .send(charge(
+                &api_key,
+                Some(&new_key()),
+                "amount=4200&currency=gbp&metadata[k]=v",
+            ))
+            .await;
+        assert_eq!(reply.status, StatusCode::OK);
+        let id = reply.json()["id"].as_str().unwrap().to_owned();
+        let (amount, status, metadata): (i64, String, String) =
+            sqlx::query_as("SELECT amount, status, metadata::text FROM charges WHERE id = $1")
+                .bind(&id)
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        assert_eq!((amount, status.as_str()), (4200, "succeeded"));
+        assert_eq!(metadata, r#"{"k": "v"}"#);
+        let completed: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM idempotency.records WHERE status = 200")
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        assert_eq!(completed, 1, "the response is stored for replay");
+    })
+    .await
+}

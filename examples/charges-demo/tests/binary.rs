@@ -1,0 +1,399 @@
+//! The built binary, as a person runs it: options, the `listening on` line, the curl scenarios
+//! over real HTTP against PostgreSQL, and graceful shutdown on SIGTERM.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    process::Stdio,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use idempotency_tests::db::TestDb;
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, BufReader},
+    process::{Child, ChildStdout, Command},
+};
+
+const BINARY: &str = env!("CARGO_BIN_EXE_charges-demo");
+const STARTUP: Duration = Duration::from_secs(60);
+const EXIT: Duration = Duration::from_secs(30);
+
+/// The running binary; killed if the test ends without stopping it.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    stdout: BufReader<ChildStdout>,
+    stderr: Arc<Mutex<Vec<String>>>,
+}
+
+impl Server {
+    /// Starts the binary with `args` and a clean environment, and waits for `listening on`.
+    async fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(BINARY)
+            .args(args)
+            .env_clear()
+            .env("RUST_LOG", "info,sqlx=warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start the binary");
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+        let log = Arc::clone(&stderr);
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("[charges-demo] {line}");
+                log.lock().expect("log").push(line);
+            }
+        });
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        tokio::time::timeout(STARTUP, stdout.read_line(&mut line))
+            .await
+            .expect("the server announced itself in time")
+            .expect("read stdout");
+        let addr = line
+            .strip_prefix("listening on ")
+            .and_then(|rest| rest.strip_suffix('\n'))
+            .unwrap_or_else(|| panic!("expected `listening on ADDR`, got {line:?}"))
+            .parse()
+            .expect("a socket address");
+        Self {
+            child,
+            addr,
+            stdout,
+            stderr,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    fn logs(&self) -> Vec<String> {
+        self.stderr.lock().expect("log").clone()
+    }
+
+    fn sigterm(&self) {
+        let pid = self.child.id().expect("running");
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {pid}");
+    }
+
+    /// Kills the process with SIGKILL, as a crash would, and waits for it.
+    async fn crash(mut self) {
+        self.child.start_kill().expect("SIGKILL");
+        let status = tokio::time::timeout(EXIT, self.child.wait())
+            .await
+            .expect("the server died in time")
+            .expect("wait");
+        assert_eq!(status.code(), None, "killed by a signal");
+    }
+
+    /// Waits for the process to exit, and checks it printed nothing more on stdout.
+    async fn exit_code(mut self) -> Option<i32> {
+        let status = tokio::time::timeout(EXIT, self.child.wait())
+            .await
+            .expect("the server exited in time")
+            .expect("wait");
+        let mut rest = String::new();
+        self.stdout
+            .read_to_string(&mut rest)
+            .await
+            .expect("read stdout");
+        assert_eq!(rest, "", "stdout holds the `listening on` line only");
+        status.code()
+    }
+}
+
+/// Waits until the database has `n` open transactions: in transactional mode, the charges in
+/// flight (their claims are not visible to other connections until they commit).
+async fn wait_for_open_transactions(db: &TestDb, n: i64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+        )
+        .fetch_one(db.pool())
+        .await
+        .expect("pg_stat_activity");
+        if open == n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "expected {n} open transaction(s), found {open}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn count(db: &TestDb, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql)
+        .fetch_one(db.pool())
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("client")
+}
+
+fn curl_installed() -> bool {
+    std::process::Command::new("curl")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[tokio::test]
+async fn curl_scenarios_pass_against_the_binary_on_postgres() {
+    if !curl_installed() {
+        eprintln!(
+            "SKIPPED: curl is not installed, so examples/curl/run-all.sh cannot run; install \
+             curl to run this test"
+        );
+        return;
+    }
+    let db = TestDb::new().await;
+    let url = db.url();
+    // The double click needs the first request to be in flight while the duplicates arrive.
+    let server = Server::start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        &url,
+        "--processing-delay-ms",
+        "1500",
+    ])
+    .await;
+
+    let script: PathBuf = [env!("CARGO_MANIFEST_DIR"), "..", "curl", "run-all.sh"]
+        .iter()
+        .collect();
+    let run = Command::new("bash")
+        .arg(&script)
+        .env("BASE_URL", server.url(""))
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(180), run)
+        .await
+        .expect("the scenarios finished in time")
+        .expect("run bash");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    assert!(
+        output.status.success(),
+        "run-all.sh failed:\n{stdout}\n{stderr}"
+    );
+    assert_eq!(stdout.matches("\nPASS: ").count(), 4, "{stdout}");
+    assert!(stdout.contains("all 4 scenarios passed"), "{stdout}");
+
+    // The scenarios left their charges in PostgreSQL: 1 + 1 + 1 + 1 (the declined one).
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 4);
+
+    server.sigterm();
+    assert_eq!(server.exit_code().await, Some(0));
+}
+
+#[tokio::test]
+async fn sigterm_lets_the_in_flight_charge_finish() {
+    let db = TestDb::new().await;
+    let url = db.url();
+    let server = Server::start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        &url,
+        "--processing-delay-ms",
+        "3000",
+    ])
+    .await;
+
+    let request = client()
+        .post(server.url("/v1/charges"))
+        .bearer_auth("sk_test_shutdown")
+        .header("Idempotency-Key", "shutdown-1")
+        .form(&[("amount", "2000"), ("currency", "usd")])
+        .send();
+    let in_flight = tokio::spawn(async move {
+        let response = request.await;
+        (response, Instant::now())
+    });
+
+    // The charge is in flight once its transaction is open.
+    wait_for_open_transactions(&db, 1).await;
+    let signalled = Instant::now();
+    server.sigterm();
+
+    let (response, answered) = in_flight.await.expect("request task");
+    let response = response.expect("the in-flight request got its response");
+    assert!(
+        answered > signalled,
+        "the response came after SIGTERM, so the request was in flight when it arrived"
+    );
+    assert_eq!(response.status(), 200);
+    let charge: serde_json::Value = response.json().await.expect("a charge");
+    assert_eq!(charge["status"], "succeeded");
+
+    let logs = server.logs();
+    assert_eq!(server.exit_code().await, Some(0), "a clean exit");
+    assert!(
+        logs.iter().any(|l| l.contains("SIGTERM")),
+        "the shutdown is logged: {logs:#?}"
+    );
+    // Committed before the exit: the charge and its stored response.
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM idempotency.records WHERE status = 200"
+        )
+        .await,
+        1,
+        "the response was stored for replay"
+    );
+    let charged: i64 = sqlx::query_scalar("SELECT count(*) FROM charges WHERE id = $1")
+        .bind(charge["id"].as_str().expect("id"))
+        .fetch_one(db.pool())
+        .await
+        .expect("count charges");
+    assert_eq!(charged, 1);
+}
+
+/// Transactional mode: a server killed mid-charge leaves neither a charge nor a held key, so the
+/// client's retry (to a restarted server) runs at once and charges once.
+#[tokio::test]
+async fn a_crash_mid_charge_leaves_nothing_and_the_retry_charges_once() {
+    let db = TestDb::new().await;
+    let url = db.url();
+    let charge = |server: &Server| {
+        client()
+            .post(server.url("/v1/charges"))
+            .bearer_auth("sk_test_crash")
+            .header("Idempotency-Key", "crash-1")
+            .form(&[("amount", "2000"), ("currency", "usd")])
+            .send()
+    };
+    // A processing delay far longer than the test: the first charge never finishes.
+    let server = Server::start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        &url,
+        "--processing-delay-ms",
+        "600000",
+    ])
+    .await;
+    let lost = tokio::spawn(charge(&server));
+    wait_for_open_transactions(&db, 1).await;
+    server.crash().await;
+    assert!(
+        lost.await.expect("task").is_err(),
+        "the connection died with the server"
+    );
+
+    // PostgreSQL aborts the dead server's transaction: nothing of the charge remains.
+    wait_for_open_transactions(&db, 0).await;
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 0);
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM idempotency.records").await,
+        0
+    );
+
+    // The retry, to the restarted server, runs at once: no 409, no waiting for a 30 s lease.
+    let server = Server::start(&["--listen", "127.0.0.1:0", "--database-url", &url]).await;
+    let retry = charge(&server).await.expect("retry");
+    assert_eq!(retry.status(), 200);
+    assert!(retry.headers().get("idempotent-replayed").is_none());
+    let again = charge(&server).await.expect("second retry");
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 1);
+
+    server.sigterm();
+    assert_eq!(server.exit_code().await, Some(0));
+}
+
+#[tokio::test]
+async fn without_a_database_it_says_so_first_and_serves_from_memory() {
+    let server = Server::start(&["--listen", "127.0.0.1:0"]).await;
+    let response = client()
+        .post(server.url("/v1/charges"))
+        .basic_auth("sk_test_memory", Some(""))
+        .header("Idempotency-Key", "memory-1")
+        .form(&[("amount", "100"), ("currency", "usd")])
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(response.status(), 200);
+
+    server.sigterm();
+    let logs = server.logs();
+    assert_eq!(server.exit_code().await, Some(0));
+    let first = logs.first().expect("a log line");
+    assert!(
+        first.contains("no DATABASE_URL") && first.contains("in-memory"),
+        "the first log line names the mode: {first}"
+    );
+}
+
+#[tokio::test]
+async fn an_unreachable_database_fails_start_up() {
+    // Port 1 on loopback: nothing listens there, so the connection is refused at once.
+    let mut child = Command::new(BINARY)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            "postgres://nobody:secret@127.0.0.1:1/charges",
+        ])
+        .env_clear()
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the binary");
+    let status = tokio::time::timeout(EXIT, child.wait())
+        .await
+        .expect("it gave up in time")
+        .expect("wait");
+    assert_eq!(status.code(), Some(1));
+    let mut stdout = String::new();
+    let mut stderr = String::new();
+    child
+        .stdout
+        .take()
+        .expect("stdout")
+        .read_to_string(&mut stdout)
+        .await
+        .expect("read");
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut stderr)
+        .await
+        .expect("read");
+    assert_eq!(stdout, "", "it never announced itself");
+    assert!(stderr.contains("cannot connect to PostgreSQL"), "{stderr}");
+    assert!(
+        !stderr.contains("secret"),
+        "no credentials in the logs: {stderr}"
+    );
+}

@@ -1,0 +1,233 @@
+//! Test support: the demo's `app()` on either backend, requests as Stripe's clients send them,
+//! and a gate that holds charges inside the card processor.
+#![allow(dead_code, unreachable_pub)]
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    body::{Body, Bytes},
+    http::{HeaderMap, Request, StatusCode},
+};
+use charges_demo::{AppState, Settings, app, processor::CardProcessor};
+use http_body_util::BodyExt;
+use idempotency_tests::db::TestDb;
+use serde_json::Value;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+
+/// Where keys and charges are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Memory,
+    Postgres,
+}
+
+/// The app under test, with the database it runs on (dropped with it).
+pub struct Harness {
+    pub app: Router,
+    pub db: Option<TestDb>,
+}
+
+impl Harness {
+    pub async fn start(backend: Backend) -> Self {
+        Self::with_processor(backend, CardProcessor::default()).await
+    }
+
+    pub async fn with_processor(backend: Backend, processor: CardProcessor) -> Self {
+        let settings = Settings::default();
+        match backend {
+            Backend::Memory => Self {
+                app: app(AppState::memory(&settings)
+                    .expect("settings")
+                    .with_processor(processor)),
+                db: None,
+            },
+            Backend::Postgres => {
+                let db = TestDb::new().await;
+                charges_demo::migrate(db.pool()).await.expect("migrate");
+                let state = AppState::postgres(db.pool().clone(), &settings)
+                    .expect("settings")
+                    .with_processor(processor);
+                Self {
+                    app: app(state),
+                    db: Some(db),
+                }
+            }
+        }
+    }
+
+    pub async fn send(&self, request: Request<Body>) -> Reply {
+        let response = self.app.clone().oneshot(request).await.expect("infallible");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("body").to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    /// The account's charges, newest first (up to 100).
+    pub async fn charges_of(&self, api_key: &str) -> Vec<Value> {
+        let reply = self.send(get(api_key, "/v1/charges?limit=100")).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        reply.json()["data"].as_array().expect("data").clone()
+    }
+}
+
+/// A response, its body collected.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    pub fn content_type(&self) -> &str {
+        self.headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+
+    /// Asserts a Stripe-style error of `status` and `type`, and returns its `error` object.
+    pub fn stripe_error(&self, status: StatusCode, kind: &str) -> Value {
+        assert_eq!(self.status, status, "{}", self.text());
+        assert_eq!(self.content_type(), "application/json");
+        let error = self.json()["error"].clone();
+        assert_eq!(error["type"], kind, "{}", self.text());
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{}",
+            self.text()
+        );
+        error
+    }
+
+    /// Asserts an RFC 9457 problem of the idempotency layer, of `status` and kind `kind`.
+    pub fn problem(&self, status: StatusCode, kind: &str) {
+        assert_eq!(self.status, status, "{}", self.text());
+        assert_eq!(self.content_type(), "application/problem+json");
+        let problem = self.json();
+        assert!(
+            problem["type"]
+                .as_str()
+                .is_some_and(|t| t.ends_with(&format!("#variant.{kind}"))),
+            "{}",
+            self.text()
+        );
+    }
+}
+
+pub fn new_key() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+/// A fresh API key: an account of its own.
+pub fn new_api_key() -> String {
+    format!("sk_test_{}", uuid::Uuid::new_v4().simple())
+}
+
+/// `POST /v1/charges` with a form body, as Stripe's libraries send it.
+pub fn charge(api_key: &str, idempotency_key: Option<&str>, form: &str) -> Request<Body> {
+    let mut request = Request::post("/v1/charges")
+        .header("authorization", format!("Bearer {api_key}"))
+        .header("content-type", "application/x-www-form-urlencoded");
+    if let Some(key) = idempotency_key {
+        request = request.header("idempotency-key", key);
+    }
+    request.body(Body::from(form.to_owned())).expect("request")
+}
+
+/// `POST /v1/charges` with a JSON body.
+pub fn charge_json(api_key: &str, idempotency_key: &str, json: &Value) -> Request<Body> {
+    Request::post("/v1/charges")
+        .header("authorization", format!("Bearer {api_key}"))
+        .header("idempotency-key", idempotency_key)
+        .header("content-type", "application/json")
+        .body(Body::from(json.to_string()))
+        .expect("request")
+}
+
+pub fn get(api_key: &str, path: &str) -> Request<Body> {
+    Request::get(path)
+        .header("authorization", format!("Bearer {api_key}"))
+        .body(Body::empty())
+        .expect("request")
+}
+
+/// Holds every charge at the start of the card processor until released, and counts them.
+#[derive(Clone)]
+pub struct Gate {
+    started: Arc<Semaphore>,
+    release: Arc<Semaphore>,
+    entered: Arc<AtomicUsize>,
+}
+
+impl Gate {
+    pub fn new() -> Self {
+        Self {
+            started: Arc::new(Semaphore::new(0)),
+            release: Arc::new(Semaphore::new(0)),
+            entered: Arc::default(),
+        }
+    }
+
+    /// A processor with `delay` whose every charge waits at this gate first.
+    pub fn processor(&self, delay: Duration) -> CardProcessor {
+        let gate = self.clone();
+        CardProcessor::new(delay).with_hook(move || {
+            let gate = gate.clone();
+            async move {
+                gate.entered.fetch_add(1, Ordering::SeqCst);
+                gate.started.add_permits(1);
+                gate.release.acquire().await.expect("open").forget();
+            }
+        })
+    }
+
+    /// Waits until one more charge reached the processor.
+    pub async fn started(&self) {
+        self.started.acquire().await.expect("open").forget();
+    }
+
+    /// Lets `n` waiting charges go on.
+    pub fn release(&self, n: usize) {
+        self.release.add_permits(n);
+    }
+
+    /// How many charges reached the processor.
+    pub fn entered(&self) -> usize {
+        self.entered.load(Ordering::SeqCst)
+    }
+}
+
+/// Bounds a test: it fails instead of hanging.
+pub async fn bounded<F: std::future::Future>(future: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(60), future)
+        .await
+        .expect("the test did not finish within 60 s")
+}

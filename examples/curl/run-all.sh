@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs every scenario against the demo at $BASE_URL (default http://127.0.0.1:3000) and exits
+# non-zero if any failed.
+#
+# The double click needs the server started with a processing delay:
+#     cargo run -p charges-demo -- --processing-delay-ms 2000
+set -uo pipefail
+dir=$(dirname "$0")
+export BASE_URL="${BASE_URL:-http://127.0.0.1:3000}"
+
+scenarios=(retry-after-lost-response double-click changed-amount declined-card)
+failed=()
+for scenario in "${scenarios[@]}"; do
+    if ! bash "$dir/$scenario.sh"; then
+        failed+=("$scenario")
+    fi
+done
+
+printf '\n'
+if [ ${#failed[@]} -eq 0 ]; then
+    printf 'all %d scenarios passed against %s\n' "${#scenarios[@]}" "$BASE_URL"
+else
+    printf '%d of %d scenarios failed against %s: %s\n' \
+        "${#failed[@]}" "${#scenarios[@]}" "$BASE_URL" "${failed[*]}" >&2
+    exit 1
+fi

@@ -29,6 +29,11 @@ use tokio::sync::OnceCell;
 static SERVER: OnceCell<PgConnectOptions> = OnceCell::const_new();
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
+/// Connection options for the test server's `postgres` database (found on first use).
+pub async fn server() -> PgConnectOptions {
+    SERVER.get_or_init(find_server).await.clone()
+}
+
 /// A database of its own, dropped with this value.
 pub struct TestDb {
     pool: PgPool,
@@ -40,7 +45,7 @@ pub struct TestDb {
 impl TestDb {
     /// Creates a fresh, empty database.
     pub async fn new() -> Self {
-        let admin = SERVER.get_or_init(find_server).await.clone();
+        let admin = server().await;
         let name = format!(
             "idem_test_{}_{}",
             std::process::id(),
@@ -201,11 +206,7 @@ fn throwaway_cluster() -> PgConnectOptions {
     std::fs::create_dir_all(&dir).expect("create cluster directory");
     let data = dir.join("data");
     // initdb refuses to run as root; run the cluster as `postgres` then.
-    let as_root = std::fs::metadata("/proc/self").map(|m| {
-        use std::os::unix::fs::MetadataExt;
-        m.uid() == 0
-    });
-    let run_as = if as_root.unwrap_or(false) {
+    let run_as = if running_as_root() {
         let status = Command::new("chown")
             .args(["-R", "postgres"])
             .arg(&dir)
@@ -282,10 +283,15 @@ fn stop_at_exit(bin: &Path, data: &Path, dir: &Path, run_as: Option<&str>) {
             data.display()
         ),
     };
+    run_after_exit(&format!("{stop} >/dev/null 2>&1; rm -rf {}", dir.display()));
+}
+
+/// Runs a shell command once this (test) process has exited: the clean-up of helper processes
+/// that live in statics, which are never dropped.
+pub(crate) fn run_after_exit(command: &str) {
     let script = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {stop} >/dev/null 2>&1; rm -rf {dir}",
+        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {command}",
         pid = std::process::id(),
-        dir = dir.display()
     );
     let _ = Command::new("sh")
         .args(["-c", &script])
@@ -293,6 +299,12 @@ fn stop_at_exit(bin: &Path, data: &Path, dir: &Path, run_as: Option<&str>) {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn();
+}
+
+/// Whether this process runs as root (server processes then run as `postgres`).
+pub(crate) fn running_as_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
 fn server_binaries() -> Option<PathBuf> {

@@ -137,11 +137,12 @@ impl<E: fmt::Display> fmt::Display for ObservedError<E> {
     }
 }
 
+/// Transparent: the wrapped store's error displays as itself and keeps its own sources.
 impl<E: std::error::Error + 'static> std::error::Error for ObservedError<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::Down(down) => Some(down),
-            Self::Inner(error) => Some(error),
+            Self::Down(_) => None,
+            Self::Inner(error) => error.source(),
         }
     }
 }

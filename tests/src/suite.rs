@@ -698,11 +698,16 @@ pub async fn a_response_too_large_to_store_is_never_rerun<B: Backend>() {
 ///
 /// ```ignore
 /// idempotency_tests::store_suite!(MyBackend);
+/// // For a backend that needs something not every machine has (its tests then do nothing):
+/// idempotency_tests::store_suite!(MyBackend, run_if: my_backend_is_installed());
 /// ```
 #[macro_export]
 macro_rules! store_suite {
     ($backend:ty) => {
-        $crate::store_suite!(@tests $backend;
+        $crate::store_suite!($backend, run_if: async { true });
+    };
+    ($backend:ty, run_if: $available:expr) => {
+        $crate::store_suite!(@tests $backend, $available;
             current_thread:
                 retry_replays_the_response_verbatim,
                 cookies_are_not_replayed,
@@ -729,19 +734,23 @@ macro_rules! store_suite {
                 concurrent_duplicates_execute_once
         );
     };
-    (@tests $backend:ty; current_thread: $($c:ident),*; multi_thread: $($m:ident),*) => {
+    (@tests $backend:ty, $available:expr; current_thread: $($c:ident),*; multi_thread: $($m:ident),*) => {
         $(
             #[tokio::test(flavor = "current_thread")]
             async fn $c() {
                 $crate::init_tracing();
-                $crate::suite::$c::<$backend>().await;
+                if $available.await {
+                    $crate::suite::$c::<$backend>().await;
+                }
             }
         )*
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $m() {
                 $crate::init_tracing();
-                $crate::suite::$m::<$backend>().await;
+                if $available.await {
+                    $crate::suite::$m::<$backend>().await;
+                }
             }
         )*
     };

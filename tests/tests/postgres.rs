@@ -294,3 +294,49 @@ mod postgres_only {
         assert_eq!(left, 10, "live records stay");
     }
 }
+
+/// Forgetting `migrate()` is a 503 and an error that says what to do, not a mystery.
+#[tokio::test]
+async fn an_unmigrated_database_says_so() {
+    use std::time::Duration;
+
+    use http::StatusCode;
+    use idempotency_tests::{
+        app::{Probe, app},
+        server::TestServer,
+        suite::Reply,
+    };
+    use tower_idempotency::{
+        Fingerprint, IdempotencyLayer, ScopeKey,
+        store::{ClaimRequest, PostgresStoreError, Store},
+    };
+
+    let db = TestDb::new().await;
+    let store = PostgresStore::new(db.pool().clone());
+    let request = ClaimRequest {
+        key: ScopeKey::from_bytes([1; 32]),
+        fingerprint: Fingerprint::from_bytes([2; 32]),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+    };
+    let error = store.begin(&request).await.expect_err("no schema");
+    assert!(
+        matches!(error, PostgresStoreError::NotMigrated(_)),
+        "{error:?}"
+    );
+    assert!(error.to_string().contains("migrate()"));
+
+    let probe = Probe::default();
+    let server = TestServer::start(app(IdempotencyLayer::new(store), probe.clone())).await;
+    let reply = Reply::of(
+        reqwest::Client::new()
+            .post(server.url("/charges"))
+            .bearer_auth("acct_a")
+            .header("idempotency-key", "k")
+            .body("{}"),
+    )
+    .await;
+    reply.assert_problem(503, "StoreUnavailable");
+    assert_ne!(reply.status, StatusCode::CREATED);
+    assert_eq!(probe.executions(), 0);
+}

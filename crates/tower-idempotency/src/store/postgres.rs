@@ -7,7 +7,7 @@ use std::{
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
-use sqlx::{PgPool, Postgres, Row, Transaction, migrate::Migrator, postgres::PgRow};
+use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, Transaction, migrate::Migrator, postgres::PgRow};
 
 use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Lease, Store};
 use crate::{record::Record, transaction::TxSlot};
@@ -51,6 +51,7 @@ pub struct PostgresStore {
     pool: PgPool,
     timeout: Duration,
     transactional: bool,
+    prepared: bool,
 }
 
 /// A claim held in a [`PostgresStore`]: its fencing token and, in transactional mode, the open
@@ -191,7 +192,20 @@ impl PostgresStore {
             pool,
             timeout: Duration::from_secs(5),
             transactional: false,
+            prepared: true,
         }
+    }
+
+    /// Sends each statement as one simple-protocol query instead of a cached prepared statement,
+    /// for PgBouncer before 1.21 in transaction pooling mode (which cannot follow prepared
+    /// statements from one server connection to the next). Parameters are written into the SQL
+    /// as hex-decoded bytes and numbers only, so no value can carry SQL. Costs the server a
+    /// parse and plan per statement. With PgBouncer 1.21 or later, set
+    /// `max_prepared_statements` in `pgbouncer.ini` instead and keep the default.
+    #[must_use]
+    pub fn without_prepared_statements(mut self) -> Self {
+        self.prepared = false;
+        self
     }
 
     /// Switches to transactional mode: each claim opens a transaction on a pooled connection,
@@ -242,7 +256,7 @@ impl PostgresStore {
         future: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, PostgresStoreError> {
         match tokio::time::timeout(self.timeout, future).await {
-            Ok(result) => result.map_err(PostgresStoreError::Database),
+            Ok(result) => result.map_err(PostgresStoreError::from),
             Err(_) => Err(PostgresStoreError::Timeout {
                 operation,
                 after: self.timeout,
@@ -251,13 +265,15 @@ impl PostgresStore {
     }
 
     /// Runs a fenced `UPDATE`/`DELETE` on `conn`: `Held` if it touched the claim's row.
-    async fn fenced(
+    async fn fenced<'c>(
         &self,
         operation: &'static str,
-        query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
-        conn: impl sqlx::PgExecutor<'_>,
+        statement: Statement<'_>,
+        conn: impl sqlx::PgExecutor<'c>,
     ) -> Result<ClaimStatus, PostgresStoreError> {
-        let done = self.timed(operation, query.execute(conn)).await?;
+        let done = self
+            .timed(operation, statement.execute(self.prepared, conn))
+            .await?;
         Ok(if done.rows_affected() == 1 {
             ClaimStatus::Held
         } else {
@@ -273,7 +289,7 @@ impl PostgresStore {
             let row = self
                 .timed(
                     "begin",
-                    claim_query(BEGIN_LEASE, request).fetch_optional(&self.pool),
+                    claim_statement(BEGIN_LEASE, request).fetch_optional(self.prepared, &self.pool),
                 )
                 .await?;
             if let Some(row) = row {
@@ -299,9 +315,9 @@ impl PostgresStore {
             let row = self
                 .timed(
                     "begin",
-                    claim_query(BEGIN_TRANSACTIONAL, request)
-                        .bind(advisory_lock_key(request))
-                        .fetch_optional(&mut *tx),
+                    claim_statement(BEGIN_TRANSACTIONAL, request)
+                        .with(Param::Int(advisory_lock_key(request)))
+                        .fetch_optional(self.prepared, &mut *tx),
                 )
                 .await?;
             let Some(row) = row else { continue };
@@ -328,15 +344,12 @@ impl PostgresStore {
     }
 }
 
-fn claim_query<'q>(
-    sql: &'static str,
-    request: &'q ClaimRequest,
-) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
-    sqlx::query(sql)
-        .bind(request.key.as_bytes().as_slice())
-        .bind(request.fingerprint.as_bytes().as_slice())
-        .bind(request.lease)
-        .bind(request.ttl)
+fn claim_statement<'a>(sql: &'static str, request: &'a ClaimRequest) -> Statement<'a> {
+    Statement::new(sql)
+        .with(Param::Bytes(request.key.as_bytes()))
+        .with(Param::Bytes(request.fingerprint.as_bytes()))
+        .with(Param::Interval(request.lease))
+        .with(Param::Interval(request.ttl))
 }
 
 /// The advisory lock of a key in transactional mode: the first 64 bits of its hash. Two keys
@@ -347,29 +360,151 @@ fn advisory_lock_key(request: &ClaimRequest) -> i64 {
     i64::from_be_bytes(prefix)
 }
 
-fn fenced_query<'q>(
-    sql: &'static str,
-    lease: &Lease,
-) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
-    sqlx::query(sql)
-        .bind(lease.key.as_bytes().to_vec())
-        .bind(lease.token)
+fn fenced_statement<'a>(sql: &'static str, lease: &'a Lease) -> Statement<'a> {
+    Statement::new(sql)
+        .with(Param::Bytes(lease.key.as_bytes()))
+        .with(Param::Int(lease.token))
 }
 
-fn complete_query<'q>(
-    lease: &Lease,
-    record: &'q Record,
-) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
-    let (names, values): (Vec<&str>, Vec<&[u8]>) = record
+fn complete_statement<'a>(lease: &'a Lease, record: &'a Record) -> Statement<'a> {
+    let (names, values) = record
         .headers()
         .iter()
         .map(|(name, value)| (name.as_str(), value.as_bytes()))
         .unzip();
-    fenced_query(COMPLETE, lease)
-        .bind(record.status().as_u16() as i16)
-        .bind(names)
-        .bind(values)
-        .bind(record.body().map(|b| b.as_ref()))
+    fenced_statement(COMPLETE, lease)
+        .with(Param::SmallInt(record.status().as_u16() as i16))
+        .with(Param::Texts(names))
+        .with(Param::BytesList(values))
+        .with(Param::OptionalBytes(record.body().map(|b| b.as_ref())))
+}
+
+/// A store statement with its parameters.
+///
+/// Run as a cached prepared statement with bound parameters (the default), or as one
+/// simple-protocol query with the parameters written in as literals
+/// ([`PostgresStore::without_prepared_statements`]). Every literal is a number or
+/// `decode('<hex>', 'hex')`, so no parameter can change the statement.
+struct Statement<'a> {
+    sql: &'static str,
+    params: Vec<Param<'a>>,
+}
+
+enum Param<'a> {
+    Bytes(&'a [u8]),
+    OptionalBytes(Option<&'a [u8]>),
+    Int(i64),
+    SmallInt(i16),
+    Interval(Duration),
+    Texts(Vec<&'a str>),
+    BytesList(Vec<&'a [u8]>),
+}
+
+impl<'a> Statement<'a> {
+    fn new(sql: &'static str) -> Self {
+        Self {
+            sql,
+            params: Vec::with_capacity(6),
+        }
+    }
+
+    fn with(mut self, param: Param<'a>) -> Self {
+        self.params.push(param);
+        self
+    }
+
+    fn prepared(self) -> sqlx::query::Query<'a, Postgres, sqlx::postgres::PgArguments> {
+        self.params
+            .into_iter()
+            .fold(sqlx::query(self.sql), |query, param| match param {
+                Param::Bytes(bytes) => query.bind(bytes),
+                Param::OptionalBytes(bytes) => query.bind(bytes),
+                Param::Int(n) => query.bind(n),
+                Param::SmallInt(n) => query.bind(n),
+                Param::Interval(d) => query.bind(d),
+                Param::Texts(texts) => query.bind(texts),
+                Param::BytesList(list) => query.bind(list),
+            })
+    }
+
+    /// The statement with `$n` replaced by literals (last first, so `$1` never eats `$10`).
+    fn inlined(&self) -> String {
+        fn bytes(out: &mut String, bytes: &[u8]) {
+            out.push_str("decode('");
+            for b in bytes {
+                out.push_str(&format!("{b:02x}"));
+            }
+            out.push_str("', 'hex')");
+        }
+        let mut sql = self.sql.to_owned();
+        for (i, param) in self.params.iter().enumerate().rev() {
+            let mut literal = String::new();
+            match param {
+                Param::Bytes(b) => bytes(&mut literal, b),
+                Param::OptionalBytes(Some(b)) => bytes(&mut literal, b),
+                Param::OptionalBytes(None) => literal.push_str("NULL::bytea"),
+                Param::Int(n) => literal.push_str(&format!("({n})::int8")),
+                Param::SmallInt(n) => literal.push_str(&format!("({n})::int2")),
+                Param::Interval(d) => literal.push_str(&format!(
+                    "({}::int8 * interval '1 microsecond')",
+                    d.as_micros()
+                )),
+                Param::Texts(texts) => {
+                    literal.push_str("ARRAY[");
+                    for (j, text) in texts.iter().enumerate() {
+                        literal.push_str(if j == 0 {
+                            "convert_from("
+                        } else {
+                            ", convert_from("
+                        });
+                        bytes(&mut literal, text.as_bytes());
+                        literal.push_str(", 'UTF8')");
+                    }
+                    literal.push_str("]::text[]");
+                }
+                Param::BytesList(list) => {
+                    literal.push_str("ARRAY[");
+                    for (j, b) in list.iter().enumerate() {
+                        if j > 0 {
+                            literal.push_str(", ");
+                        }
+                        bytes(&mut literal, b);
+                    }
+                    literal.push_str("]::bytea[]");
+                }
+            }
+            sql = sql.replace(&format!("${}", i + 1), &literal);
+        }
+        sql
+    }
+
+    async fn fetch_optional<'c>(
+        self,
+        prepared: bool,
+        conn: impl sqlx::PgExecutor<'c>,
+    ) -> Result<Option<PgRow>, sqlx::Error> {
+        if prepared {
+            self.prepared().fetch_optional(conn).await
+        } else {
+            sqlx::raw_sql(AssertSqlSafe(self.inlined()))
+                .fetch_optional(conn)
+                .await
+        }
+    }
+
+    async fn execute<'c>(
+        self,
+        prepared: bool,
+        conn: impl sqlx::PgExecutor<'c>,
+    ) -> Result<sqlx::postgres::PgQueryResult, sqlx::Error> {
+        if prepared {
+            self.prepared().execute(conn).await
+        } else {
+            sqlx::raw_sql(AssertSqlSafe(self.inlined()))
+                .execute(conn)
+                .await
+        }
+    }
 }
 
 impl Store for PostgresStore {
@@ -397,8 +532,8 @@ impl Store for PostgresStore {
                 ClaimStatus::Held
             });
         }
-        let query = fenced_query(RENEW, &claim.lease).bind(lease);
-        self.fenced("renew", query, &self.pool).await
+        let statement = fenced_statement(RENEW, &claim.lease).with(Param::Interval(lease));
+        self.fenced("renew", statement, &self.pool).await
     }
 
     async fn complete(
@@ -408,7 +543,11 @@ impl Store for PostgresStore {
     ) -> Result<ClaimStatus, PostgresStoreError> {
         let Some(slot) = &claim.tx else {
             return self
-                .fenced("complete", complete_query(&claim.lease, record), &self.pool)
+                .fenced(
+                    "complete",
+                    complete_statement(&claim.lease, record),
+                    &self.pool,
+                )
                 .await;
         };
         let Some(mut tx) = slot
@@ -418,7 +557,11 @@ impl Store for PostgresStore {
             return Ok(ClaimStatus::Lost);
         };
         let status = self
-            .fenced("complete", complete_query(&claim.lease, record), &mut *tx)
+            .fenced(
+                "complete",
+                complete_statement(&claim.lease, record),
+                &mut *tx,
+            )
             .await?;
         match status {
             ClaimStatus::Held => self.timed("complete", tx.commit()).await?,
@@ -430,7 +573,11 @@ impl Store for PostgresStore {
     async fn release(&self, claim: &PgClaim) -> Result<ClaimStatus, PostgresStoreError> {
         let Some(slot) = &claim.tx else {
             return self
-                .fenced("release", fenced_query(RELEASE, &claim.lease), &self.pool)
+                .fenced(
+                    "release",
+                    fenced_statement(RELEASE, &claim.lease),
+                    &self.pool,
+                )
                 .await;
         };
         // Rolling back undoes the claim and the handler's writes together.
@@ -460,9 +607,9 @@ impl ExpiredDeletion for PostgresStore {
         let done = self
             .timed(
                 "delete_expired",
-                sqlx::query(DELETE_EXPIRED)
-                    .bind(i64::from(batch))
-                    .execute(&self.pool),
+                Statement::new(DELETE_EXPIRED)
+                    .with(Param::Int(i64::from(batch)))
+                    .execute(self.prepared, &self.pool),
             )
             .await?;
         Ok(done.rows_affected())
@@ -529,6 +676,9 @@ fn decode_begin(request: &ClaimRequest, row: &PgRow) -> Result<Begin<Lease>, Pos
 pub enum PostgresStoreError {
     /// The database returned an error or could not be reached.
     Database(sqlx::Error),
+    /// The store's tables do not exist in this database: run
+    /// [`PostgresStore::migrate`] at start-up (or apply [`PostgresStore::migrator`]).
+    NotMigrated(sqlx::Error),
     /// The operation did not finish within the store's timeout (see
     /// [`PostgresStore::with_timeout`]), waiting for a pooled connection included.
     Timeout {
@@ -551,6 +701,10 @@ impl fmt::Display for PostgresStoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Database(_) => f.write_str("PostgreSQL idempotency store error"),
+            Self::NotMigrated(_) => f.write_str(
+                "the idempotency schema is missing from this database: call \
+                 PostgresStore::migrate() at start-up",
+            ),
             Self::Timeout { operation, after } => {
                 write!(f, "PostgreSQL idempotency store `{operation}` timed out after {after:?}")
             }
@@ -566,7 +720,7 @@ impl fmt::Display for PostgresStoreError {
 impl std::error::Error for PostgresStoreError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::Database(error) => Some(error),
+            Self::Database(error) | Self::NotMigrated(error) => Some(error),
             _ => None,
         }
     }
@@ -574,6 +728,11 @@ impl std::error::Error for PostgresStoreError {
 
 impl From<sqlx::Error> for PostgresStoreError {
     fn from(error: sqlx::Error) -> Self {
+        // 42P01 undefined_table, 3F000 invalid_schema_name: the migrations never ran here.
+        let code = error.as_database_error().and_then(|e| e.code());
+        if matches!(code.as_deref(), Some("42P01" | "3F000")) {
+            return Self::NotMigrated(error);
+        }
         Self::Database(error)
     }
 }

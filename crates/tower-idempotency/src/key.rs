@@ -265,4 +265,137 @@ mod tests {
         let key = parse("secret-key").unwrap();
         assert!(!format!("{key:?}").contains("secret"));
     }
+
+    /// Hostile header values: arbitrary bytes never panic the parser, and what it accepts is
+    /// a key in range that reads the same quoted or bare.
+    mod properties {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// RFC 9651 §4.1.6: `text` as an sf-string.
+        fn sf_string(text: &str) -> String {
+            let mut out = String::from("\"");
+            for c in text.chars() {
+                if matches!(c, '"' | '\\') {
+                    out.push('\\');
+                }
+                out.push(c);
+            }
+            out.push('"');
+            out
+        }
+
+        /// Bytes a header value is made of, controls and obs-text included, with the ones the
+        /// parser treats specially (`"`, `\\`, whitespace, parameters) made common.
+        fn header_bytes() -> impl Strategy<Value = Vec<u8>> {
+            prop::collection::vec(any::<u8>(), 0..300).prop_map(|mut bytes| {
+                const SPECIAL: &[u8] = b" \t\"\\;=,";
+                for b in &mut bytes {
+                    // Half the control bytes (which `HeaderValue` refuses, but for tab) become
+                    // special ones.
+                    if *b < 32 && *b % 2 == 0 {
+                        *b = SPECIAL[usize::from(*b / 2) % SPECIAL.len()];
+                    }
+                }
+                bytes
+            })
+        }
+
+        fn check_accepted(key: &IdempotencyKey) -> Result<(), TestCaseError> {
+            let text = key.as_str();
+            prop_assert!((1..=MAX_KEY_LEN).contains(&text.len()));
+            prop_assert!(text.bytes().all(|b| (b' '..=b'~').contains(&b)), "{text:?}");
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            #[test]
+            fn any_value_is_parsed_without_panic(
+                mut bytes in header_bytes(),
+                quote in any::<bool>(),
+            ) {
+                if quote {
+                    bytes.insert(0, b'"');
+                }
+                // Only what `HeaderValue` holds reaches the layer (hyper parses the same way).
+                if let Ok(value) = HeaderValue::from_bytes(&bytes) {
+                    let parsed = IdempotencyKey::parse(&value);
+                    if let Ok(key) = &parsed {
+                        check_accepted(key)?;
+                        let quoted = HeaderValue::from_str(&sf_string(key.as_str())).unwrap();
+                        let reparsed = IdempotencyKey::parse(&quoted);
+                        prop_assert_eq!(reparsed.as_ref(), Ok(key));
+                    }
+                    let mut headers = HeaderMap::new();
+                    headers.append(&IDEMPOTENCY_KEY, value.clone());
+                    prop_assert_eq!(IdempotencyKey::from_headers(&headers), parsed.map(Some));
+                }
+            }
+
+            #[test]
+            fn bare_keys_read_the_same_quoted(key in "[!#-~]{1,255}") {
+                let bare = parse(&key).unwrap();
+                prop_assert_eq!(bare.as_str(), key.as_str());
+                prop_assert_eq!(parse(&sf_string(&key)), Ok(bare));
+            }
+
+            #[test]
+            fn quoted_keys_may_hold_spaces_and_escapes(key in "[ -~]{1,255}") {
+                let quoted = parse(&sf_string(&key)).unwrap();
+                prop_assert_eq!(quoted.as_str(), key.as_str());
+            }
+
+            #[test]
+            fn surrounding_whitespace_is_ignored(
+                key in "[!#-~]{1,255}",
+                before in "[ \t]{0,3}",
+                after in "[ \t]{0,3}",
+            ) {
+                let bare = parse(&format!("{before}{key}{after}")).unwrap();
+                prop_assert_eq!(bare.as_str(), key.as_str());
+                let quoted = format!("{before}{}{after}", sf_string(&key));
+                let quoted = parse(&quoted).unwrap();
+                prop_assert_eq!(quoted.as_str(), key.as_str());
+            }
+
+            #[test]
+            fn keys_over_the_limit_are_rejected_in_both_forms(key in "[!#-~]{256,300}") {
+                prop_assert_eq!(parse(&key), Err(KeyError::TooLong(key.len())));
+                prop_assert_eq!(parse(&sf_string(&key)), Err(KeyError::TooLong(key.len())));
+            }
+
+            #[test]
+            fn obs_text_and_inner_tabs_are_rejected(
+                key in "[!#-~]{2,100}",
+                at in any::<prop::sample::Index>(),
+                bad in prop_oneof![Just(b'\t'), 0x80u8..=0xff],
+            ) {
+                let mut bytes = key.into_bytes();
+                let at = 1 + at.index(bytes.len() - 1);
+                bytes.insert(at, bad);
+                let value = HeaderValue::from_bytes(&bytes).unwrap();
+                prop_assert_eq!(
+                    IdempotencyKey::parse(&value),
+                    Err(KeyError::InvalidCharacter(bad))
+                );
+                let mut quoted = b"\"".to_vec();
+                quoted.extend_from_slice(&bytes);
+                quoted.push(b'"');
+                let value = HeaderValue::from_bytes(&quoted).unwrap();
+                let quoted = IdempotencyKey::parse(&value);
+                prop_assert!(matches!(quoted, Err(KeyError::Malformed(_))), "{:?}", quoted);
+            }
+
+            #[test]
+            fn a_repeated_header_is_always_rejected(a in "[!#-~]{1,20}", b in "[!#-~]{1,20}") {
+                let mut headers = HeaderMap::new();
+                headers.append(&IDEMPOTENCY_KEY, HeaderValue::from_str(&a).unwrap());
+                headers.append(&IDEMPOTENCY_KEY, HeaderValue::from_str(&b).unwrap());
+                prop_assert_eq!(IdempotencyKey::from_headers(&headers), Err(KeyError::Repeated));
+            }
+        }
+    }
 }

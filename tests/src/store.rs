@@ -25,6 +25,7 @@ pub struct ObservedStore<St> {
 
 struct Shared {
     down: AtomicBool,
+    begins: AtomicUsize,
     settled: Semaphore,
     completed: AtomicUsize,
     released: AtomicUsize,
@@ -47,6 +48,7 @@ impl<St> ObservedStore<St> {
             inner,
             shared: Arc::new(Shared {
                 down: AtomicBool::new(false),
+                begins: AtomicUsize::new(0),
                 settled: Semaphore::new(0),
                 completed: AtomicUsize::new(0),
                 released: AtomicUsize::new(0),
@@ -72,6 +74,11 @@ impl<St> ObservedStore<St> {
             .expect("claims settled within 30 s")
             .expect("open")
             .forget();
+    }
+
+    /// Calls to `begin` that reached the store.
+    pub fn begins(&self) -> usize {
+        self.shared.begins.load(Ordering::SeqCst)
     }
 
     /// Completions that were stored.
@@ -152,6 +159,7 @@ impl<St: Store> Store for ObservedStore<St> {
     type Error = ObservedError<St::Error>;
 
     async fn begin(&self, request: &ClaimRequest) -> Result<Begin<St::Claim>, Self::Error> {
+        self.shared.begins.fetch_add(1, Ordering::SeqCst);
         self.check().map_err(ObservedError::Down)?;
         self.inner
             .begin(request)

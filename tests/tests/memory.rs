@@ -36,3 +36,24 @@ impl Backend for Memory {
 }
 
 idempotency_tests::store_suite!(Memory);
+
+/// A copy kept for replays expires with its record: the same key then runs again.
+#[tokio::test(flavor = "current_thread")]
+async fn cached_replays_expire_with_their_records() {
+    use idempotency_tests::suite::{Harness, Reply};
+
+    idempotency_tests::init_tracing();
+    let h = Harness::<Memory>::start().await;
+    let post = || h.post("/charges", Some("k-cached")).body("{}");
+    let first = Reply::of(post()).await;
+    assert!(
+        Reply::of(post()).await.replayed(),
+        "from the store, now cached"
+    );
+    assert!(Reply::of(post()).await.replayed(), "from the cache");
+    h.backend.expire_records().await;
+    let again = Reply::of(post()).await;
+    assert!(!again.replayed());
+    assert_ne!(again.body, first.body);
+    assert_eq!(h.probe.executions(), 2);
+}

@@ -4,6 +4,7 @@ use http::Method;
 use tower_layer::Layer;
 
 use crate::{
+    cache::ReplayCache,
     fingerprint::FingerprintMode,
     policy::{Disconnect, RetentionPolicy, StoreFailure},
     scope::Scope,
@@ -37,7 +38,11 @@ use crate::{
 pub struct IdempotencyLayer<St> {
     store: Arc<St>,
     config: Arc<Config>,
+    cache: Arc<ReplayCache>,
 }
+
+/// The default size of the replay cache.
+const DEFAULT_REPLAY_CACHE_BYTES: usize = 16 * 1024 * 1024;
 
 /// The settings, shared by every clone of the service.
 #[derive(Clone, Debug)]
@@ -98,10 +103,12 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_store_failure`](Self::with_store_failure) | fail closed: `503`, `Retry-After: 1` |
     /// | [`with_retention`](Self::with_retention) | [`RetentionPolicy::final_outcomes`] |
     /// | [`with_disconnect`](Self::with_disconnect) | [`Disconnect::RunToCompletion`] |
+    /// | [`with_replay_cache`](Self::with_replay_cache) | 16 MiB of replayed records kept in process |
     pub fn new(store: St) -> Self {
         Self {
             store: Arc::new(store),
             config: Arc::new(Config::default()),
+            cache: Arc::new(ReplayCache::new(DEFAULT_REPLAY_CACHE_BYTES)),
         }
     }
 
@@ -231,6 +238,16 @@ impl<St: Store> IdempotencyLayer<St> {
         self
     }
 
+    /// How many bytes of completed records to keep in this process for replays (default 16 MiB;
+    /// `0` turns the cache off). A record is copied the first time the store answers a retry
+    /// with it, and answers further retries reaching this instance without a store round trip.
+    /// Completed records never change, and each copy expires with its record, so a cached
+    /// replay is the same as the store's.
+    pub fn with_replay_cache(mut self, max_bytes: usize) -> Self {
+        self.cache = Arc::new(ReplayCache::new(max_bytes));
+        self
+    }
+
     /// What happens to a running handler when the client disconnects; see [`Disconnect`].
     pub fn with_disconnect(mut self, policy: Disconnect) -> Self {
         self.config_mut().disconnect = policy;
@@ -268,6 +285,7 @@ impl<St> Clone for IdempotencyLayer<St> {
         Self {
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
+            cache: Arc::clone(&self.cache),
         }
     }
 }
@@ -285,7 +303,12 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
     type Service = Idempotency<S, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, Arc::clone(&self.store), Arc::clone(&self.config))
+        Idempotency::new(
+            inner,
+            Arc::clone(&self.store),
+            Arc::clone(&self.config),
+            Arc::clone(&self.cache),
+        )
     }
 }
 

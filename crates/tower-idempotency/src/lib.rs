@@ -68,6 +68,7 @@
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 mod body;
+mod cache;
 mod context;
 pub mod fingerprint;
 mod future;

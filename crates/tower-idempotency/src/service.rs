@@ -22,6 +22,7 @@ use tracing::Instrument;
 
 use crate::{
     body::{self, BoxError, Buffered, RequestBody, ResponseBody},
+    cache::{Hit, ReplayCache},
     context::IdempotencyContext,
     fingerprint::Fingerprint,
     future::ResponseFuture,
@@ -43,14 +44,21 @@ pub struct Idempotency<S, St> {
     inner: S,
     store: Arc<St>,
     config: Arc<Config>,
+    cache: Arc<ReplayCache>,
 }
 
 impl<S, St> Idempotency<S, St> {
-    pub(crate) fn new(inner: S, store: Arc<St>, config: Arc<Config>) -> Self {
+    pub(crate) fn new(
+        inner: S,
+        store: Arc<St>,
+        config: Arc<Config>,
+        cache: Arc<ReplayCache>,
+    ) -> Self {
         Self {
             inner,
             store,
             config,
+            cache,
         }
     }
 }
@@ -61,6 +69,7 @@ impl<S: Clone, St> Clone for Idempotency<S, St> {
             inner: self.inner.clone(),
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
+            cache: Arc::clone(&self.cache),
         }
     }
 }
@@ -154,6 +163,7 @@ where
             inner: std::mem::replace(&mut self.inner, clone),
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
+            cache: Arc::clone(&self.cache),
             key,
             scope_key,
             _request_body: PhantomData,
@@ -172,6 +182,7 @@ struct Keyed<S, St, ReqBody> {
     inner: S,
     store: Arc<St>,
     config: Arc<Config>,
+    cache: Arc<ReplayCache>,
     key: IdempotencyKey,
     scope_key: ScopeKey,
     _request_body: PhantomData<fn(ReqBody)>,
@@ -253,6 +264,11 @@ where
         body: Bytes,
         fingerprint: Fingerprint,
     ) -> Served<ResBody, S::Error> {
+        match self.cache.get(&self.scope_key, &fingerprint) {
+            Some(Hit::Replay(record)) => return Ok(replayed(&record)),
+            Some(Hit::Mismatch) => return Ok(mismatch()),
+            None => {}
+        }
         let request = ClaimRequest {
             key: self.scope_key,
             fingerprint,
@@ -273,9 +289,12 @@ where
                 }
                 self.run(claim, takeover, parts, body).await
             }
-            Begin::Completed(record) => {
-                outcome(Outcome::Replayed);
-                Ok(replay::response(&record))
+            Begin::Completed { record, expires_in } => {
+                if let Some(expires_in) = expires_in {
+                    self.cache
+                        .insert(self.scope_key, fingerprint, &record, expires_in);
+                }
+                Ok(replayed(&record))
             }
             Begin::InFlight { .. } => {
                 outcome(Outcome::Conflict);
@@ -285,14 +304,7 @@ where
                      retry after the Retry-After delay to get its response",
                 )))
             }
-            Begin::Mismatch => {
-                outcome(Outcome::Mismatch);
-                Ok(reject(Rejection::new(
-                    RejectionKind::Mismatch,
-                    "this Idempotency-Key was already used with a different request \
-                     (method, path, query or body); use a new key for a new request",
-                )))
-            }
+            Begin::Mismatch => Ok(mismatch()),
         }
     }
 
@@ -595,6 +607,20 @@ fn log_fenced(status: ClaimStatus, operation: &str) {
             "the claim was taken over while the handler ran (its lease lapsed); nothing was written"
         );
     }
+}
+
+fn replayed<B>(record: &Record) -> Response<ResponseBody<B>> {
+    outcome(Outcome::Replayed);
+    replay::response(record)
+}
+
+fn mismatch<B>() -> Response<ResponseBody<B>> {
+    outcome(Outcome::Mismatch);
+    reject(Rejection::new(
+        RejectionKind::Mismatch,
+        "this Idempotency-Key was already used with a different request \
+         (method, path, query or body); use a new key for a new request",
+    ))
 }
 
 fn reject<B>(rejection: Rejection) -> Response<ResponseBody<B>> {

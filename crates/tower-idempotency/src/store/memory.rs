@@ -104,8 +104,14 @@ impl Store for MemoryStore {
             Some(entry) if entry.fingerprint != request.fingerprint => return Ok(Begin::Mismatch),
             Some(Entry {
                 state: State::Completed(record),
+                expires_at,
                 ..
-            }) => return Ok(Begin::Completed(record.clone())),
+            }) => {
+                return Ok(Begin::Completed {
+                    record: record.clone(),
+                    expires_in: Some(*expires_at - now),
+                });
+            }
             Some(Entry {
                 state: State::InFlight { lease_until },
                 ..
@@ -235,7 +241,10 @@ mod tests {
         );
         assert_eq!(
             store.begin(&request(1)).await,
-            Ok(Begin::Completed(record()))
+            Ok(Begin::Completed {
+                record: record(),
+                expires_in: Some(Duration::from_secs(3600))
+            })
         );
     }
 

@@ -23,7 +23,8 @@
 //! let record = Record::from_parts(http::StatusCode::OK, Default::default(), Some("ok".into()));
 //! assert_eq!(store.complete(&claim, &record).await, Ok(ClaimStatus::Held));
 //! // ...and every retry gets it.
-//! assert_eq!(store.begin(&request).await, Ok(Begin::Completed(record)));
+//! let Ok(Begin::Completed { record: replayed, .. }) = store.begin(&request).await else { panic!() };
+//! assert_eq!(replayed, record);
 //! # }
 //! ```
 //!
@@ -91,8 +92,15 @@ pub enum Begin<C> {
         /// How long that lease has left, if the store knows.
         lease_remaining: Option<Duration>,
     },
-    /// The key completed; replay this record.
-    Completed(Record),
+    /// The key completed; replay its record.
+    Completed {
+        /// The stored response.
+        record: Record,
+        /// How long the record has before it expires, if the store knows: the layer may then
+        /// keep a copy in process for further retries, never beyond that
+        /// ([`with_replay_cache`](crate::IdempotencyLayer::with_replay_cache)).
+        expires_in: Option<Duration>,
+    },
     /// The key belongs to a request with another fingerprint.
     Mismatch,
 }
@@ -106,7 +114,7 @@ impl<C> Begin<C> {
                 takeover,
             },
             Self::InFlight { lease_remaining } => Begin::InFlight { lease_remaining },
-            Self::Completed(record) => Begin::Completed(record),
+            Self::Completed { record, expires_in } => Begin::Completed { record, expires_in },
             Self::Mismatch => Begin::Mismatch,
         }
     }

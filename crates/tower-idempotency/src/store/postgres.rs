@@ -129,6 +129,7 @@ macro_rules! begin_statement {
             claimed AS (SELECT token, takeover FROM inserted UNION ALL SELECT token, takeover FROM taken)
             SELECT 'acquired' AS outcome, token, takeover,
                    NULL::boolean AS same_fingerprint, NULL::float8 AS lease_remaining,
+                   NULL::float8 AS expires_in,
                    NULL::int2 AS status, NULL::text[] AS header_names, NULL::bytea[] AS header_values,
                    NULL::bytea AS body
             FROM claimed ",
@@ -136,6 +137,7 @@ macro_rules! begin_statement {
             " UNION ALL
             SELECT 'existing', e.token, e.takeover,
                    e.fingerprint = $2, extract(epoch FROM e.lease_until - now())::float8,
+                   extract(epoch FROM e.expires_at - now())::float8,
                    e.status, e.header_names, e.header_values, e.body
             FROM existing e
             WHERE e.expires_at > now() AND NOT EXISTS (SELECT FROM claimed) ",
@@ -149,7 +151,7 @@ const BEGIN_LEASE: &str = begin_statement!(lock: "", gate: "", busy: "");
 const BEGIN_TRANSACTIONAL: &str = begin_statement!(
     lock: "lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($5) AS held), ",
     gate: "AND (SELECT held FROM lock)",
-    busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM lock WHERE NOT lock.held"
+    busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM lock WHERE NOT lock.held"
 );
 
 const RENEW: &str = r#"
@@ -663,11 +665,11 @@ fn decode_begin(request: &ClaimRequest, row: &PgRow) -> Result<Begin<Lease>, Pos
         headers.append(name, value);
     }
     let body: Option<Vec<u8>> = row.try_get("body")?;
-    Ok(Begin::Completed(Record::from_parts(
-        status,
-        headers,
-        body.map(Bytes::from),
-    )))
+    let expires_in: Option<f64> = row.try_get("expires_in")?;
+    Ok(Begin::Completed {
+        record: Record::from_parts(status, headers, body.map(Bytes::from)),
+        expires_in: expires_in.and_then(|s| Duration::try_from_secs_f64(s).ok()),
+    })
 }
 
 /// A [`PostgresStore`] operation failed.

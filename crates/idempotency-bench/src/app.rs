@@ -1,0 +1,213 @@
+//! The applications the benchmark serves: one charge API, with and without the layer.
+//!
+//! Every app has the same shape as a real one: an authentication middleware (outermost) turns
+//! `Authorization: Bearer <account>` into a [`Principal`], then — in the layered apps — the
+//! idempotency layer, then the handler. The apps differ only in the layer, so a ratio between
+//! two of them is the layer's cost.
+
+use std::sync::{
+    Arc,
+    atomic::{AtomicBool, AtomicU64, Ordering},
+};
+
+use axum::{
+    Extension, Json, Router,
+    extract::{Request, State},
+    http::{StatusCode, header},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::post,
+};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use tower_idempotency::{IdempotencyLayer, IdempotentTx, Principal};
+
+/// The path every app serves.
+pub(crate) const CHARGES_PATH: &str = "/v1/charges";
+
+/// The table the charge handler writes to, created in the run's database before any server
+/// starts.
+pub(crate) const CHARGES_SCHEMA: &str = r#"
+CREATE TABLE charges (
+    id         bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    account    text        NOT NULL,
+    amount     bigint      NOT NULL CHECK (amount > 0),
+    currency   text        NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+)
+"#;
+
+const INSERT_CHARGE: &str =
+    "INSERT INTO charges (account, amount, currency) VALUES ($1, $2, $3) RETURNING id";
+
+/// Which application a server process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum App {
+    /// The charge handler (one `INSERT` through the pool), no idempotency layer.
+    Bare,
+    /// The charge handler behind `IdempotencyLayer::postgres(pool)`, on the same pool.
+    Lease,
+    /// The charge handler writing its `INSERT` through the [`IdempotentTx`] of
+    /// `IdempotencyLayer::postgres(pool).transactional()`: the claim, the charge and the record
+    /// commit together.
+    Transactional,
+    /// A handler that does no I/O, no idempotency layer.
+    MemoryBare,
+    /// The no-I/O handler behind `IdempotencyLayer::memory()`.
+    Memory,
+}
+
+impl App {
+    /// Whether the app needs the run's database.
+    pub(crate) fn uses_database(self) -> bool {
+        match self {
+            Self::Bare | Self::Lease | Self::Transactional => true,
+            Self::MemoryBare | Self::Memory => false,
+        }
+    }
+
+    /// The name of the app on the `serve` command line.
+    pub(crate) fn as_arg(self) -> &'static str {
+        match self {
+            Self::Bare => "bare",
+            Self::Lease => "lease",
+            Self::Transactional => "transactional",
+            Self::MemoryBare => "memory-bare",
+            Self::Memory => "memory",
+        }
+    }
+}
+
+/// Builds `app`. `pool` is `Some` exactly for apps that [use the database](App::uses_database).
+pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
+    let routes = match (app, pool) {
+        (App::Bare, Some(pool)) => charges(pool),
+        (App::Lease, Some(pool)) => charges(pool.clone()).layer(IdempotencyLayer::postgres(pool)),
+        (App::Transactional, Some(pool)) => Router::new()
+            .route(CHARGES_PATH, post(create_charge_in_transaction))
+            .layer(IdempotencyLayer::postgres(pool).transactional()),
+        (App::MemoryBare, _) => no_io(),
+        (App::Memory, _) => no_io().layer(IdempotencyLayer::memory()),
+        (App::Bare | App::Lease | App::Transactional, None) => {
+            unreachable!("the caller connects a pool for every app that uses the database")
+        }
+    };
+    // Outermost, so the principal is in place when the idempotency layer looks for it.
+    routes.layer(middleware::from_fn(authenticate))
+}
+
+fn charges(pool: PgPool) -> Router {
+    Router::new()
+        .route(CHARGES_PATH, post(create_charge))
+        .with_state(pool)
+}
+
+fn no_io() -> Router {
+    Router::new()
+        .route(CHARGES_PATH, post(create_charge_in_memory))
+        .with_state(Arc::new(AtomicU64::new(0)))
+}
+
+/// What a client asks for. A large request carries other fields (`metadata`), read and ignored.
+#[derive(Debug, Deserialize)]
+struct NewCharge {
+    amount: i64,
+    currency: String,
+}
+
+/// What the API answers.
+#[derive(Debug, Serialize)]
+struct Charge {
+    id: String,
+    object: &'static str,
+    account: String,
+    amount: i64,
+    currency: String,
+}
+
+/// Stands in for real authentication: the bearer token is the account.
+async fn authenticate(mut request: Request, next: Next) -> Response {
+    let account = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .map(Principal::new);
+    match account {
+        Some(principal) => {
+            request.extensions_mut().insert(principal);
+            next.run(request).await
+        }
+        None => (StatusCode::UNAUTHORIZED, "missing bearer token").into_response(),
+    }
+}
+
+/// One `INSERT` through the pool, then `201 Created` with the charge.
+async fn create_charge(
+    State(pool): State<PgPool>,
+    Extension(principal): Extension<Principal>,
+    Json(new): Json<NewCharge>,
+) -> Result<(StatusCode, Json<Charge>), HandlerError> {
+    let id: i64 = sqlx::query_scalar(INSERT_CHARGE)
+        .bind(principal.as_str())
+        .bind(new.amount)
+        .bind(&new.currency)
+        .fetch_one(&pool)
+        .await
+        .map_err(HandlerError)?;
+    Ok(created(id, &principal, new))
+}
+
+/// The same `INSERT`, in the transaction the layer opened for the key; the layer commits it
+/// with the record.
+async fn create_charge_in_transaction(
+    mut tx: IdempotentTx,
+    Extension(principal): Extension<Principal>,
+    Json(new): Json<NewCharge>,
+) -> Result<(StatusCode, Json<Charge>), HandlerError> {
+    let id: i64 = sqlx::query_scalar(INSERT_CHARGE)
+        .bind(principal.as_str())
+        .bind(new.amount)
+        .bind(&new.currency)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(HandlerError)?;
+    Ok(created(id, &principal, new))
+}
+
+/// The same answer without any I/O: the id comes from a counter.
+async fn create_charge_in_memory(
+    State(ids): State<Arc<AtomicU64>>,
+    Extension(principal): Extension<Principal>,
+    Json(new): Json<NewCharge>,
+) -> (StatusCode, Json<Charge>) {
+    let id = ids.fetch_add(1, Ordering::Relaxed) + 1;
+    created(i64::try_from(id).unwrap_or(i64::MAX), &principal, new)
+}
+
+fn created(id: i64, principal: &Principal, new: NewCharge) -> (StatusCode, Json<Charge>) {
+    (
+        StatusCode::CREATED,
+        Json(Charge {
+            id: format!("ch_{id}"),
+            object: "charge",
+            account: principal.as_str().to_owned(),
+            amount: new.amount,
+            currency: new.currency,
+        }),
+    )
+}
+
+/// A database error in the handler: `500`. The first one is logged; the load generator counts
+/// them all.
+struct HandlerError(sqlx::Error);
+
+impl IntoResponse for HandlerError {
+    fn into_response(self) -> Response {
+        static LOGGED: AtomicBool = AtomicBool::new(false);
+        if !LOGGED.swap(true, Ordering::Relaxed) {
+            tracing::error!(error = %self.0, "charge handler failed (further failures are not logged)");
+        }
+        (StatusCode::INTERNAL_SERVER_ERROR, "charge failed").into_response()
+    }
+}

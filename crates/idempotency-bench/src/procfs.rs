@@ -1,0 +1,131 @@
+//! What Linux's `/proc` tells about processes and the machine: peak resident memory, CPU time.
+
+use std::{fs, io, path::Path, time::Duration};
+
+/// The peak resident set size (`VmHWM`) of process `pid`, in bytes.
+pub(crate) fn peak_rss(pid: u32) -> io::Result<u64> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|value| value.trim().strip_suffix("kB"))
+        .and_then(|kib| kib.trim().parse::<u64>().ok())
+        .map(|kib| kib * 1024)
+        .ok_or_else(|| io::Error::other(format!("no VmHWM in /proc/{pid}/status")))
+}
+
+/// The CPU time process `pid` has used so far, all its threads together.
+///
+/// Read from each thread's `schedstat` (nanoseconds) where the kernel has it, else from
+/// `stat`'s user and system ticks. Threads that already exited are not counted, which is why
+/// callers take differences over a window in which the processes they watch keep their threads.
+pub(crate) fn cpu_time(pid: u32) -> io::Result<Duration> {
+    let mut total = Duration::ZERO;
+    let mut threads = 0;
+    for task in fs::read_dir(format!("/proc/{pid}/task"))? {
+        let task = task?.path();
+        // A thread may exit between listing and reading: skip it.
+        if let Ok(time) = thread_cpu_time(&task) {
+            total += time;
+            threads += 1;
+        }
+    }
+    if threads == 0 {
+        return Err(io::Error::other(format!(
+            "no readable threads in /proc/{pid}"
+        )));
+    }
+    Ok(total)
+}
+
+fn thread_cpu_time(task: &Path) -> io::Result<Duration> {
+    if let Ok(schedstat) = fs::read_to_string(task.join("schedstat"))
+        && let Some(ns) = schedstat
+            .split_whitespace()
+            .next()
+            .and_then(|ns| ns.parse::<u64>().ok())
+    {
+        return Ok(Duration::from_nanos(ns));
+    }
+    let stat = fs::read_to_string(task.join("stat"))?;
+    // The command name (field 2) may hold spaces; fields are counted after its closing paren.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the paren.
+    let ticks = |i: usize| fields.get(i).and_then(|t| t.parse::<u64>().ok());
+    match (ticks(11), ticks(12)) {
+        // USER_HZ is 100 on every Linux architecture that exposes it to user space.
+        (Some(user), Some(system)) => Ok(Duration::from_millis((user + system) * 10)),
+        _ => Err(io::Error::other("malformed stat")),
+    }
+}
+
+/// Whether `pid` is a local PostgreSQL process (its backends are named `postgres`).
+pub(crate) fn is_postgres(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|comm| comm.trim() == "postgres")
+}
+
+/// Whether process `pid` exists on this machine.
+pub(crate) fn exists(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// The machine the numbers come from, for the report's header.
+#[derive(Debug, Clone)]
+pub(crate) struct Machine {
+    /// Cores this process may run on.
+    pub(crate) cores: usize,
+    pub(crate) cpu_model: Option<String>,
+    pub(crate) memory_bytes: Option<u64>,
+    pub(crate) kernel: Option<String>,
+    pub(crate) load_average: Option<String>,
+}
+
+impl Machine {
+    pub(crate) fn detect() -> Self {
+        let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let meminfo = fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        Self {
+            cores: std::thread::available_parallelism().map_or(1, usize::from),
+            cpu_model: cpuinfo
+                .lines()
+                .find_map(|line| line.strip_prefix("model name"))
+                .and_then(|rest| rest.split_once(':'))
+                .map(|(_, model)| model.trim().to_owned()),
+            memory_bytes: meminfo
+                .lines()
+                .find_map(|line| line.strip_prefix("MemTotal:"))
+                .and_then(|value| value.trim().strip_suffix("kB"))
+                .and_then(|kib| kib.trim().parse::<u64>().ok())
+                .map(|kib| kib * 1024),
+            kernel: fs::read_to_string("/proc/sys/kernel/osrelease")
+                .ok()
+                .map(|release| release.trim().to_owned()),
+            load_average: load_average(),
+        }
+    }
+}
+
+/// The 1, 5 and 15 minute load averages, as the kernel prints them.
+pub(crate) fn load_average() -> Option<String> {
+    let loadavg = fs::read_to_string("/proc/loadavg").ok()?;
+    let fields: Vec<&str> = loadavg.split_whitespace().take(3).collect();
+    (fields.len() == 3).then(|| fields.join(" "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_this_process() {
+        let pid = std::process::id();
+        assert!(peak_rss(pid).unwrap() > 0);
+        assert!(cpu_time(pid).is_ok());
+        assert!(exists(pid));
+        assert!(!is_postgres(pid));
+        assert!(Machine::detect().cores >= 1);
+    }
+}

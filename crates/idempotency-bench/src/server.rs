@@ -1,0 +1,181 @@
+//! Benchmark servers as child processes: the benchmark re-executes its own binary as
+//! `idempotency-bench serve --app <app>`, so every server has a process — and a peak RSS — of
+//! its own.
+//!
+//! The protocol between the two sides is small:
+//! * the child binds `127.0.0.1:0`, connects its pool, and prints `listening <addr>` on stdout;
+//! * the parent keeps the child's stdin open; the child exits as soon as it reads end-of-file
+//!   there. So a child never outlives the benchmark, however the benchmark ends (even killed
+//!   with `SIGKILL`, when its end of the pipe is closed by the kernel);
+//! * besides, [`ServerProcess`] kills the child when dropped (an error, a panic, Ctrl-C).
+
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    process::Stdio,
+    str::FromStr,
+    time::Duration,
+};
+
+use axum::serve::ListenerExt;
+use sqlx::postgres::PgConnectOptions;
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+    net::TcpListener,
+    process::{Child, ChildStdin, ChildStdout, Command},
+};
+
+use crate::{
+    BoxError,
+    app::{self, App},
+    cli::ServeArgs,
+    db::{self, BenchDb},
+    procfs,
+};
+
+const READY: &str = "listening";
+
+/// How long a server may take to start (connecting its pool included).
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a server may take to exit once told to.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The child side: `idempotency-bench serve`.
+pub(crate) async fn serve(args: ServeArgs) -> Result<(), BoxError> {
+    // Exit when the parent closes our stdin, or dies.
+    tokio::spawn(async {
+        let mut stdin = tokio::io::stdin();
+        let mut buffer = [0_u8; 64];
+        loop {
+            match stdin.read(&mut buffer).await {
+                Ok(0) | Err(_) => std::process::exit(0),
+                Ok(_) => {}
+            }
+        }
+    });
+
+    let pool = if args.app.uses_database() {
+        let url = std::env::var("DATABASE_URL")
+            .map_err(|_| "serve: DATABASE_URL is not set (the benchmark sets it)")?;
+        let database = args
+            .database
+            .as_deref()
+            .ok_or("serve: --database is required for this app")?;
+        let options = PgConnectOptions::from_str(&url)?.database(database);
+        let size = u32::try_from(args.pool_size.get()).unwrap_or(u32::MAX);
+        Some(db::connect_pool(options, size).await?)
+    } else {
+        None
+    };
+    let router = app::router(args.app, pool);
+
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+    let addr = listener.local_addr()?;
+    let mut stdout = tokio::io::stdout();
+    stdout
+        .write_all(format!("{READY} {addr}\n").as_bytes())
+        .await?;
+    stdout.flush().await?;
+
+    let listener = listener.tap_io(|tcp| {
+        // Small responses on keep-alive connections: never wait for Nagle.
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(listener, router).await?;
+    Ok(())
+}
+
+/// The parent side: a running server process.
+#[derive(Debug)]
+pub(crate) struct ServerProcess {
+    child: Child,
+    pid: u32,
+    addr: SocketAddr,
+    /// Held open for the child's lifetime: closing it tells the child to exit.
+    stdin: Option<ChildStdin>,
+    /// Held so the child never writes into a closed pipe.
+    _stdout: BufReader<ChildStdout>,
+}
+
+impl ServerProcess {
+    /// Starts `app` (on `db` if it uses the database) and waits until it listens.
+    pub(crate) async fn start(app: App, db: &BenchDb, pool_size: usize) -> Result<Self, BoxError> {
+        let mut command = Command::new(std::env::current_exe()?);
+        command
+            .args(["serve", "--app", app.as_arg(), "--pool-size"])
+            .arg(pool_size.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        if app.uses_database() {
+            command
+                .args(["--database", db.name()])
+                .env("DATABASE_URL", db.server_url());
+        }
+        let mut child = command.spawn()?;
+        let pid = child.id().ok_or("server exited at once")?;
+        let stdin = child.stdin.take();
+        let mut stdout = BufReader::new(child.stdout.take().ok_or("no stdout pipe")?);
+
+        let mut line = String::new();
+        let read = tokio::time::timeout(START_TIMEOUT, stdout.read_line(&mut line)).await;
+        let addr = match read {
+            Ok(Ok(n)) if n > 0 => line
+                .trim()
+                .strip_prefix(READY)
+                .and_then(|addr| addr.trim().parse::<SocketAddr>().ok())
+                .ok_or_else(|| format!("server {} said {line:?}", app.as_arg()))?,
+            Ok(Ok(_)) => {
+                let status = child.wait().await?;
+                return Err(
+                    format!("server {} exited before listening: {status}", app.as_arg()).into(),
+                );
+            }
+            Ok(Err(error)) => return Err(error.into()),
+            Err(_) => {
+                return Err(format!(
+                    "server {} did not listen within {START_TIMEOUT:?}",
+                    app.as_arg()
+                )
+                .into());
+            }
+        };
+        Ok(Self {
+            child,
+            pid,
+            addr,
+            stdin,
+            _stdout: stdout,
+        })
+    }
+
+    /// The address it listens on.
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Its process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Its peak resident set size so far, in bytes.
+    pub(crate) fn peak_rss(&self) -> std::io::Result<u64> {
+        procfs::peak_rss(self.pid)
+    }
+
+    /// Tells it to exit, and kills it if it has not within a few seconds.
+    pub(crate) async fn stop(mut self) -> Result<(), BoxError> {
+        drop(self.stdin.take());
+        match tokio::time::timeout(STOP_TIMEOUT, self.child.wait()).await {
+            Ok(status) => {
+                status?;
+            }
+            Err(_) => {
+                self.child.kill().await?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -191,7 +191,11 @@ mod postgres_only {
         .expect("tables");
         assert_eq!(
             tables,
-            ["idempotency._sqlx_migrations", "idempotency.records"]
+            [
+                "idempotency._sqlx_migrations",
+                "idempotency.partitioned_records",
+                "idempotency.records"
+            ]
         );
         // The application's own migrations (default table) run beside it untouched.
         let mut app_migrator =
@@ -339,4 +343,182 @@ async fn an_unmigrated_database_says_so() {
     reply.assert_problem(503, "StoreUnavailable");
     assert_ne!(reply.status, StatusCode::CREATED);
     assert_eq!(probe.executions(), 0);
+}
+
+/// The suite again with the store in partitioned mode (lease and transactional), plus its
+/// partition upkeep.
+mod partitioned {
+    use std::time::Duration;
+
+    use idempotency_tests::{db::TestDb, suite::Backend};
+    use sqlx::Executor;
+    use tower_idempotency::store::{ExpiredDeletion, PostgresStore};
+
+    const WIDTH: Duration = Duration::from_secs(3600);
+
+    struct Partitioned {
+        db: TestDb,
+        store: PostgresStore,
+    }
+
+    impl Partitioned {
+        async fn start(transactional: bool) -> Self {
+            let db = TestDb::new().await;
+            let store = PostgresStore::new(db.pool().clone()).partitioned(WIDTH);
+            let store = if transactional {
+                store.transactional()
+            } else {
+                store
+            };
+            store
+                .migrate()
+                .await
+                .expect("migrate and create partitions");
+            Self { db, store }
+        }
+
+        async fn lapse_leases(&self) {
+            self.db
+                .pool()
+                .execute(
+                    "UPDATE idempotency.partitioned_records
+                     SET lease_until = now() - interval '1 second' WHERE status IS NULL",
+                )
+                .await
+                .expect("lapse leases");
+        }
+
+        /// Expired, yet still inside the current (existing) hourly partition.
+        async fn expire_records(&self) {
+            self.db
+                .pool()
+                .execute(
+                    "UPDATE idempotency.partitioned_records
+                     SET expires_at = to_timestamp(floor(extract(epoch FROM now()) / 3600) * 3600)",
+                )
+                .await
+                .expect("expire records");
+        }
+    }
+
+    mod lease {
+        use super::*;
+
+        struct PartitionedLease(Partitioned);
+
+        impl Backend for PartitionedLease {
+            type Store = PostgresStore;
+
+            async fn start() -> Self {
+                Self(Partitioned::start(false).await)
+            }
+
+            fn store(&self) -> PostgresStore {
+                self.0.store.clone()
+            }
+
+            async fn lapse_leases(&self) {
+                self.0.lapse_leases().await;
+            }
+
+            async fn expire_records(&self) {
+                self.0.expire_records().await;
+            }
+        }
+
+        idempotency_tests::store_suite!(PartitionedLease);
+    }
+
+    mod transactional {
+        use super::*;
+
+        struct PartitionedTransactional(Partitioned);
+
+        impl Backend for PartitionedTransactional {
+            type Store = PostgresStore;
+            const TRANSACTIONAL: bool = true;
+
+            async fn start() -> Self {
+                Self(Partitioned::start(true).await)
+            }
+
+            fn store(&self) -> PostgresStore {
+                self.0.store.clone()
+            }
+
+            async fn lapse_leases(&self) {
+                self.0.lapse_leases().await;
+            }
+
+            async fn expire_records(&self) {
+                self.0.expire_records().await;
+            }
+        }
+
+        idempotency_tests::store_suite!(PartitionedTransactional);
+    }
+
+    async fn partitions(db: &TestDb) -> Vec<String> {
+        sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+             WHERE i.inhparent = 'idempotency.partitioned_records'::regclass ORDER BY 1",
+        )
+        .fetch_all(db.pool())
+        .await
+        .expect("partitions")
+    }
+
+    /// Partitions are made ahead, expired ones dropped whole with their rows, live ones kept;
+    /// several instances running the upkeep at once agree.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn upkeep_creates_ahead_and_drops_expired_partitions() {
+        let db = TestDb::new().await;
+        let store = PostgresStore::new(db.pool().clone())
+            .partitioned(WIDTH)
+            .with_partitions_ahead(Duration::from_secs(5 * 3600));
+        store.migrate().await.expect("migrate");
+        let ahead = partitions(&db).await;
+        assert!((5..=6).contains(&ahead.len()), "{ahead:?}");
+
+        // An old partition full of expired records, as an earlier day would have left.
+        db.pool()
+            .execute(
+                "CREATE TABLE idempotency.old (LIKE idempotency.partitioned_records INCLUDING ALL);
+                 INSERT INTO idempotency.old (scope_key, fingerprint, token, expires_at, status, header_names, header_values, body)
+                 SELECT sha256(i::text::bytea), sha256('f'), i,
+                        to_timestamp(floor(extract(epoch FROM now()) / 3600) * 3600 - 7200 + i % 3600),
+                        200, '{}'::text[], '{}'::bytea[], 'x'::bytea
+                 FROM generate_series(1, 5000) i;",
+            )
+            .await
+            .expect("old rows");
+        let start: i64 = sqlx::query_scalar(
+            "SELECT (floor(extract(epoch FROM now()) / 3600) * 3600 - 7200)::int8",
+        )
+        .fetch_one(db.pool())
+        .await
+        .expect("bucket");
+        let name = format!("partitioned_records_{start}_{}", start + 3600);
+        db.pool()
+            .execute(sqlx::AssertSqlSafe(format!(
+                "ALTER TABLE idempotency.old RENAME TO {name};
+                 ALTER TABLE idempotency.partitioned_records ATTACH PARTITION idempotency.{name}
+                     FOR VALUES FROM (to_timestamp({start})) TO (to_timestamp({}));",
+                start + 3600
+            )))
+            .await
+            .expect("attach old partition");
+
+        let runs =
+            futures_util::future::join_all((0..3).map(|_| store.maintain_partitions())).await;
+        let dropped: u64 = runs
+            .into_iter()
+            .map(|run| run.expect("upkeep").rows_dropped)
+            .sum();
+        assert_eq!(dropped, 5000, "the old partition's rows, counted once");
+        let left = partitions(&db).await;
+        assert!(!left.contains(&name), "{left:?}");
+        assert_eq!(left, ahead, "live partitions kept");
+        assert_eq!(store.delete_expired(1000).await.expect("nothing to do"), 0);
+    }
 }

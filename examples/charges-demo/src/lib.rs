@@ -198,9 +198,10 @@ impl AppState<PostgresLedger, PostgresStore> {
 /// # Errors
 ///
 /// When the database cannot be reached or a migration fails.
-pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+pub async fn migrate(pool: &PgPool) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     PostgresStore::new(pool.clone()).migrate().await?;
-    ledger::MIGRATOR.run(pool).await
+    ledger::MIGRATOR.run(pool).await?;
+    Ok(())
 }
 
 /// The API: `POST /v1/charges` under the idempotency layer, `GET /v1/charges` and

@@ -245,7 +245,7 @@ pub enum RunError {
     /// PostgreSQL could not be reached.
     Connect(sqlx::Error),
     /// Applying the migrations failed.
-    Migrate(sqlx::migrate::MigrateError),
+    Migrate(Box<dyn std::error::Error + Send + Sync>),
     /// The signal handlers could not be installed.
     Signal(io::Error),
     /// The listen address could not be bound.
@@ -278,7 +278,7 @@ impl std::error::Error for RunError {
         match self {
             Self::Config(error) => Some(error),
             Self::DatabaseUrl(error) | Self::Connect(error) => Some(error),
-            Self::Migrate(error) => Some(error),
+            Self::Migrate(error) => Some(error.as_ref()),
             Self::Signal(error) | Self::Serve(error) | Self::Bind { source: error, .. } => {
                 Some(error)
             }

@@ -61,7 +61,7 @@ pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::PgTransaction;
 #[cfg(feature = "postgres")]
-pub use postgres::{PgClaim, PostgresStore, PostgresStoreError};
+pub use postgres::{PartitionMaintenance, PgClaim, PostgresStore, PostgresStoreError};
 
 /// What the layer asks a store to claim.
 #[derive(Debug, Clone, PartialEq, Eq)]

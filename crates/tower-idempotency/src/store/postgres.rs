@@ -52,6 +52,14 @@ pub struct PostgresStore {
     timeout: Duration,
     transactional: bool,
     prepared: bool,
+    partitions: Option<Partitioning>,
+}
+
+/// Partitioned mode's settings.
+#[derive(Clone, Copy, Debug)]
+struct Partitioning {
+    width: Duration,
+    ahead: Duration,
 }
 
 /// A claim held in a [`PostgresStore`]: its fencing token and, in transactional mode, the open
@@ -154,24 +162,48 @@ const BEGIN_TRANSACTIONAL: &str = begin_statement!(
     busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM lock WHERE NOT lock.held"
 );
 
-const RENEW: &str = r#"
-UPDATE idempotency.records
-SET lease_until = now() + $3::interval,
-    expires_at = greatest(expires_at, now() + $3::interval)
-WHERE scope_key = $1 AND token = $2 AND status IS NULL
-"#;
+// The fenced statements, for the plain table and the partitioned one. `expires_at > now()` costs
+// nothing on the plain table (a held claim has not expired) and prunes the partitioned one.
+macro_rules! fenced_statements {
+    ($table:literal) => {
+        Fenced {
+            renew: concat!(
+                "UPDATE idempotency.",
+                $table,
+                "
+                 SET lease_until = now() + $3::interval,
+                     expires_at = greatest(expires_at, now() + $3::interval)
+                 WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+            ),
+            complete: concat!(
+                "UPDATE idempotency.",
+                $table,
+                "
+                 SET status = $3, header_names = $4, header_values = $5, body = $6,
+                     lease_until = NULL, completed_at = now()
+                 WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+            ),
+            release: concat!(
+                "DELETE FROM idempotency.",
+                $table,
+                "
+                 WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+            ),
+        }
+    };
+}
 
-const COMPLETE: &str = r#"
-UPDATE idempotency.records
-SET status = $3, header_names = $4, header_values = $5, body = $6,
-    lease_until = NULL, completed_at = now()
-WHERE scope_key = $1 AND token = $2 AND status IS NULL
-"#;
+/// The statements that act on a held claim.
+struct Fenced {
+    renew: &'static str,
+    complete: &'static str,
+    release: &'static str,
+}
 
-const RELEASE: &str = r#"
-DELETE FROM idempotency.records
-WHERE scope_key = $1 AND token = $2 AND status IS NULL
-"#;
+const FENCED: Fenced = fenced_statements!("records");
+const FENCED_PARTITIONED: Fenced = fenced_statements!("partitioned_records");
+
+const BEGIN_PARTITIONED: &str = "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $5)";
 
 /// Bounded and non-blocking: rows another transaction has locked are skipped, not waited for.
 const DELETE_EXPIRED: &str = r#"
@@ -195,7 +227,42 @@ impl PostgresStore {
             timeout: Duration::from_secs(5),
             transactional: false,
             prepared: true,
+            partitions: None,
         }
+    }
+
+    /// Switches to partitioned mode: records are kept in `idempotency.partitioned_records`,
+    /// range-partitioned by expiry time into partitions `width` wide, and expiry
+    /// ([`ExpiredDeletion::delete_expired`]) detaches and drops whole partitions instead of
+    /// deleting rows: no row-by-row work, no table bloat, no vacuum debt, whatever the volume.
+    ///
+    /// Partitions are created 2 days ahead by default
+    /// ([`with_partitions_ahead`](Self::with_partitions_ahead)): at start-up by
+    /// [`migrate`](Self::migrate), then by each `delete_expired` (the expiry loop), so keep
+    /// the loop running. Choose `width` around a quarter of the TTL: a claim looks the key up in
+    /// every live partition (TTL / width of them), and a record outlives its TTL by up to
+    /// `width` before its partition goes.
+    ///
+    /// Claims are still one statement, serialised per key by a transaction-scoped advisory lock
+    /// (a partitioned table cannot have a unique index on the key alone). Both lease and
+    /// transactional mode work on it.
+    #[must_use]
+    pub fn partitioned(mut self, width: Duration) -> Self {
+        let ahead = self
+            .partitions
+            .map_or(Duration::from_secs(2 * 24 * 3600), |p| p.ahead);
+        self.partitions = Some(Partitioning { width, ahead });
+        self
+    }
+
+    /// How far ahead partitioned mode keeps partitions (default 2 days): longer than the
+    /// layer's TTL and lease, or claims fail (`503`) for want of a partition for their expiry.
+    #[must_use]
+    pub fn with_partitions_ahead(mut self, ahead: Duration) -> Self {
+        if let Some(partitions) = &mut self.partitions {
+            partitions.ahead = ahead;
+        }
+        self
     }
 
     /// Sends each statement as one simple-protocol query instead of a cached prepared statement,
@@ -243,13 +310,189 @@ impl PostgresStore {
         &MIGRATOR
     }
 
-    /// Applies the store's migrations (idempotent, and safe to run from many instances at once).
+    /// Applies the store's migrations (idempotent, and safe to run from many instances at once),
+    /// and in partitioned mode creates the first partitions. Run it on a direct connection, not
+    /// through PgBouncer in transaction pooling: sqlx's migrator holds a session advisory lock.
     ///
     /// # Errors
     ///
     /// When the database cannot be reached or a migration fails.
-    pub async fn migrate(&self) -> Result<(), sqlx::migrate::MigrateError> {
-        MIGRATOR.run(&self.pool).await
+    pub async fn migrate(&self) -> Result<(), PostgresStoreError> {
+        MIGRATOR
+            .run(&self.pool)
+            .await
+            .map_err(PostgresStoreError::Migrate)?;
+        if self.partitions.is_some() {
+            // Partitions for the first claims; the expiry loop keeps them coming.
+            self.maintain_partitions().await?;
+        }
+        Ok(())
+    }
+
+    /// Partitioned mode's upkeep: creates the partitions the next
+    /// [`with_partitions_ahead`](Self::with_partitions_ahead) need, and detaches and drops
+    /// those whose every record has expired. [`delete_expired`](ExpiredDeletion::delete_expired)
+    /// runs it, so the expiry loop is all an application needs; a no-op in the other modes.
+    ///
+    /// Safe to run from many instances at once. It never blocks claims for long: partitions are
+    /// attached (not created in place) under a short `lock_timeout`, and detached `CONCURRENTLY`;
+    /// a step that cannot get its lock is left for the next run.
+    ///
+    /// # Errors
+    ///
+    /// When the catalog cannot be read; failures of single steps are logged and skipped.
+    pub async fn maintain_partitions(&self) -> Result<PartitionMaintenance, PostgresStoreError> {
+        let mut report = PartitionMaintenance::default();
+        let Some(partitioning) = self.partitions else {
+            return Ok(report);
+        };
+        let width = partitioning.width.as_secs().max(1) as i64;
+        let existing = self.partitions().await?;
+        let now: f64 = self
+            .timed(
+                "maintain_partitions",
+                sqlx::raw_sql("SELECT extract(epoch FROM now())::float8").fetch_one(&self.pool),
+            )
+            .await?
+            .try_get(0)?;
+        let now = now as i64;
+
+        // Behind: finish a detach an earlier run started, then detach and drop what expired.
+        for partition in existing.iter().filter(|p| p.end <= now) {
+            match self.drop_partition(partition).await {
+                Ok(rows) => {
+                    report.dropped += 1;
+                    report.rows_dropped += rows;
+                }
+                Err(error) => tracing::warn!(
+                    partition = %partition.name(),
+                    error = %error,
+                    "could not drop an expired idempotency partition; retrying next run"
+                ),
+            }
+        }
+
+        // Ahead: every bucket from the current one to `ahead` from now.
+        let horizon = now + partitioning.ahead.as_secs() as i64;
+        let mut start = now.div_euclid(width) * width;
+        while start < horizon {
+            let end = start + width;
+            if !existing.iter().any(|p| p.start == start) {
+                let partition = Partition {
+                    start,
+                    end,
+                    detaching: false,
+                };
+                match self.create_partition(&partition).await {
+                    Ok(()) => report.created += 1,
+                    Err(error) => tracing::warn!(
+                        partition = %partition.name(),
+                        error = %error,
+                        "could not create an idempotency partition; retrying next run"
+                    ),
+                }
+            }
+            start = end;
+        }
+        Ok(report)
+    }
+
+    /// The partitions of `idempotency.partitioned_records`, from their names.
+    async fn partitions(&self) -> Result<Vec<Partition>, PostgresStoreError> {
+        let rows = self
+            .timed(
+                "maintain_partitions",
+                sqlx::raw_sql(
+                    "SELECT c.relname, i.inhdetachpending
+                     FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+                     WHERE i.inhparent = 'idempotency.partitioned_records'::regclass",
+                )
+                .fetch_all(&self.pool),
+            )
+            .await?;
+        let mut partitions = Vec::with_capacity(rows.len());
+        for row in rows {
+            let name: String = row.try_get(0)?;
+            let detaching: bool = row.try_get(1)?;
+            match Partition::parse(&name, detaching) {
+                Some(partition) => partitions.push(partition),
+                None => {
+                    tracing::warn!(partition = %name, "ignoring a partition the store did not name")
+                }
+            }
+        }
+        Ok(partitions)
+    }
+
+    async fn create_partition(&self, partition: &Partition) -> Result<(), PostgresStoreError> {
+        // Created apart and attached: ATTACH takes a lock that does not block claims, where
+        // CREATE TABLE .. PARTITION OF would.
+        let sql = format!(
+            "BEGIN;
+             SET LOCAL lock_timeout = '2s';
+             CREATE TABLE IF NOT EXISTS idempotency.{name}
+                 (LIKE idempotency.partitioned_records INCLUDING ALL);
+             ALTER TABLE idempotency.partitioned_records ATTACH PARTITION idempotency.{name}
+                 FOR VALUES FROM (to_timestamp({start})) TO (to_timestamp({end}));
+             COMMIT;",
+            name = partition.name(),
+            start = partition.start,
+            end = partition.end,
+        );
+        let result = self
+            .timed(
+                "maintain_partitions",
+                sqlx::raw_sql(AssertSqlSafe(sql)).execute(&self.pool),
+            )
+            .await;
+        match result {
+            Ok(_) => Ok(()),
+            // Another instance attached it first.
+            Err(PostgresStoreError::Database(error))
+                if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("42P17") =>
+            {
+                Ok(())
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Detaches (without blocking claims) and drops an expired partition; its row count.
+    async fn drop_partition(&self, partition: &Partition) -> Result<u64, PostgresStoreError> {
+        let name = partition.name();
+        let detach = if partition.detaching {
+            format!(
+                "ALTER TABLE idempotency.partitioned_records DETACH PARTITION idempotency.{name} FINALIZE"
+            )
+        } else {
+            format!(
+                "ALTER TABLE idempotency.partitioned_records DETACH PARTITION idempotency.{name} CONCURRENTLY"
+            )
+        };
+        self.timed(
+            "maintain_partitions",
+            sqlx::raw_sql(AssertSqlSafe(detach)).execute(&self.pool),
+        )
+        .await?;
+        let rows: i64 = self
+            .timed(
+                "maintain_partitions",
+                sqlx::raw_sql(AssertSqlSafe(format!(
+                    "SELECT count(*) FROM idempotency.{name}"
+                )))
+                .fetch_one(&self.pool),
+            )
+            .await?
+            .try_get(0)?;
+        self.timed(
+            "maintain_partitions",
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "DROP TABLE IF EXISTS idempotency.{name}"
+            )))
+            .execute(&self.pool),
+        )
+        .await?;
+        Ok(rows as u64)
     }
 
     async fn timed<T>(
@@ -283,6 +526,34 @@ impl PostgresStore {
         })
     }
 
+    /// The claim statement of this store's mode.
+    fn claim_statement<'a>(&self, request: &'a ClaimRequest) -> Statement<'a> {
+        let sql = match (self.partitions.is_some(), self.transactional) {
+            (true, _) => BEGIN_PARTITIONED,
+            (false, true) => BEGIN_TRANSACTIONAL,
+            (false, false) => BEGIN_LEASE,
+        };
+        let statement = Statement::new(sql)
+            .with(Param::Bytes(request.key.as_bytes()))
+            .with(Param::Bytes(request.fingerprint.as_bytes()))
+            .with(Param::Interval(request.lease))
+            .with(Param::Interval(request.ttl));
+        match (self.partitions.is_some(), self.transactional) {
+            (true, try_lock) => statement.with(Param::Bool(try_lock)),
+            (false, true) => statement.with(Param::Int(advisory_lock_key(request))),
+            (false, false) => statement,
+        }
+    }
+
+    /// The statements on held claims, for this store's table.
+    fn fenced_sql(&self) -> &'static Fenced {
+        if self.partitions.is_some() {
+            &FENCED_PARTITIONED
+        } else {
+            &FENCED
+        }
+    }
+
     async fn begin_lease(
         &self,
         request: &ClaimRequest,
@@ -291,7 +562,8 @@ impl PostgresStore {
             let row = self
                 .timed(
                     "begin",
-                    claim_statement(BEGIN_LEASE, request).fetch_optional(self.prepared, &self.pool),
+                    self.claim_statement(request)
+                        .fetch_optional(self.prepared, &self.pool),
                 )
                 .await?;
             if let Some(row) = row {
@@ -317,8 +589,7 @@ impl PostgresStore {
             let row = self
                 .timed(
                     "begin",
-                    claim_statement(BEGIN_TRANSACTIONAL, request)
-                        .with(Param::Int(advisory_lock_key(request)))
+                    self.claim_statement(request)
                         .fetch_optional(self.prepared, &mut *tx),
                 )
                 .await?;
@@ -346,14 +617,6 @@ impl PostgresStore {
     }
 }
 
-fn claim_statement<'a>(sql: &'static str, request: &'a ClaimRequest) -> Statement<'a> {
-    Statement::new(sql)
-        .with(Param::Bytes(request.key.as_bytes()))
-        .with(Param::Bytes(request.fingerprint.as_bytes()))
-        .with(Param::Interval(request.lease))
-        .with(Param::Interval(request.ttl))
-}
-
 /// The advisory lock of a key in transactional mode: the first 64 bits of its hash. Two keys
 /// sharing them (a chance of 2⁻⁶⁴ per pair) only make one of them wait its turn with a `409`.
 fn advisory_lock_key(request: &ClaimRequest) -> i64 {
@@ -368,13 +631,17 @@ fn fenced_statement<'a>(sql: &'static str, lease: &'a Lease) -> Statement<'a> {
         .with(Param::Int(lease.token))
 }
 
-fn complete_statement<'a>(lease: &'a Lease, record: &'a Record) -> Statement<'a> {
+fn complete_statement<'a>(
+    sql: &'static str,
+    lease: &'a Lease,
+    record: &'a Record,
+) -> Statement<'a> {
     let (names, values) = record
         .headers()
         .iter()
         .map(|(name, value)| (name.as_str(), value.as_bytes()))
         .unzip();
-    fenced_statement(COMPLETE, lease)
+    fenced_statement(sql, lease)
         .with(Param::SmallInt(record.status().as_u16() as i16))
         .with(Param::Texts(names))
         .with(Param::BytesList(values))
@@ -397,6 +664,7 @@ enum Param<'a> {
     OptionalBytes(Option<&'a [u8]>),
     Int(i64),
     SmallInt(i16),
+    Bool(bool),
     Interval(Duration),
     Texts(Vec<&'a str>),
     BytesList(Vec<&'a [u8]>),
@@ -422,6 +690,7 @@ impl<'a> Statement<'a> {
                 Param::Bytes(bytes) => query.bind(bytes),
                 Param::OptionalBytes(bytes) => query.bind(bytes),
                 Param::Int(n) => query.bind(n),
+                Param::Bool(b) => query.bind(b),
                 Param::SmallInt(n) => query.bind(n),
                 Param::Interval(d) => query.bind(d),
                 Param::Texts(texts) => query.bind(texts),
@@ -446,6 +715,7 @@ impl<'a> Statement<'a> {
                 Param::OptionalBytes(Some(b)) => bytes(&mut literal, b),
                 Param::OptionalBytes(None) => literal.push_str("NULL::bytea"),
                 Param::Int(n) => literal.push_str(&format!("({n})::int8")),
+                Param::Bool(b) => literal.push_str(if *b { "true" } else { "false" }),
                 Param::SmallInt(n) => literal.push_str(&format!("({n})::int2")),
                 Param::Interval(d) => literal.push_str(&format!(
                     "({}::int8 * interval '1 microsecond')",
@@ -534,7 +804,8 @@ impl Store for PostgresStore {
                 ClaimStatus::Held
             });
         }
-        let statement = fenced_statement(RENEW, &claim.lease).with(Param::Interval(lease));
+        let statement =
+            fenced_statement(self.fenced_sql().renew, &claim.lease).with(Param::Interval(lease));
         self.fenced("renew", statement, &self.pool).await
     }
 
@@ -547,7 +818,7 @@ impl Store for PostgresStore {
             return self
                 .fenced(
                     "complete",
-                    complete_statement(&claim.lease, record),
+                    complete_statement(self.fenced_sql().complete, &claim.lease, record),
                     &self.pool,
                 )
                 .await;
@@ -561,7 +832,7 @@ impl Store for PostgresStore {
         let status = self
             .fenced(
                 "complete",
-                complete_statement(&claim.lease, record),
+                complete_statement(self.fenced_sql().complete, &claim.lease, record),
                 &mut *tx,
             )
             .await?;
@@ -577,7 +848,7 @@ impl Store for PostgresStore {
             return self
                 .fenced(
                     "release",
-                    fenced_statement(RELEASE, &claim.lease),
+                    fenced_statement(self.fenced_sql().release, &claim.lease),
                     &self.pool,
                 )
                 .await;
@@ -604,8 +875,51 @@ impl Store for PostgresStore {
     }
 }
 
+/// What one [`PostgresStore::maintain_partitions`] run did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PartitionMaintenance {
+    /// Partitions created ahead.
+    pub created: u32,
+    /// Expired partitions dropped.
+    pub dropped: u32,
+    /// Records in the dropped partitions.
+    pub rows_dropped: u64,
+}
+
+/// A partition of `idempotency.partitioned_records`: expiry times in `[start, end)` (Unix
+/// seconds), named after them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Partition {
+    start: i64,
+    end: i64,
+    /// A `DETACH CONCURRENTLY` was interrupted and must be finalised.
+    detaching: bool,
+}
+
+impl Partition {
+    fn name(&self) -> String {
+        format!("partitioned_records_{}_{}", self.start, self.end)
+    }
+
+    fn parse(name: &str, detaching: bool) -> Option<Self> {
+        let (start, end) = name.strip_prefix("partitioned_records_")?.split_once('_')?;
+        Some(Self {
+            start: start.parse().ok()?,
+            end: end.parse().ok()?,
+            detaching,
+        })
+    }
+}
+
 impl ExpiredDeletion for PostgresStore {
+    /// Deletes at most `batch` expired records; in partitioned mode, runs
+    /// [`maintain_partitions`](PostgresStore::maintain_partitions) instead (whole partitions,
+    /// whatever their size) and returns the records they held.
     async fn delete_expired(&self, batch: u32) -> Result<u64, PostgresStoreError> {
+        if self.partitions.is_some() {
+            return Ok(self.maintain_partitions().await?.rows_dropped);
+        }
         let done = self
             .timed(
                 "delete_expired",
@@ -678,6 +992,8 @@ fn decode_begin(request: &ClaimRequest, row: &PgRow) -> Result<Begin<Lease>, Pos
 pub enum PostgresStoreError {
     /// The database returned an error or could not be reached.
     Database(sqlx::Error),
+    /// Applying the migrations failed.
+    Migrate(sqlx::migrate::MigrateError),
     /// The store's tables do not exist in this database: run
     /// [`PostgresStore::migrate`] at start-up (or apply [`PostgresStore::migrator`]).
     NotMigrated(sqlx::Error),
@@ -703,6 +1019,7 @@ impl fmt::Display for PostgresStoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Database(_) => f.write_str("PostgreSQL idempotency store error"),
+            Self::Migrate(_) => f.write_str("applying the idempotency store's migrations failed"),
             Self::NotMigrated(_) => f.write_str(
                 "the idempotency schema is missing from this database: call \
                  PostgresStore::migrate() at start-up",
@@ -723,6 +1040,7 @@ impl std::error::Error for PostgresStoreError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Database(error) | Self::NotMigrated(error) => Some(error),
+            Self::Migrate(error) => Some(error),
             _ => None,
         }
     }

@@ -1,8 +1,10 @@
 //! The response future of [`Idempotency`](crate::Idempotency).
 
 use std::{
+    any::Any,
     fmt,
     future::Future,
+    marker::PhantomData,
     pin::Pin,
     task::{Context, Poll},
 };
@@ -12,7 +14,12 @@ use pin_project_lite::pin_project;
 
 use crate::{body::ResponseBody, problem::Rejection};
 
-type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
+/// What a keyed request's future yields.
+type Output<B, E> = Result<Response<ResponseBody<B>>, E>;
+
+/// A keyed request's future, its output type erased so that it can be moved into a task of its
+/// own without bounds on the response future's type parameters.
+type ErasedFuture = Pin<Box<dyn Future<Output = Box<dyn Any + Send>> + Send>>;
 
 pin_project! {
     /// Response future of [`Idempotency`](crate::Idempotency).
@@ -30,7 +37,7 @@ pin_project! {
     enum Kind<F, B, E> {
         Passthrough { #[pin] future: F },
         Rejected { rejection: Option<Rejection> },
-        Keyed { future: BoxFuture<B, E> },
+        Keyed { keyed: Detachable<B, E> },
     }
 }
 
@@ -50,9 +57,24 @@ impl<F, B, E> ResponseFuture<F, B, E> {
         }
     }
 
-    pub(crate) fn boxed(future: BoxFuture<B, E>) -> Self {
+    /// A keyed request's future; with `detach`, finished in a task of its own if this response
+    /// future is dropped first (see [`Disconnect`](crate::Disconnect)).
+    pub(crate) fn keyed<Fut>(future: Fut, detach: bool) -> Self
+    where
+        Fut: Future<Output = Result<Response<ResponseBody<B>>, E>> + Send + 'static,
+        B: Send + 'static,
+        E: Send + 'static,
+    {
+        let erased: ErasedFuture =
+            Box::pin(async move { Box::new(future.await) as Box<dyn Any + Send> });
         Self {
-            kind: Kind::Keyed { future },
+            kind: Kind::Keyed {
+                keyed: Detachable {
+                    future: Some(erased),
+                    detach,
+                    output: PhantomData,
+                },
+            },
         }
     }
 }
@@ -60,6 +82,8 @@ impl<F, B, E> ResponseFuture<F, B, E> {
 impl<F, B, E> Future for ResponseFuture<F, B, E>
 where
     F: Future<Output = Result<Response<B>, E>>,
+    B: 'static,
+    E: 'static,
 {
     type Output = Result<Response<ResponseBody<B>>, E>;
 
@@ -72,7 +96,53 @@ where
                 let rejection = rejection.take().expect("polled after completion");
                 Poll::Ready(Ok(rejection.into_response()))
             }
-            KindProj::Keyed { future } => future.as_mut().poll(cx),
+            KindProj::Keyed { keyed } => keyed.poll(cx),
+        }
+    }
+}
+
+/// A keyed request's future, which outlives the response future if it must.
+///
+/// Rather than spawning every keyed request, the request runs inside the response future, and
+/// only when that is dropped unfinished (hyper drops it when the client disconnects) is the
+/// already-boxed future moved, as it stands, into a task that runs it to completion.
+struct Detachable<B, E> {
+    future: Option<ErasedFuture>,
+    detach: bool,
+    output: PhantomData<fn() -> Output<B, E>>,
+}
+
+impl<B: 'static, E: 'static> Detachable<B, E> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Response<ResponseBody<B>>, E>> {
+        let future = self.future.as_mut().expect("polled after completion");
+        let output = std::task::ready!(future.as_mut().poll(cx));
+        self.future = None;
+        match output.downcast::<Result<Response<ResponseBody<B>>, E>>() {
+            Ok(output) => Poll::Ready(*output),
+            Err(_) => unreachable!("the erased future's output is the type it was built with"),
+        }
+    }
+}
+
+impl<B, E> Drop for Detachable<B, E> {
+    fn drop(&mut self) {
+        let Some(future) = self.future.take() else {
+            return;
+        };
+        if !self.detach {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                tracing::debug!("client went away; finishing the request in the background");
+                runtime.spawn(async move {
+                    // Its answer has no one to go to; what matters is that it completes.
+                    let _ = future.await;
+                });
+            }
+            Err(_) => tracing::warn!(
+                "an idempotent request was dropped outside a Tokio runtime and cannot finish"
+            ),
         }
     }
 }

@@ -25,7 +25,7 @@
 //! printable ASCII without spaces or quotes. Empty values, values longer than [`MAX_KEY_LEN`]
 //! characters and repeated header lines are rejected; the layer answers those with `400`.
 
-use std::fmt;
+use std::{fmt, sync::Arc};
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -39,7 +39,7 @@ pub const MAX_KEY_LEN: usize = 255;
 ///
 /// See the [module documentation](self) for what is accepted.
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct IdempotencyKey(Box<str>);
+pub struct IdempotencyKey(Arc<str>);
 
 impl IdempotencyKey {
     /// Reads the key from request headers: `Ok(None)` when the header is absent.
@@ -100,7 +100,7 @@ impl IdempotencyKey {
         if let Some(&byte) = key.as_bytes().iter().find(|b| !(b' '..=b'~').contains(*b)) {
             return Err(KeyError::InvalidCharacter(byte));
         }
-        Ok(Self(key.into_boxed_str()))
+        Ok(Self(key.into()))
     }
 
     /// The key's text, without quoting.

@@ -73,13 +73,10 @@ mod record {
 
 #[cfg(not(feature = "metrics"))]
 mod record {
-    use std::time::Duration;
-
     use crate::problem::RejectionKind;
 
     pub(crate) fn outcome(_: &'static str) {}
     pub(crate) fn rejected(_: RejectionKind) {}
-    pub(crate) fn store_operation(_: &'static str, _: Duration) {}
     pub(crate) fn renewal(_: &'static str) {}
     pub(crate) fn stored_body(_: usize) {}
     pub(crate) fn expired_deleted(_: u64) {}
@@ -88,7 +85,8 @@ mod record {
 
 pub(crate) use record::*;
 
-/// Times a store operation.
+/// Times a store operation (without the `metrics` feature, just runs it).
+#[cfg(feature = "metrics")]
 pub(crate) async fn timed<T>(
     operation: &'static str,
     future: impl std::future::Future<Output = T>,
@@ -97,4 +95,13 @@ pub(crate) async fn timed<T>(
     let output = future.await;
     store_operation(operation, started.elapsed());
     output
+}
+
+/// Times a store operation (without the `metrics` feature, just runs it).
+#[cfg(not(feature = "metrics"))]
+pub(crate) async fn timed<T>(
+    _operation: &'static str,
+    future: impl std::future::Future<Output = T>,
+) -> T {
+    future.await
 }

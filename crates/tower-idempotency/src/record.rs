@@ -31,15 +31,21 @@
 //! assert!(!record.headers().contains_key("set-cookie"));
 //! ```
 
+use std::sync::Arc;
+
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, StatusCode, header, response::Parts};
+use http::{HeaderMap, HeaderName, StatusCode, header, response};
 
 /// The `Idempotent-Replayed` response header marking a replay.
 pub static IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// A completed key's response, as stored and replayed.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Record {
+pub struct Record(Arc<Parts>);
+
+/// Shared, so that the copies a store, the replay cache and a replay make cost a count.
+#[derive(Debug, PartialEq)]
+struct Parts {
     status: StatusCode,
     headers: HeaderMap,
     body: Option<Bytes>,
@@ -49,7 +55,7 @@ impl Record {
     /// Captures a response for storage, dropping the headers listed in the
     /// [module documentation](self). `body` is `None` when the body was not kept (it was larger
     /// than the layer's `max_response_bytes`, or failed while being read).
-    pub fn capture(parts: &Parts, body: Option<Bytes>) -> Self {
+    pub fn capture(parts: &response::Parts, body: Option<Bytes>) -> Self {
         let mut headers = HeaderMap::with_capacity(parts.headers.len());
         let connection_listed: Vec<HeaderName> = parts
             .headers
@@ -69,36 +75,36 @@ impl Record {
 
     /// Rebuilds a record a store read back. The headers are taken as they are.
     pub fn from_parts(status: StatusCode, headers: HeaderMap, body: Option<Bytes>) -> Self {
-        Self {
+        Self(Arc::new(Parts {
             status,
             headers,
             body,
-        }
+        }))
     }
 
     /// The response status.
     pub fn status(&self) -> StatusCode {
-        self.status
+        self.0.status
     }
 
     /// The kept headers, in order.
     pub fn headers(&self) -> &HeaderMap {
-        &self.headers
+        &self.0.headers
     }
 
     /// The body bytes, or `None` when the body was not kept.
     pub fn body(&self) -> Option<&Bytes> {
-        self.body.as_ref()
+        self.0.body.as_ref()
     }
 
     /// Approximate bytes this record occupies: body plus header names and values.
     pub fn size(&self) -> usize {
         let headers: usize = self
-            .headers
+            .headers()
             .iter()
             .map(|(n, v)| n.as_str().len() + v.len())
             .sum();
-        headers + self.body.as_ref().map_or(0, Bytes::len)
+        headers + self.body().map_or(0, Bytes::len)
     }
 }
 
@@ -132,7 +138,7 @@ mod tests {
 
     use super::*;
 
-    fn parts(headers: &[(&str, &str)]) -> Parts {
+    fn parts(headers: &[(&str, &str)]) -> response::Parts {
         let mut builder = Response::builder().status(StatusCode::OK);
         for (name, value) in headers {
             builder = builder.header(*name, *value);

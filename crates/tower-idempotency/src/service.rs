@@ -173,7 +173,10 @@ where
             key = %scope_key,
             outcome = tracing::field::Empty,
         );
-        ResponseFuture::boxed(Box::pin(keyed.serve(parts, body).instrument(span)))
+        let detach = self.config.disconnect == Disconnect::RunToCompletion;
+        // Boxed where it is made: moving this large state machine into the response future
+        // would copy it, where moving the box copies a pointer.
+        ResponseFuture::keyed(Box::pin(keyed.serve(parts, body)).instrument(span), detach)
     }
 }
 
@@ -201,8 +204,9 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    /// Body and fingerprint, then the claim: in a task of its own unless the app chose
-    /// [`Disconnect::Cancel`], so a client hanging up cannot stop a handler half-way.
+    /// Body and fingerprint, then the claim. Unless the app chose [`Disconnect::Cancel`], the
+    /// response future hands this future to a task of its own if it is dropped unfinished (the
+    /// client hung up), so a handler is never stopped half-way.
     async fn serve(self, parts: Parts, body: ReqBody) -> Served<ResBody, S::Error> {
         let limit = self.config.max_body_bytes;
         let timeout = self.config.body_timeout;
@@ -239,22 +243,7 @@ where
             &body,
         );
 
-        match self.config.disconnect {
-            Disconnect::Cancel => self.claim(parts, body, fingerprint).await,
-            Disconnect::RunToCompletion => {
-                let task = tokio::spawn(self.claim(parts, body, fingerprint).in_current_span());
-                match task.await {
-                    Ok(served) => served,
-                    Err(error) => {
-                        tracing::error!(%error, "idempotent request task failed");
-                        Ok(reject(Rejection::new(
-                            RejectionKind::HandlerPanicked,
-                            "the request failed on the server",
-                        )))
-                    }
-                }
-            }
-        }
+        self.claim(parts, body, fingerprint).await
     }
 
     /// Claim the key, then run, replay or refuse.
@@ -454,8 +443,14 @@ async fn with_heartbeat<St: Store, F: Future>(
     lease: Duration,
     future: F,
 ) -> F::Output {
-    let period = lease / 3;
     let mut future = pin!(future);
+    // A handler that answers without waiting needs no heartbeat: don't even start the timer.
+    if let Poll::Ready(output) =
+        std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
+    {
+        return output;
+    }
+    let period = lease / 3;
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

@@ -23,7 +23,9 @@ use std::{
     time::Duration,
 };
 
+use axum::{Router, routing::get};
 use clap::Parser;
+use metrics_exporter_prometheus::PrometheusBuilder;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::net::TcpListener;
 use tower_idempotency::{
@@ -168,13 +170,32 @@ where
     );
     announce(addr).map_err(RunError::Serve)?;
 
-    let served = axum::serve(listener, app(state))
+    let metrics = install_metrics()?;
+    let served = axum::serve(listener, app(state).merge(metrics))
         .with_graceful_shutdown(shutdown.recv())
         .await
         .map_err(RunError::Serve);
     expiry.abort();
     tracing::info!("stopped");
     served
+}
+
+/// Installs the process's metrics recorder and returns `GET /metrics`, the layer's counters and
+/// histograms in Prometheus text format (outside authentication, as scrapers expect).
+fn install_metrics() -> Result<Router, RunError> {
+    let handle = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|error| RunError::Metrics(Box::new(error)))?;
+    // Histograms are drained by upkeep; the exporter's own listener would do this, ours must.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(Router::new().route("/metrics", get(move || std::future::ready(handle.render()))))
 }
 
 /// The one line on standard output.
@@ -246,6 +267,8 @@ pub enum RunError {
     Connect(sqlx::Error),
     /// Applying the migrations failed.
     Migrate(Box<dyn std::error::Error + Send + Sync>),
+    /// The metrics recorder could not be installed.
+    Metrics(Box<dyn std::error::Error + Send + Sync>),
     /// The signal handlers could not be installed.
     Signal(io::Error),
     /// The listen address could not be bound.
@@ -266,6 +289,7 @@ impl fmt::Display for RunError {
             Self::DatabaseUrl(_) => f.write_str("DATABASE_URL is not a valid PostgreSQL URL"),
             Self::Connect(_) => f.write_str("cannot connect to PostgreSQL"),
             Self::Migrate(_) => f.write_str("applying the database migrations failed"),
+            Self::Metrics(_) => f.write_str("installing the metrics recorder failed"),
             Self::Signal(_) => f.write_str("cannot install the shutdown signal handlers"),
             Self::Bind { addr, .. } => write!(f, "cannot listen on {addr}"),
             Self::Serve(_) => f.write_str("serving failed"),
@@ -278,7 +302,7 @@ impl std::error::Error for RunError {
         match self {
             Self::Config(error) => Some(error),
             Self::DatabaseUrl(error) | Self::Connect(error) => Some(error),
-            Self::Migrate(error) => Some(error.as_ref()),
+            Self::Migrate(error) | Self::Metrics(error) => Some(error.as_ref()),
             Self::Signal(error) | Self::Serve(error) | Self::Bind { source: error, .. } => {
                 Some(error)
             }

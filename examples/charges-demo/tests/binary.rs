@@ -342,6 +342,20 @@ async fn without_a_database_it_says_so_first_and_serves_from_memory() {
         .expect("request");
     assert_eq!(response.status(), 200);
 
+    // The layer's metrics, in Prometheus text format, without authentication.
+    let metrics = client()
+        .get(server.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics body");
+    assert!(
+        metrics.contains(r#"idempotency_requests_total{outcome="acquired"} 1"#),
+        "{metrics}"
+    );
+
     server.sigterm();
     let logs = server.logs();
     assert_eq!(server.exit_code().await, Some(0));

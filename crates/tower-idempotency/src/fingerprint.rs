@@ -1,5 +1,18 @@
 //! Is a retry the same request? The request fingerprint.
 //!
+//! ```
+//! use http::{Method, Uri, HeaderValue};
+//! use tower_idempotency::fingerprint::{Fingerprint, FingerprintMode};
+//!
+//! let uri: Uri = "/v1/charges".parse().unwrap();
+//! let json = HeaderValue::from_static("application/json");
+//! let a = Fingerprint::compute(FingerprintMode::Semantic, &Method::POST, &uri, Some(&json),
+//!     br#"{"amount": 100, "currency": "usd"}"#);
+//! let b = Fingerprint::compute(FingerprintMode::Semantic, &Method::POST, &uri, Some(&json),
+//!     br#"{"currency":"usd","amount":100}"#);
+//! assert_eq!(a, b);
+//! ```
+//!
 //! A key reused with a different payload is a client bug, and replaying the first response to it
 //! would be wrong; the layer answers `422` instead. The fingerprint is the SHA-256 of the method,
 //! the path, the query and the body.
@@ -14,19 +27,6 @@
 //! * an `application/x-www-form-urlencoded` body, and the query string, as the decoded name/value
 //!   pairs stably sorted by name (values of a repeated name keep their order);
 //! * any other body, or a JSON body that does not parse, as its raw bytes.
-//!
-//! ```
-//! use http::{Method, Uri, HeaderValue};
-//! use tower_idempotency::fingerprint::{Fingerprint, FingerprintMode};
-//!
-//! let uri: Uri = "/v1/charges".parse().unwrap();
-//! let json = HeaderValue::from_static("application/json");
-//! let a = Fingerprint::compute(FingerprintMode::Semantic, &Method::POST, &uri, Some(&json),
-//!     br#"{"amount": 100, "currency": "usd"}"#);
-//! let b = Fingerprint::compute(FingerprintMode::Semantic, &Method::POST, &uri, Some(&json),
-//!     br#"{"currency":"usd","amount":100}"#);
-//! assert_eq!(a, b);
-//! ```
 //!
 //! [`FingerprintMode::Raw`] hashes the body bytes exactly, for APIs where the bytes are the
 //! meaning (signed payloads, binary uploads).

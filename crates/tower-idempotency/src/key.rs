@@ -1,10 +1,5 @@
 //! Reading the `Idempotency-Key` request header.
 //!
-//! The IETF draft defines the field as an RFC 9651 structured-field String
-//! (`Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`). Clients in the wild, Stripe's own
-//! SDKs among them, send the bare value instead, which is usually not a valid sf-token (a UUID may
-//! start with a digit). Both forms are accepted and name the same key:
-//!
 //! ```
 //! use http::HeaderMap;
 //! use tower_idempotency::IdempotencyKey;
@@ -19,6 +14,11 @@
 //! assert_eq!(quoted, bare);
 //! assert_eq!(bare.as_str(), "8e03978e-40d5");
 //! ```
+//!
+//! The IETF draft defines the field as an RFC 9651 structured-field String
+//! (`Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`). Clients in the wild, Stripe's own
+//! SDKs among them, send the bare value instead, which is usually not a valid sf-token (a UUID may
+//! start with a digit). Both forms are accepted and name the same key, as above.
 //!
 //! A value that starts with `"` must parse as an sf-string (parameters, which the draft defines
 //! none of, are ignored as RFC 9651 requires). Any other value is taken literally and must be

@@ -1,19 +1,5 @@
 //! What is kept of a response: the [`Record`] a completed key replays.
 //!
-//! The layer records the handler's status, headers and body bytes. Headers that describe one
-//! delivery rather than the outcome are dropped before anything reaches the store:
-//!
-//! | dropped | why |
-//! |---|---|
-//! | `Date` | the replay is a new message; hyper adds a fresh one |
-//! | `Set-Cookie`, `Set-Cookie2` | session secrets never go to the store, and a replay must not re-establish a session |
-//! | `Content-Length` | recomputed from the body on replay |
-//! | hop-by-hop: `Connection`, `Keep-Alive`, `Proxy-Connection`, `Transfer-Encoding`, `TE`, `Trailer`, `Upgrade`, `Proxy-Authenticate`, and any field named in `Connection` | they belong to one connection |
-//! | `Idempotent-Replayed` | set by the replay itself |
-//!
-//! Everything else, `Content-Type`, `Location`, `ETag`, `Cache-Control` and custom headers
-//! included, is kept in order, repeated fields too.
-//!
 //! ```
 //! use http::{Response, StatusCode};
 //! use tower_idempotency::Record;
@@ -30,6 +16,20 @@
 //! assert!(record.headers().contains_key("location"));
 //! assert!(!record.headers().contains_key("set-cookie"));
 //! ```
+//!
+//! The layer records the handler's status, headers and body bytes. Headers that describe one
+//! delivery rather than the outcome are dropped before anything reaches the store:
+//!
+//! | dropped | why |
+//! |---|---|
+//! | `Date` | the replay is a new message; hyper adds a fresh one |
+//! | `Set-Cookie`, `Set-Cookie2` | session secrets never go to the store, and a replay must not re-establish a session |
+//! | `Content-Length` | recomputed from the body on replay |
+//! | hop-by-hop: `Connection`, `Keep-Alive`, `Proxy-Connection`, `Transfer-Encoding`, `TE`, `Trailer`, `Upgrade`, `Proxy-Authenticate`, and any field named in `Connection` | they belong to one connection |
+//! | `Idempotent-Replayed` | set by the replay itself |
+//!
+//! Everything else, `Content-Type`, `Location`, `ETag`, `Cache-Control` and custom headers
+//! included, is kept in order, repeated fields too.
 
 use std::sync::Arc;
 

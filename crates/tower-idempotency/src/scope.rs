@@ -1,15 +1,5 @@
 //! Whose key is it: the principal, and the scoped record key.
 //!
-//! A key is only meaningful for the client that made it up. The record the layer stores is
-//! addressed by a [`ScopeKey`]: the SHA-256 of the **principal**, the method, the path and the
-//! key, so one tenant's `Idempotency-Key: 1` never meets another's, the same key on two endpoints
-//! names two operations, and neither principals nor raw keys reach the store in clear.
-//!
-//! The principal comes from the application's authentication, which runs *before* this layer
-//! (in axum, a layer added *after* this one with `.layer(...)`) and inserts a [`Principal`] into
-//! the request extensions. Keying on the authenticated account rather than on a credential means
-//! a retry made after a token refresh still finds its record.
-//!
 //! ```
 //! use axum::{Router, routing::post, middleware::{self, Next}, extract::Request};
 //! use tower_idempotency::{IdempotencyLayer, Principal};
@@ -26,6 +16,16 @@
 //!     // Outermost: runs first, so the principal is there when the idempotency layer looks.
 //!     .layer(middleware::from_fn(authenticate));
 //! ```
+//!
+//! A key is only meaningful for the client that made it up. The record the layer stores is
+//! addressed by a [`ScopeKey`]: the SHA-256 of the **principal**, the method, the path and the
+//! key, so one tenant's `Idempotency-Key: 1` never meets another's, the same key on two endpoints
+//! names two operations, and neither principals nor raw keys reach the store in clear.
+//!
+//! The principal comes from the application's authentication, which runs *before* this layer
+//! (in axum, a layer added *after* this one with `.layer(...)`) and inserts a [`Principal`] into
+//! the request extensions. Keying on the authenticated account rather than on a credential means
+//! a retry made after a token refresh still finds its record.
 //!
 //! **No principal, no service.** When a covered request carries an `Idempotency-Key` but the
 //! [`Scope`] finds no principal, the layer does not guess: sharing one scope between everyone who

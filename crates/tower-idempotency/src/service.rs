@@ -382,12 +382,13 @@ where
             Retention::Keep => {
                 let record = Record::capture(&parts, kept_body);
                 if !guard.complete(record).await {
-                    // The handler's writes were to commit with the record, and did not.
+                    // The handler's writes were to commit with the record, and may not have.
                     outcome(Outcome::StoreError);
                     return Ok(reject(Rejection::new(
                         RejectionKind::StoreUnavailable,
-                        "the request could not be committed and was rolled back, so nothing \
-                         was processed; retry with the same Idempotency-Key",
+                        "the request could not be confirmed as committed; retry with the same \
+                         Idempotency-Key: if it was committed the retry gets its response, \
+                         otherwise it runs again",
                     )));
                 }
                 outcome(if takeover {

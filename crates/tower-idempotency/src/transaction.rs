@@ -36,7 +36,7 @@
 //! | handler panics | key released; writes it already committed stay | everything rolled back; key free |
 //! | handler answers 5xx or a "nothing done" 4xx | key released; its writes stay | everything rolled back; key free |
 //! | process killed (SIGKILL) mid-handler | key blocked until the lease lapses (30 s), then a retry runs again, possibly after partial writes | PostgreSQL aborts the transaction: no writes, key free at once |
-//! | database lost at commit | response delivered, storing retried in the background | nothing committed: `503`, the retry runs cleanly |
+//! | database lost before or at commit | response delivered, storing retried in the background | `503`: the commit is in doubt, and the retry settles it (the stored response if it committed, a clean run if not) |
 //! | client disconnects | handler finishes, record stored | handler finishes, everything commits |
 //! | duplicate while in flight | `409` | `409` at once (an advisory lock is tried first; nothing waits on the open transaction) |
 //! | same key, another payload, while in flight | `422` | `409` (the uncommitted claim cannot be compared); `422` once it commits |

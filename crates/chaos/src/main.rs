@@ -1,0 +1,218 @@
+//! The chaos run: proof that tower-idempotency's transactional mode charges exactly once
+//! through crashes, database restarts, timeouts, hang-ups and duplicate requests.
+//!
+//! Run with `cargo run --release -p chaos -- --duration-secs 60` (the CI command). Everything is on
+//! loopback and bounded in time: setup (about 3 s), the chaos (`--duration-secs`), a drain of at
+//! most `--drain-secs` (60 s; normally about a second), the checks and the teardown. Only the
+//! PostgreSQL server binaries need to be installed (`apt install postgresql`); nothing needs to
+//! be running.
+//!
+//! # What it does
+//!
+//! 1. Starts a **throwaway PostgreSQL cluster** of its own ([`cluster`]) in a temporary
+//!    directory, on a Unix socket only, so it can stop and restart it without disturbing any
+//!    other database; it is removed at the end, also on an error, a panic, Ctrl-C or `SIGTERM`
+//!    (and by a watchdog if this program is killed with `SIGKILL`).
+//! 2. Starts **two `charges-demo` instances** on that database ([`instance`]), as child
+//!    processes of this same binary re-executed as `chaos serve` ([`serve`]): the demo through
+//!    its library, in PostgreSQL mode, that is the layer's transactional mode. Each listens on
+//!    `127.0.0.1:0` and takes a random processing delay (10–50 ms), so kills land mid-charge.
+//! 3. Runs **64 clients** ([`client`]) that create charges like a payments SDK: a UUID
+//!    `Idempotency-Key` and a unique `metadata[order_id]` per charge, a timeout per request,
+//!    retries with exponential backoff and jitter on connection errors, timeouts, `409` and
+//!    `5xx` (honouring `Retry-After`), both instances behind a simulated load balancer, some
+//!    charges sent twice in parallel, some requests hung up mid-flight, some charges sent again
+//!    after their answer.
+//! 4. Meanwhile ([`faults`]) **`SIGKILL`s a random instance every 2–5 s** and restarts it on a
+//!    new port (the clients learn it), and **restarts PostgreSQL once** (`pg_ctl stop -m fast`
+//!    or `immediate`, down 1–3 s) between 30 % and 60 % of the run.
+//! 5. Stops the chaos, lets every client finish the charge it is on (retrying until a final
+//!    answer, up to `--drain-secs`), waits for the database's transactions to end, and
+//!    **checks** ([`verify`]) the database against what every client saw: exactly one charge
+//!    row per logical charge, byte-identical bodies on every answer and replay, the charge id
+//!    in the body matching the row, the stored record matching the answer, no key in flight,
+//!    nothing lost.
+//!
+//! The choices (kill times and targets, keys, amounts, hang-ups, jitter) follow from `--seed`;
+//! without one a seed is drawn and printed. Timing still differs between runs.
+//!
+//! # Reading the output
+//!
+//! Progress goes to standard error, each line stamped with the time since the start: every
+//! kill and restart, the database restart, and every 10 s the traffic so far. The report goes
+//! to standard output:
+//!
+//! * **traffic**: logical charges (and how many were sent in parallel, resent, declined),
+//!   requests, retries, replays (answers marked `Idempotent-Replayed: true`), `409`s (a
+//!   duplicate met the charge in flight), `5xx` and `503`s (the database was away, or a kill or
+//!   restart broke a request), connection errors (an instance was down), timeouts and
+//!   hang-ups;
+//! * **faults**: kills, instance starts (and failed starts: an instance restarted while the
+//!   database was down retries), database restarts;
+//! * **server side**: charges the handlers wrote (`charge created` in the demo's logs) against
+//!   the rows that committed — the difference were rolled back by a kill or the database
+//!   restart, mid-charge; failed commits; takeovers (always 0 in transactional mode: a claim
+//!   commits only together with its response, so no record is ever left in flight for a
+//!   retry to take over; a killed holder's transaction is simply aborted);
+//! * **invariants**: each with its count; any non-zero count is a failure, explained by up to
+//!   20 examples below the table;
+//! * **time**: each phase, and the total.
+//!
+//! The last line is `PASS` (exit status 0) or `FAIL` (exit status 1; the demo's and the
+//! server's logs are then kept and their directory printed). An error that prevents the run
+//! exits with 2, an interrupted run with 130.
+//!
+//! # Self-check
+//!
+//! `--inject-bug writes-outside-tx` or `--inject-bug lease-mode` (hidden options) run the demo
+//! wired wrongly on purpose ([`serve::Bug`]), to show that the checks catch a real exactly-once
+//! bug: such a run must report double executions and `FAIL`. The banner says so; it is never
+//! the default.
+
+mod client;
+mod cluster;
+mod faults;
+mod instance;
+mod report;
+mod rng;
+mod run;
+mod serve;
+mod verify;
+
+use std::{
+    ffi::OsStr,
+    fmt,
+    process::ExitCode,
+    sync::OnceLock,
+    time::{Duration, Instant},
+};
+
+use clap::{Parser, ValueEnum};
+
+/// Errors that end the run (they are reported, and the exit status is 2).
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The command line of a run; see the [crate documentation](crate).
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "chaos",
+    version,
+    about = "Chaos run for tower-idempotency: two charges-demo instances on a throwaway \
+             PostgreSQL, retrying clients, SIGKILLs and a database restart; then checks that \
+             every charge ran exactly once"
+)]
+pub(crate) struct RunArgs {
+    /// How long the chaos lasts, in seconds; then the clients finish and the checks run.
+    #[arg(long, default_value_t = 60, value_name = "N",
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub(crate) duration_secs: u64,
+
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 64, value_name = "N",
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub(crate) clients: u16,
+
+    /// Seed of the run's choices (default: drawn from the clock, and printed).
+    #[arg(long, value_name = "S")]
+    pub(crate) seed: Option<u64>,
+
+    /// Shortest time between two kills, in milliseconds.
+    #[arg(long, default_value_t = 2_000, value_name = "MS")]
+    pub(crate) kill_min_ms: u64,
+
+    /// Longest time between two kills, in milliseconds.
+    #[arg(long, default_value_t = 5_000, value_name = "MS")]
+    pub(crate) kill_max_ms: u64,
+
+    /// Shortest processing delay of an instance (drawn at each start), in milliseconds.
+    #[arg(long, default_value_t = 10, value_name = "MS")]
+    pub(crate) delay_min_ms: u64,
+
+    /// Longest processing delay of an instance, in milliseconds.
+    #[arg(long, default_value_t = 50, value_name = "MS")]
+    pub(crate) delay_max_ms: u64,
+
+    /// How the database is stopped for its restart (default: drawn from the seed).
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub(crate) pg_stop_mode: Option<PgStopMode>,
+
+    /// The longest request timeout, in milliseconds; each client draws its own from a
+    /// twentieth of it up to it.
+    #[arg(long, default_value_t = 2_000, value_name = "MS")]
+    pub(crate) request_timeout_ms: u64,
+
+    /// How long the clients may take to finish their charges once the chaos stops, in seconds.
+    #[arg(long, default_value_t = 60, value_name = "N")]
+    pub(crate) drain_secs: u64,
+
+    /// Percentage of charges sent twice in parallel.
+    #[arg(long, default_value_t = 10, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) parallel_percent: u8,
+
+    /// Percentage of requests the client hangs up on (after 1–60 ms).
+    #[arg(long, default_value_t = 5, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) hangup_percent: u8,
+
+    /// Percentage of charges sent again after their final answer (expecting a replay).
+    #[arg(long, default_value_t = 10, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) resend_percent: u8,
+
+    /// Percentage of charges made with a declined card (a `402`, final and replayed too).
+    #[arg(long, default_value_t = 5, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) decline_percent: u8,
+
+    /// Keep the demo's and the server's logs even when the run passes.
+    #[arg(long)]
+    pub(crate) keep_logs: bool,
+
+    /// SELF-CHECK ONLY: run the demo with a deliberate exactly-once bug; the run must FAIL.
+    #[arg(long, hide = true, value_enum, value_name = "BUG")]
+    pub(crate) inject_bug: Option<serve::Bug>,
+}
+
+/// `--pg-stop-mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum PgStopMode {
+    /// Sessions terminated, a checkpoint, a clean shutdown.
+    Fast,
+    /// A crash: the server recovers from its WAL when it starts.
+    Immediate,
+}
+
+fn main() -> ExitCode {
+    if std::env::args_os().nth(1).as_deref() == Some(OsStr::new("serve")) {
+        return serve::main(serve::ServeArgs::parse_from(std::env::args_os().skip(1)));
+    }
+    let args = RunArgs::parse();
+    START.get_or_init(Instant::now);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("chaos: cannot start the runtime: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = runtime.block_on(run::main(args));
+    // Client tasks still parked on a timer must not hold the exit.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    code
+}
+
+static START: OnceLock<Instant> = OnceLock::new();
+
+/// The time since the run started.
+pub(crate) fn elapsed() -> Duration {
+    START.get_or_init(Instant::now).elapsed()
+}
+
+/// A progress line on standard error, stamped with the time since the start.
+pub(crate) fn progress(message: fmt::Arguments<'_>) {
+    eprintln!("[{:7.1}s] {message}", elapsed().as_secs_f64());
+}

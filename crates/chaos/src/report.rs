@@ -1,0 +1,267 @@
+//! The figures of a run and their printout (see the crate documentation, "Reading the
+//! output").
+
+use std::{
+    path::Path,
+    sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
+};
+
+use crate::{
+    RunArgs,
+    client::Stats,
+    cluster::Cluster,
+    faults::{DatabaseFaults, DatabaseRestart},
+    instance::{DemoLog, Fleet},
+    serve::Bug,
+    verify::Verdict,
+};
+
+/// How long each phase took.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Phases {
+    pub(crate) setup: Duration,
+    pub(crate) chaos: Duration,
+    pub(crate) drain: Duration,
+    pub(crate) verify: Duration,
+}
+
+/// Everything the printout shows.
+#[derive(Debug)]
+pub(crate) struct Report {
+    seed: u64,
+    duration_secs: u64,
+    drain_secs: u64,
+    clients: u16,
+    inject_bug: Option<Bug>,
+    postgres: String,
+    // Traffic, as the clients saw it.
+    requests: u64,
+    retries: u64,
+    replays: u64,
+    conflicts: u64,
+    server_errors: u64,
+    unavailable: u64,
+    connection_errors: u64,
+    timeouts: u64,
+    hangups: u64,
+    // Faults.
+    kills: u64,
+    killed_in_flight: u64,
+    starts: u64,
+    failed_starts: u64,
+    pg_restarts: u64,
+    pg_in_flight: u64,
+    restart: DatabaseRestart,
+    // The demo's logs.
+    log_path: String,
+    charges_created: u64,
+    commit_failures: u64,
+    layer_takeovers: u64,
+    handler_takeovers: u64,
+    log_errors: u64,
+    log_warnings: u64,
+    panics: u64,
+    pub(crate) verdict: Verdict,
+    phases: Phases,
+}
+
+impl Report {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        args: &RunArgs,
+        seed: u64,
+        stats: &Stats,
+        fleet: &Fleet,
+        log: &DemoLog,
+        restart: DatabaseRestart,
+        database: &DatabaseFaults,
+        verdict: Verdict,
+        phases: Phases,
+        cluster: &Cluster,
+    ) -> Self {
+        let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        Self {
+            seed,
+            duration_secs: args.duration_secs,
+            drain_secs: args.drain_secs,
+            clients: args.clients,
+            inject_bug: args.inject_bug,
+            postgres: cluster.version(),
+            requests: get(&stats.requests),
+            retries: get(&stats.retries),
+            replays: get(&stats.replays),
+            conflicts: get(&stats.conflicts),
+            server_errors: get(&stats.server_errors),
+            unavailable: get(&stats.unavailable),
+            connection_errors: get(&stats.connection_errors),
+            timeouts: get(&stats.timeouts),
+            hangups: get(&stats.hangups),
+            kills: get(&fleet.kills),
+            killed_in_flight: get(&fleet.killed_in_flight),
+            starts: get(&fleet.starts),
+            failed_starts: get(&fleet.failed_starts),
+            pg_restarts: get(&database.restarts),
+            pg_in_flight: get(&database.in_flight),
+            restart,
+            log_path: log.path().display().to_string(),
+            charges_created: get(&log.charges_created),
+            commit_failures: get(&log.commit_failures),
+            layer_takeovers: get(&log.layer_takeovers),
+            handler_takeovers: get(&log.handler_takeovers),
+            log_errors: get(&log.errors),
+            log_warnings: get(&log.warnings),
+            panics: get(&log.panics),
+            verdict,
+            phases,
+        }
+    }
+
+    /// Prints the report on standard output.
+    pub(crate) fn print(&self, teardown: Duration, total: Duration, kept_logs: Option<&Path>) {
+        let v = &self.verdict;
+        let line = |name: &str, value: u64, note: String| {
+            if note.is_empty() {
+                println!("  {name:<28} {value:>9}");
+            } else {
+                println!("  {name:<28} {value:>9}   {note}");
+            }
+        };
+        println!();
+        println!(
+            "chaos run, seed {}: {} s, {} clients, 2 instances, PostgreSQL {}{}",
+            self.seed,
+            self.duration_secs,
+            self.clients,
+            self.postgres,
+            match self.inject_bug {
+                Some(bug) => format!(", BUG INJECTED ({})", bug.name()),
+                None => String::new(),
+            }
+        );
+        println!("traffic (as the clients saw it)");
+        line(
+            "logical charges",
+            v.charges,
+            format!(
+                "{} sent twice in parallel, {} resent after their answer, {} declined cards",
+                v.parallel, v.resent, v.declined
+            ),
+        );
+        line("requests", self.requests, String::new());
+        line("retries", self.retries, String::new());
+        line(
+            "replays",
+            self.replays,
+            "answers marked Idempotent-Replayed: true".to_owned(),
+        );
+        line("409 in flight", self.conflicts, String::new());
+        line(
+            "5xx",
+            self.server_errors,
+            format!("{} of them 503", self.unavailable),
+        );
+        line("connection errors", self.connection_errors, String::new());
+        line("timeouts", self.timeouts, String::new());
+        line("hang-ups", self.hangups, String::new());
+        println!("faults");
+        line(
+            "SIGKILLs",
+            self.kills,
+            format!(
+                "{} charges in flight in the killed instances; {} instance starts, {} of them \
+                 failed and retried",
+                self.killed_in_flight, self.starts, self.failed_starts
+            ),
+        );
+        line(
+            "PostgreSQL restarts",
+            self.pg_restarts,
+            format!(
+                "stop -m {} at {:.1} s with {} charges in flight, down {:.1} s",
+                self.restart.mode.as_str(),
+                self.restart.at.as_secs_f64(),
+                self.pg_in_flight,
+                self.restart.down_for.as_secs_f64(),
+            ),
+        );
+        println!("server side");
+        let written = if self.charges_created >= v.rows {
+            format!(
+                "{} rows committed: {} written and rolled back (a kill, the database restart \
+                 or a failed commit between the write and the commit)",
+                v.rows,
+                self.charges_created - v.rows
+            )
+        } else {
+            format!(
+                "{} rows committed: {} more than logged (written, then the handler was killed \
+                 before logging, and the write stayed)",
+                v.rows,
+                v.rows - self.charges_created
+            )
+        };
+        line("charges logged by handlers", self.charges_created, written);
+        line("failed commits (503)", self.commit_failures, String::new());
+        let takeovers = v.takeover_records.max(self.layer_takeovers);
+        let takeover_note = match self.inject_bug {
+            Some(Bug::LeaseMode) => format!(
+                "lease mode: {} logged by the layer, {} seen by the handler, {} records",
+                self.layer_takeovers, self.handler_takeovers, v.takeover_records
+            ),
+            _ => format!(
+                "records {} / logged {}: transactional mode commits a claim only with its \
+                 response, so no record is left in flight to take over",
+                v.takeover_records, self.layer_takeovers
+            ),
+        };
+        line("takeovers", takeovers, takeover_note);
+        line(
+            "demo log errors",
+            self.log_errors,
+            format!(
+                "{} warnings, {} panics ({})",
+                self.log_warnings, self.panics, self.log_path
+            ),
+        );
+        println!("invariants");
+        for (name, count) in v.invariants() {
+            line(
+                name,
+                count,
+                if count == 0 { "ok" } else { "FAILED" }.to_owned(),
+            );
+        }
+        if !v.examples.is_empty() {
+            println!("failures");
+            for (kind, shown, more) in &v.examples {
+                println!("  {kind}:");
+                for example in shown {
+                    println!("    - {example}");
+                }
+                if *more > 0 {
+                    println!("    ... and {more} more");
+                }
+            }
+        }
+        let p = &self.phases;
+        println!(
+            "time: setup {:.1} s, chaos {:.1} s, drain {:.1} s, checks {:.1} s, teardown {:.1} s; \
+             total {:.1} s (bounded by the chaos + {} s drain + start-up and checks)",
+            p.setup.as_secs_f64(),
+            p.chaos.as_secs_f64(),
+            p.drain.as_secs_f64(),
+            p.verify.as_secs_f64(),
+            teardown.as_secs_f64(),
+            total.as_secs_f64(),
+            self.drain_secs,
+        );
+        if let Some(dir) = kept_logs {
+            println!(
+                "logs kept in {} (demo.log, postgresql.log); remove it when done",
+                dir.display()
+            );
+        }
+        println!("{}", if v.passed() { "PASS" } else { "FAIL" });
+    }
+}

@@ -1,0 +1,388 @@
+//! The phases of a run: setup, chaos, drain, checks, teardown; and the clean-up however it
+//! ends (a signal included).
+
+use std::{
+    path::{Path, PathBuf},
+    process::ExitCode,
+    sync::{Arc, OnceLock},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use sqlx::postgres::PgPoolOptions;
+use tokio::{sync::watch, task::JoinSet};
+
+use crate::{
+    BoxError, PgStopMode, RunArgs,
+    client::{self, Behaviour, Shared, Stats},
+    cluster::{Cluster, StopMode},
+    faults::{self, DatabaseFaults, DatabaseRestart},
+    instance::{DemoLog, Fleet, Spec},
+    progress,
+    report::{Phases, Report},
+    rng::Rng,
+    verify,
+};
+
+/// How long the database's transactions may take to end once the clients are done.
+const SETTLE: Duration = Duration::from_secs(10);
+/// Slack beyond the drain for client tasks to return (one request timeout and one backoff).
+const DRAIN_SLACK: Duration = Duration::from_secs(15);
+/// How often progress is printed.
+const TICK: Duration = Duration::from_secs(10);
+
+/// The whole run; the exit status.
+pub(crate) async fn main(args: RunArgs) -> ExitCode {
+    let seed = args.seed.unwrap_or_else(clock_seed);
+    // Caught from the start: a Ctrl-C during setup still cleans up.
+    let mut signals = Signals::install();
+    eprintln!(
+        "chaos run: seed {seed}, {} s, {} clients, 2 charges-demo instances (processing delay \
+         {}–{} ms), a SIGKILL every {:.1}–{:.1} s, one PostgreSQL restart",
+        args.duration_secs,
+        args.clients,
+        args.delay_min_ms,
+        args.delay_max_ms,
+        args.kill_min_ms as f64 / 1000.0,
+        args.kill_max_ms as f64 / 1000.0,
+    );
+    eprintln!(
+        "replay it with: cargo run --release -p chaos -- {}",
+        replay_args(&args, seed)
+    );
+    if let Some(bug) = args.inject_bug {
+        eprintln!(
+            "SELF-CHECK: bug injected ({}: {}); this run is expected to FAIL",
+            bug.name(),
+            bug.describe()
+        );
+    }
+
+    let setup_started = Instant::now();
+    // `chaos-<pid>`, or `chaos-<pid>-<n>` beside the kept logs of an earlier run of that pid.
+    let pid = std::process::id();
+    let dir = (0..)
+        .map(|n| match n {
+            0 => std::env::temp_dir().join(format!("chaos-{pid}")),
+            n => std::env::temp_dir().join(format!("chaos-{pid}-{n}")),
+        })
+        .find(|dir| !dir.exists())
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("chaos-{pid}")));
+    let cluster = match tokio::task::spawn_blocking(move || Cluster::create(dir)).await {
+        Ok(Ok(cluster)) => cluster,
+        Ok(Err(error)) => {
+            eprintln!("chaos: cannot start the throwaway PostgreSQL: {error}");
+            return ExitCode::from(2);
+        }
+        Err(error) => {
+            eprintln!("chaos: starting the throwaway PostgreSQL failed: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    progress(format_args!(
+        "PostgreSQL {} started in {} (Unix socket only)",
+        cluster.version(),
+        cluster.dir().display()
+    ));
+
+    let ended = tokio::select! {
+        result = run(&args, seed, &cluster, setup_started) => Ok(result),
+        signal = signals.recv() => Err(signal),
+    };
+    // Whatever `run` started is gone: its instances were killed and its clients aborted when
+    // it was dropped.
+    let keep_logs = match &ended {
+        Ok(Ok(report)) => args.keep_logs || !report.verdict.passed(),
+        Ok(Err(_)) => true,
+        Err(_) => args.keep_logs,
+    };
+    let teardown_started = Instant::now();
+    let removed = tokio::task::spawn_blocking(move || cluster.remove(keep_logs)).await;
+    let teardown = teardown_started.elapsed();
+    let kept = match removed {
+        Ok(Ok(kept)) => kept,
+        Ok(Err(error)) => {
+            eprintln!("chaos: cleaning up the throwaway PostgreSQL: {error}");
+            None
+        }
+        Err(error) => {
+            eprintln!("chaos: cleaning up the throwaway PostgreSQL failed: {error}");
+            None
+        }
+    };
+
+    match ended {
+        Ok(Ok(report)) => {
+            report.print(teardown, crate::elapsed(), kept.as_deref());
+            if report.verdict.passed() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Ok(Err(error)) => {
+            eprintln!("chaos: the run failed: {error}");
+            if let Some(dir) = kept {
+                eprintln!("chaos: logs kept in {}", dir.display());
+            }
+            ExitCode::from(2)
+        }
+        Err(signal) => {
+            eprintln!(
+                "chaos: {signal}: stopped; instances and PostgreSQL removed ({:.1} s in all)",
+                crate::elapsed().as_secs_f64()
+            );
+            ExitCode::from(130)
+        }
+    }
+}
+
+/// Setup (the instances), chaos, drain and checks. The cluster is already up.
+async fn run(
+    args: &RunArgs,
+    seed: u64,
+    cluster: &Cluster,
+    setup_started: Instant,
+) -> Result<Report, BoxError> {
+    let mut rng = Rng::new(seed);
+    let log = Arc::new(DemoLog::create(&cluster.dir().join("demo.log"))?);
+    let spec = Spec {
+        exe: own_executable()?,
+        database_url: cluster.url(),
+        delay_ms: (args.delay_min_ms, args.delay_max_ms),
+        inject_bug: args.inject_bug,
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(3)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(cluster.connect_options())
+        .await?;
+    let fleet = Fleet::start(spec, Arc::clone(&log), pool.clone(), rng.fork()).await?;
+    let setup = setup_started.elapsed();
+
+    let duration = Duration::from_secs(args.duration_secs);
+    let drain = Duration::from_secs(args.drain_secs);
+    let restart = DatabaseRestart {
+        at: duration * u32::try_from(rng.between(30, 60)).unwrap_or(50) / 100,
+        mode: match args.pg_stop_mode {
+            Some(PgStopMode::Fast) => StopMode::Fast,
+            Some(PgStopMode::Immediate) => StopMode::Immediate,
+            None if rng.percent(50) => StopMode::Immediate,
+            None => StopMode::Fast,
+        },
+        down_for: Duration::from_millis(rng.between(1_000, 3_000)),
+    };
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let shared = Arc::new(Shared {
+        addrs: Arc::clone(fleet.addrs()),
+        behaviour: Behaviour {
+            seed,
+            request_timeout: Duration::from_millis(args.request_timeout_ms),
+            parallel_percent: args.parallel_percent,
+            hangup_percent: args.hangup_percent,
+            resend_percent: args.resend_percent,
+            decline_percent: args.decline_percent,
+        },
+        stats: Stats::default(),
+        stop: stop_rx.clone(),
+        deadline: OnceLock::new(),
+    });
+    let stop = || {
+        let _ = shared.deadline.set(Instant::now() + drain);
+        stop_tx.send_replace(true);
+    };
+
+    progress(format_args!(
+        "chaos for {} s with {} clients; PostgreSQL restart (stop -m {}) planned at {:.1} s",
+        duration.as_secs(),
+        args.clients,
+        restart.mode.as_str(),
+        restart.at.as_secs_f64()
+    ));
+    let chaos_started = Instant::now();
+    let mut clients = JoinSet::new();
+    for index in 0..usize::from(args.clients) {
+        let shared = Arc::clone(&shared);
+        let rng = rng.fork();
+        clients.spawn(async move { client::run(&shared, index, rng).await });
+    }
+    let database_faults = DatabaseFaults::default();
+    let faults = async {
+        tokio::try_join!(
+            faults::kill_instances(
+                &fleet,
+                stop_rx.clone(),
+                rng.fork(),
+                (
+                    Duration::from_millis(args.kill_min_ms),
+                    Duration::from_millis(args.kill_max_ms)
+                ),
+            ),
+            faults::restart_database(cluster, &pool, stop_rx.clone(), restart, &database_faults),
+            tick(&shared, &fleet, stop_rx.clone()),
+        )
+    };
+    tokio::pin!(faults);
+    let faulted = tokio::select! {
+        // Returns early only on an error.
+        result = &mut faults => result,
+        () = tokio::time::sleep(duration) => {
+            stop();
+            progress(format_args!("chaos over: finishing the fault in progress"));
+            faults.await
+        }
+    };
+    stop();
+    let chaos = chaos_started.elapsed();
+    faulted?;
+
+    progress(format_args!(
+        "clients finishing their charges in progress (at most {} s)",
+        drain.as_secs()
+    ));
+    let drain_started = Instant::now();
+    let mut observed = Vec::new();
+    let mut client_failures = 0;
+    let collected = tokio::time::timeout(drain + DRAIN_SLACK, async {
+        while let Some(joined) = clients.join_next().await {
+            match joined {
+                Ok(charges) => observed.extend(charges),
+                Err(error) => {
+                    client_failures += 1;
+                    progress(format_args!("a client task failed: {error}"));
+                }
+            }
+        }
+    })
+    .await;
+    if collected.is_err() {
+        client_failures += clients.len() as u64;
+        progress(format_args!("{} client(s) did not finish", clients.len()));
+        clients.abort_all();
+    }
+    // Handlers whose clients hung up finish on their own; wait for their transactions to end.
+    let settle_until = Instant::now() + SETTLE;
+    while verify::open_transactions(&pool).await? > 0 && Instant::now() < settle_until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let drain_time = drain_started.elapsed();
+
+    progress(format_args!("checking {} logical charges", observed.len()));
+    let verify_started = Instant::now();
+    let mut verdict = verify::verify(&pool, &observed).await?;
+    verdict.client_failures = client_failures;
+    let verify_time = verify_started.elapsed();
+    pool.close().await;
+    fleet.stop().await;
+    log.flush();
+
+    Ok(Report::new(
+        args,
+        seed,
+        &shared.stats,
+        &fleet,
+        &log,
+        restart,
+        &database_faults,
+        verdict,
+        Phases {
+            setup,
+            chaos,
+            drain: drain_time,
+            verify: verify_time,
+        },
+        cluster,
+    ))
+}
+
+/// Prints the traffic so far every [`TICK`], until the stop.
+async fn tick(
+    shared: &Shared,
+    fleet: &Fleet,
+    mut stop: watch::Receiver<bool>,
+) -> Result<(), BoxError> {
+    let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + TICK, TICK);
+    loop {
+        tokio::select! {
+            _ = interval.tick() => {}
+            _ = stop.wait_for(|stopped| *stopped) => return Ok(()),
+        }
+        let s = &shared.stats;
+        progress(format_args!(
+            "{} charges, {} requests, {} retries, {} replays, {} × 409, {} × 5xx, {} connection \
+             errors, {} timeouts, {} hang-ups, {} kills",
+            Stats::get(&s.charges),
+            Stats::get(&s.requests),
+            Stats::get(&s.retries),
+            Stats::get(&s.replays),
+            Stats::get(&s.conflicts),
+            Stats::get(&s.server_errors),
+            Stats::get(&s.connection_errors),
+            Stats::get(&s.timeouts),
+            Stats::get(&s.hangups),
+            Stats::get(&fleet.kills),
+        ));
+    }
+}
+
+/// This program, to re-execute as `chaos serve`. On Linux `/proc/self/exe` names this very
+/// binary even when a rebuild has replaced its file since it started, so the instances always
+/// run the same code as the run.
+fn own_executable() -> std::io::Result<PathBuf> {
+    let own = Path::new("/proc/self/exe");
+    if own.exists() {
+        Ok(own.to_owned())
+    } else {
+        std::env::current_exe()
+    }
+}
+
+/// The options that reproduce this run's plan.
+fn replay_args(args: &RunArgs, seed: u64) -> String {
+    let mut line = format!(
+        "--duration-secs {} --clients {} --seed {seed}",
+        args.duration_secs, args.clients
+    );
+    if let Some(bug) = args.inject_bug {
+        line.push_str(&format!(" --inject-bug {}", bug.name()));
+    }
+    line
+}
+
+fn clock_seed() -> u64 {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    // Mixed once, so seeds of runs started close together differ in every digit.
+    Rng::new(nanos as u64 ^ u64::from(std::process::id())).next_u64() % 1_000_000_000
+}
+
+/// `SIGINT` and `SIGTERM`, caught from the moment they are installed.
+struct Signals {
+    interrupt: Option<tokio::signal::unix::Signal>,
+    terminate: Option<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    fn install() -> Self {
+        use tokio::signal::unix::{SignalKind, signal};
+        Self {
+            interrupt: signal(SignalKind::interrupt()).ok(),
+            terminate: signal(SignalKind::terminate()).ok(),
+        }
+    }
+
+    async fn recv(&mut self) -> &'static str {
+        async fn next(signal: Option<&mut tokio::signal::unix::Signal>) {
+            match signal {
+                Some(signal) => {
+                    signal.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        }
+        tokio::select! {
+            () = next(self.interrupt.as_mut()) => "SIGINT",
+            () = next(self.terminate.as_mut()) => "SIGTERM",
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! The child side: `chaos serve [charges-demo options]`, one demo instance.
+//!
+//! The chaos run re-executes its own binary with this hidden subcommand for each instance, so
+//! there is no second binary to build or find: the instance runs the demo through its library,
+//! [`charges_demo::server::run`], exactly what the `charges-demo` binary's `main` does (with
+//! PostgreSQL, that is the layer's transactional mode). It prints `listening on ADDR` on
+//! standard output and logs to standard error, as the demo does.
+//!
+//! It exits as soon as its standard input closes: the parent keeps the write end open, so an
+//! instance never outlives the run, however the run ends (even killed with `SIGKILL`, when the
+//! kernel closes the pipe).
+//!
+//! `--inject-bug` (hidden, for the run's self-check only) builds the demo from the same library
+//! parts but wired wrongly, to show that the run catches a real exactly-once bug; see [`Bug`].
+
+use std::{
+    io::{self, Write},
+    process::ExitCode,
+    str::FromStr,
+    time::Duration,
+};
+
+use charges_demo::{
+    AppState, app, idempotency_layer,
+    ledger::{Charge, ChargePage, Ledger, PostgresLedger, PostgresLedgerError},
+    processor::CardProcessor,
+    server::{self, ErrorChain},
+};
+use clap::{Parser, ValueEnum};
+use sqlx::{
+    PgConnection,
+    postgres::{PgConnectOptions, PgPoolOptions},
+};
+use tokio::{io::AsyncReadExt, net::TcpListener};
+use tower_idempotency::store::PostgresStore;
+use tracing_subscriber::EnvFilter;
+
+use crate::BoxError;
+
+/// `chaos serve`: the demo's own options, plus the self-check's bug.
+#[derive(Debug, Parser)]
+#[command(
+    name = "chaos serve",
+    about = "One charges-demo instance of a chaos run (internal)"
+)]
+pub(crate) struct ServeArgs {
+    #[command(flatten)]
+    demo: server::Args,
+
+    /// Run the demo with a deliberate exactly-once bug (the chaos run's self-check).
+    #[arg(long, value_enum)]
+    inject_bug: Option<Bug>,
+}
+
+/// A deliberate bug for the self-check (`chaos --inject-bug ...`). Each is a real integration
+/// mistake, built from the demo's public parts, that loses exactly-once under crashes.
+///
+/// In both, the handler records the charge *first* and then takes its processing time (as a
+/// handler does that writes a pending charge and then calls the card network); the latency is
+/// the same as the demo's. This only widens the window between the charge's write and the
+/// stored response, so that the run's kills land in it often: with the demo's order (write
+/// last) the window is about a millisecond and catching the bug takes many more kills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Bug {
+    /// Transactional claims, but the handler writes its charge on the pool, outside the
+    /// request's `IdempotentTx`: a kill after that autocommit and before the claim commits
+    /// leaves a charge whose key is free again, and the retry charges a second time.
+    WritesOutsideTx,
+    /// Lease mode (a 2 s lease) over the same handler: the charge commits on its own, the
+    /// response is stored afterwards; a kill between the two, and the takeover after the lease
+    /// lapses charges again.
+    LeaseMode,
+}
+
+impl Bug {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::WritesOutsideTx => "writes-outside-tx",
+            Self::LeaseMode => "lease-mode",
+        }
+    }
+
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Self::WritesOutsideTx => {
+                "transactional claims, but charges written outside the request's transaction"
+            }
+            Self::LeaseMode => "lease mode (2 s lease): charges and stored responses commit apart",
+        }
+    }
+}
+
+pub(crate) fn main(args: ServeArgs) -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,sqlx=warn")),
+        )
+        .with_writer(io::stderr)
+        .with_ansi(false)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            tracing::error!(%error, "cannot start the runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    let served = runtime.block_on(async {
+        tokio::spawn(exit_when_stdin_closes());
+        match args.inject_bug {
+            None => server::run(args.demo)
+                .await
+                .map_err(|error| ErrorChain(&error).to_string()),
+            Some(bug) => {
+                tracing::warn!(bug = bug.name(), "SELF-CHECK: {}", bug.describe());
+                serve_with_bug(args.demo, bug)
+                    .await
+                    .map_err(|error| error.to_string())
+            }
+        }
+    });
+    // Exit at once: dropping the runtime would wait for the blocking read of standard input.
+    match served {
+        Ok(()) => std::process::exit(0),
+        Err(error) => {
+            tracing::error!("{error}");
+            std::process::exit(1)
+        }
+    }
+}
+
+async fn exit_when_stdin_closes() {
+    let mut stdin = tokio::io::stdin();
+    let mut buffer = [0_u8; 64];
+    loop {
+        match stdin.read(&mut buffer).await {
+            Ok(0) | Err(_) => std::process::exit(0),
+            Ok(_) => {}
+        }
+    }
+}
+
+/// The demo wired wrongly on purpose; as [`server::run`] otherwise (without its graceful
+/// shutdown or expiry loop, which the run does not need).
+async fn serve_with_bug(args: server::Args, bug: Bug) -> Result<(), BoxError> {
+    let settings = args.settings();
+    let url = args
+        .database_url
+        .as_deref()
+        .ok_or("--inject-bug needs --database-url")?;
+    // Larger than the demo's 20: with writes outside the transaction each charge needs two
+    // connections at once, and a pool the size of the concurrency would deadlock until its
+    // acquire timeout, hiding the bug behind timeouts.
+    let pool = PgPoolOptions::new()
+        .max_connections(64)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(PgConnectOptions::from_str(url)?)
+        .await?;
+    charges_demo::migrate(&pool).await?;
+    let ledger = WriteFirst {
+        ledger: PostgresLedger::new(pool.clone()),
+        then: settings.processing_delay,
+    };
+    let processor = CardProcessor::new(Duration::ZERO);
+    let store = match bug {
+        Bug::WritesOutsideTx => PostgresStore::new(pool).transactional(),
+        Bug::LeaseMode => PostgresStore::new(pool),
+    };
+    let router = app(AppState::new(
+        ledger,
+        idempotency_layer(store, &settings)?,
+        processor,
+    ));
+    let listener = TcpListener::bind(args.listen).await?;
+    let mut stdout = io::stdout().lock();
+    writeln!(stdout, "listening on {}", listener.local_addr()?)?;
+    stdout.flush()?;
+    drop(stdout);
+    axum::serve(listener, router).await?;
+    Ok(())
+}
+
+/// A ledger that writes on the pool, ignoring the request's transaction, and then takes the
+/// processing time: the [`Bug`]s' handler.
+#[derive(Debug, Clone)]
+struct WriteFirst {
+    ledger: PostgresLedger,
+    then: Duration,
+}
+
+impl Ledger for WriteFirst {
+    type Error = PostgresLedgerError;
+
+    async fn insert(
+        &self,
+        charge: &Charge,
+        _transaction: Option<&mut PgConnection>,
+    ) -> Result<(), PostgresLedgerError> {
+        self.ledger.insert(charge, None).await?;
+        tokio::time::sleep(self.then).await;
+        Ok(())
+    }
+
+    async fn retrieve(
+        &self,
+        account: &charges_demo::auth::Account,
+        id: &str,
+    ) -> Result<Option<Charge>, PostgresLedgerError> {
+        self.ledger.retrieve(account, id).await
+    }
+
+    async fn list(
+        &self,
+        account: &charges_demo::auth::Account,
+        limit: usize,
+        starting_after: Option<&str>,
+    ) -> Result<ChargePage, PostgresLedgerError> {
+        self.ledger.list(account, limit, starting_after).await
+    }
+}

@@ -48,7 +48,8 @@
 //! 2. [`scope`]: the key is scoped to the authenticated [`Principal`], method and path, and hashed.
 //! 3. [`fingerprint`]: the body is buffered (bounded) and fingerprinted.
 //! 4. [`store`]: the key is claimed in one atomic step ([`Store::begin`](store::Store::begin)).
-//! 5. The handler runs under a lease renewed by a heartbeat, in its own task.
+//! 5. The handler runs under a lease renewed by a heartbeat, to completion even if the client
+//!    hangs up.
 //! 6. [`record`]: its response is captured and stored, or the key released ([`RetentionPolicy`]).
 //! 7. [`replay`]: retries get the record back.
 //!

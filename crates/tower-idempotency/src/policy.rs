@@ -140,8 +140,9 @@ impl Default for StoreFailure {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Disconnect {
-    /// Run the handler to completion in a spawned task and store its response (the default), so
-    /// the client's retry gets a replay of what did happen rather than a second execution.
+    /// Run the handler to completion (in a task of its own once the client is gone) and store
+    /// its response (the default), so the client's retry gets a replay of what did happen
+    /// rather than a second execution.
     #[default]
     RunToCompletion,
     /// Drop the handler with the connection, and release the key. Only for handlers that are

@@ -45,14 +45,14 @@ impl Probe {
         self.executions.load(Ordering::SeqCst)
     }
 
-    /// Waits until `n` more handlers have started.
+    /// Waits until `n` more handlers have started (failing the test after 30 s).
     pub async fn started(&self, n: u32) {
-        self.started.acquire_many(n).await.expect("open").forget();
+        within(self.started.acquire_many(n), "handlers to start").await;
     }
 
-    /// Waits until `n` more gated handlers have finished.
+    /// Waits until `n` more gated handlers have finished (failing the test after 30 s).
     pub async fn finished(&self, n: u32) {
-        self.finished.acquire_many(n).await.expect("open").forget();
+        within(self.finished.acquire_many(n), "gated handlers to finish").await;
     }
 
     /// Lets `n` handlers waiting at the gate go on.
@@ -69,6 +69,19 @@ impl Probe {
         }
         n
     }
+}
+
+async fn within(
+    permits: impl std::future::Future<
+        Output = Result<tokio::sync::SemaphorePermit<'_>, tokio::sync::AcquireError>,
+    >,
+    what: &str,
+) {
+    tokio::time::timeout(std::time::Duration::from_secs(30), permits)
+        .await
+        .unwrap_or_else(|_| panic!("waited 30 s for {what}"))
+        .expect("open")
+        .forget();
 }
 
 /// Reads `Authorization: Bearer <account>` into a [`Principal`]; no header, no principal.

@@ -206,15 +206,26 @@ pub async fn concurrent_duplicates_execute_once<B: Backend>() {
             .json(&charge_json(100));
         requests.spawn(Reply::of(request));
     }
-    // The holder waits at the gate until every duplicate has been answered.
+    // The holder waits at the gate until every duplicate has been answered; a second holder
+    // would wait there too, and its duplicate's answer would never come.
     h.probe.started(1).await;
-    let mut conflicts = 0;
-    for _ in 0..N - 1 {
-        let reply = requests.join_next().await.expect("reply").expect("task");
-        reply.assert_problem(409, "InFlight");
-        assert_eq!(reply.headers["retry-after"], "1");
-        conflicts += 1;
-    }
+    let conflicts = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut conflicts = 0;
+        for _ in 0..N - 1 {
+            let reply = requests.join_next().await.expect("reply").expect("task");
+            reply.assert_problem(409, "InFlight");
+            assert_eq!(reply.headers["retry-after"], "1");
+            conflicts += 1;
+        }
+        conflicts
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{} handlers ran at once", h.probe.executions()));
+    assert_eq!(
+        h.probe.executions(),
+        1,
+        "one holder while the others were refused"
+    );
     h.probe.open_gate(1);
     let winner = requests.join_next().await.expect("reply").expect("task");
     assert_eq!(winner.status, StatusCode::CREATED);
@@ -584,27 +595,30 @@ pub async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out<B: Bac
     } else {
         h.backend.lapse_leases().await;
     }
-    let taken = Reply::of(post()).await;
-    assert_eq!(taken.status, StatusCode::CREATED);
-    assert_eq!(
-        taken.json()["takeover"],
-        !B::TRANSACTIONAL,
-        "the handler is told whether it took a lapsed lease over"
-    );
-
+    // The new holder is held in its handler while the stale one tries to write.
+    let taking = tokio::spawn(Reply::of(post().header("x-test-gate", "1")));
+    h.probe.started(1).await;
     let record = tower_idempotency::Record::from_parts(
         StatusCode::OK,
         Default::default(),
         Some("stale".into()),
     );
     assert_eq!(
+        store.renew(&stale, Duration::from_secs(30)).await.ok(),
+        Some(ClaimStatus::Lost)
+    );
+    assert_eq!(
         store.complete(&stale, &record).await.ok(),
         Some(ClaimStatus::Lost)
     );
     assert_eq!(store.release(&stale).await.ok(), Some(ClaimStatus::Lost));
+    h.probe.open_gate(1);
+    let taken = taking.await.expect("task");
+    assert_eq!(taken.status, StatusCode::CREATED);
     assert_eq!(
-        store.renew(&stale, Duration::from_secs(30)).await.ok(),
-        Some(ClaimStatus::Lost)
+        taken.json()["takeover"],
+        !B::TRANSACTIONAL,
+        "the handler is told whether it took a lapsed lease over"
     );
 
     let retry = Reply::of(post()).await;

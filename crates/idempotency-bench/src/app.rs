@@ -5,9 +5,12 @@
 //! idempotency layer, then the handler. The apps differ only in the layer, so a ratio between
 //! two of them is the layer's cost.
 
-use std::sync::{
-    Arc,
-    atomic::{AtomicBool, AtomicU64, Ordering},
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
 };
 
 use axum::{
@@ -20,7 +23,7 @@ use axum::{
 };
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
-use tower_idempotency::{IdempotencyLayer, IdempotentTx, Principal};
+use tower_idempotency::{IdempotencyLayer, IdempotentTx, Principal, store::PostgresStore};
 
 /// The path every app serves.
 pub(crate) const CHARGES_PATH: &str = "/v1/charges";
@@ -40,6 +43,10 @@ CREATE TABLE charges (
 const INSERT_CHARGE: &str =
     "INSERT INTO charges (account, amount, currency) VALUES ($1, $2, $3) RETURNING id";
 
+/// The width of partitioned mode's partitions: a quarter of the layer's default 24 h TTL, as
+/// `PostgresStore::partitioned` advises.
+pub(crate) const PARTITION_WIDTH: Duration = Duration::from_secs(6 * 60 * 60);
+
 /// Which application a server process runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum App {
@@ -47,6 +54,12 @@ pub(crate) enum App {
     Bare,
     /// The charge handler behind `IdempotencyLayer::postgres(pool)`, on the same pool.
     Lease,
+    /// The same with the in-process replay cache off (`with_replay_cache(0)`): every replay
+    /// reads the store.
+    LeaseNoCache,
+    /// The same as [`Lease`](Self::Lease) on a store in partitioned mode
+    /// (`PostgresStore::partitioned(PARTITION_WIDTH)`).
+    LeasePartitioned,
     /// The charge handler writing its `INSERT` through the [`IdempotentTx`] of
     /// `IdempotencyLayer::postgres(pool).transactional()`: the claim, the charge and the record
     /// commit together.
@@ -61,7 +74,11 @@ impl App {
     /// Whether the app needs the run's database.
     pub(crate) fn uses_database(self) -> bool {
         match self {
-            Self::Bare | Self::Lease | Self::Transactional => true,
+            Self::Bare
+            | Self::Lease
+            | Self::LeaseNoCache
+            | Self::LeasePartitioned
+            | Self::Transactional => true,
             Self::MemoryBare | Self::Memory => false,
         }
     }
@@ -71,11 +88,29 @@ impl App {
         match self {
             Self::Bare => "bare",
             Self::Lease => "lease",
+            Self::LeaseNoCache => "lease-no-cache",
+            Self::LeasePartitioned => "lease-partitioned",
             Self::Transactional => "transactional",
             Self::MemoryBare => "memory-bare",
             Self::Memory => "memory",
         }
     }
+
+    /// The store the app's layer uses (and its expiry loop), for apps with a PostgreSQL layer.
+    pub(crate) fn store(self, pool: &PgPool) -> Option<PostgresStore> {
+        match self {
+            Self::Lease | Self::LeaseNoCache => Some(PostgresStore::new(pool.clone())),
+            Self::Transactional => Some(PostgresStore::new(pool.clone()).transactional()),
+            Self::LeasePartitioned => Some(partitioned_store(pool)),
+            Self::Bare | Self::MemoryBare | Self::Memory => None,
+        }
+    }
+}
+
+/// The store of [`App::LeasePartitioned`]: partitioned mode, [`PARTITION_WIDTH`] wide
+/// partitions.
+pub(crate) fn partitioned_store(pool: &PgPool) -> PostgresStore {
+    PostgresStore::new(pool.clone()).partitioned(PARTITION_WIDTH)
 }
 
 /// Builds `app`. `pool` is `Some` exactly for apps that [use the database](App::uses_database).
@@ -83,12 +118,22 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
     let routes = match (app, pool) {
         (App::Bare, Some(pool)) => charges(pool),
         (App::Lease, Some(pool)) => charges(pool.clone()).layer(IdempotencyLayer::postgres(pool)),
+        (App::LeaseNoCache, Some(pool)) => {
+            charges(pool.clone()).layer(IdempotencyLayer::postgres(pool).with_replay_cache(0))
+        }
+        (App::LeasePartitioned, Some(pool)) => {
+            let store = partitioned_store(&pool);
+            charges(pool).layer(IdempotencyLayer::new(store))
+        }
         (App::Transactional, Some(pool)) => Router::new()
             .route(CHARGES_PATH, post(create_charge_in_transaction))
             .layer(IdempotencyLayer::postgres(pool).transactional()),
         (App::MemoryBare, _) => no_io(),
         (App::Memory, _) => no_io().layer(IdempotencyLayer::memory()),
-        (App::Bare | App::Lease | App::Transactional, None) => {
+        (
+            App::Bare | App::Lease | App::LeaseNoCache | App::LeasePartitioned | App::Transactional,
+            None,
+        ) => {
             unreachable!("the caller connects a pool for every app that uses the database")
         }
     };

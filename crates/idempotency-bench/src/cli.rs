@@ -51,7 +51,8 @@ pub(crate) struct BenchArgs {
     pub(crate) rounds: NonZeroUsize,
 
     /// Scenarios to run, comma-separated (see `--list`); their baselines are added. Default:
-    /// all.
+    /// every core scenario. The scale scenarios only run when named, or with the groups
+    /// `scale` (all of them), `full-store` or `expiry`.
     #[arg(long, value_delimiter = ',', value_name = "A,B,...")]
     pub(crate) scenarios: Vec<String>,
 
@@ -65,6 +66,35 @@ pub(crate) struct BenchArgs {
     /// in the store-ceiling client's pool.
     #[arg(long, default_value = "16", value_name = "N")]
     pub(crate) pool_size: NonZeroUsize,
+
+    /// Completed records pre-filled (by SQL, once per run) into the full store of the
+    /// `full-*` scenarios. Only used when one of them is selected.
+    #[arg(long, default_value_t = 10_000_000, value_name = "N")]
+    pub(crate) full_store_rows: u64,
+
+    /// Expired records in the table at the start of each `expiry-*` and `partitioned-*`
+    /// measurement (put back before each).
+    #[arg(long, default_value_t = 1_000_000, value_name = "N")]
+    pub(crate) expired_rows: u64,
+
+    /// The batch size of the expiry loop (`continuously_delete_expired`) in the reaping
+    /// scenarios.
+    #[arg(long, default_value_t = 1_000, value_name = "N")]
+    pub(crate) reaper_batch: u32,
+
+    /// Server processes in `many-instances`, each with a pool of `--pool-size`.
+    #[arg(long, default_value = "4", value_name = "N")]
+    pub(crate) instances: NonZeroUsize,
+
+    /// Keys in `many-instances`' duplicate burst, each sent to every instance at once.
+    #[arg(long, default_value_t = 1_000, value_name = "N")]
+    pub(crate) duplicate_keys: usize,
+
+    /// A PostgreSQL setting for the run's databases only (`ALTER DATABASE ... SET`, so every
+    /// session on them, the servers' included, starts with it), e.g. `wal_compression=lz4`:
+    /// for trying a server setting on the scenarios. Repeatable.
+    #[arg(long = "db-setting", value_name = "NAME=VALUE")]
+    pub(crate) db_settings: Vec<String>,
 
     /// Also write every round's raw measurements as JSON to this file.
     #[arg(long, value_name = "PATH")]
@@ -90,4 +120,13 @@ pub(crate) struct ServeArgs {
     /// Size of the PostgreSQL pool.
     #[arg(long, default_value = "16")]
     pub(crate) pool_size: NonZeroUsize,
+
+    /// Arms the expiry loop (`continuously_delete_expired`) with this batch size, on the app's
+    /// store and pool; it starts when `reap` is written on stdin.
+    #[arg(long)]
+    pub(crate) reaper_batch: Option<u32>,
+
+    /// The expiry loop's period, in milliseconds.
+    #[arg(long, default_value = "10000")]
+    pub(crate) reaper_period_ms: u64,
 }

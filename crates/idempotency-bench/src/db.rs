@@ -87,6 +87,26 @@ impl BenchDb {
         Ok(())
     }
 
+    /// Sets `name` to `value` for every new session on the database (`ALTER DATABASE ...
+    /// SET`). `name` must be a setting's name (letters, digits, `_` and `.`).
+    pub(crate) async fn set(&self, name: &str, value: &str) -> Result<(), BoxError> {
+        let valid = !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
+        if !valid {
+            return Err(format!("`{name}` is not a setting's name").into());
+        }
+        let value = value.replace('\'', "''");
+        self.control
+            .execute(AssertSqlSafe(format!(
+                r#"ALTER DATABASE "{}" SET {name} = '{value}'"#,
+                self.name
+            )))
+            .await?;
+        Ok(())
+    }
+
     /// The database's name.
     pub(crate) fn name(&self) -> &str {
         &self.name
@@ -96,6 +116,12 @@ impl BenchDb {
     /// [`name`](Self::name).
     pub(crate) fn server_url(&self) -> &str {
         &self.server_url
+    }
+
+    /// The benchmark's own connection to the database (one): for its queries between and
+    /// around measurements. Its backend is left out of the CPU accounting.
+    pub(crate) fn control(&self) -> &PgPool {
+        &self.control
     }
 
     /// A new pool of `size` connections, all opened before it is handed out.
@@ -125,7 +151,8 @@ impl BenchDb {
         let settings: Vec<(String, String)> = sqlx::query_as(
             "SELECT name, setting || coalesce(unit, '') FROM pg_settings WHERE name IN \
              ('synchronous_commit', 'fsync', 'shared_buffers', 'max_connections', \
-              'autovacuum', 'wal_level') ORDER BY name",
+              'autovacuum', 'wal_level', 'wal_compression', 'full_page_writes', \
+              'checkpoint_timeout', 'max_wal_size') ORDER BY name",
         )
         .fetch_all(&self.control)
         .await?;

@@ -24,7 +24,7 @@ use http::{
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use tokio::{net::TcpStream, time::Instant};
+use tokio::{net::TcpStream, sync::watch, time::Instant};
 
 use crate::{
     BoxError,
@@ -32,8 +32,18 @@ use crate::{
     stats::{Tally, Window},
 };
 
-/// How many accounts the requests are spread over (connection `i` acts for account `i % 16`).
-const ACCOUNTS: usize = 16;
+/// How many accounts the requests are spread over (connection `i` acts for account `i % 16`;
+/// a pre-filled record `n` belongs to account `n % 16`).
+pub(crate) const ACCOUNTS: usize = 16;
+
+/// The `Idempotency-Key` of pre-filled record `n` is this prefix followed by `n`.
+pub(crate) const FILLED_KEY_PREFIX: &str = "fill-";
+
+/// The name of account `i`: the principal the servers' authentication derives from
+/// `Authorization: Bearer <name>`.
+pub(crate) fn account(i: u64) -> String {
+    format!("acct_{i}")
+}
 
 /// How long past the window's end a request may take before it is abandoned.
 const GRACE: Duration = Duration::from_secs(5);
@@ -58,6 +68,11 @@ pub(crate) enum Keys {
     /// `per_connection` keys of its own; then it cycles through them, so every request is a
     /// replay and no two connections retry the same key at once.
     Completed { per_connection: usize },
+    /// Retries of the records pre-filled in the database by SQL (`scale::fill_completed`):
+    /// record `n` is key `fill-<n>` of account `n % 16`, with this workload's body. With no
+    /// working set each request picks a random record among all of them; with one, each
+    /// connection picks that many at random and cycles through them.
+    Filled { working_set: Option<usize> },
 }
 
 /// The request body: a charge, as JSON.
@@ -70,7 +85,7 @@ pub(crate) enum BodySize {
 }
 
 impl BodySize {
-    fn bytes(self) -> Bytes {
+    pub(crate) fn bytes(self) -> Bytes {
         match self {
             Self::Small => Bytes::from_static(
                 br#"{"amount":1000,"currency":"usd","description":"idempotency-bench"}"#,
@@ -94,54 +109,88 @@ impl BodySize {
 pub(crate) struct Plan {
     workload: Workload,
     body: Bytes,
-    host: HeaderValue,
+    /// The servers, one `Host` each; connection `i` talks to server `i % n`.
+    addrs: Vec<SocketAddr>,
+    hosts: Vec<HeaderValue>,
     accounts: Vec<HeaderValue>,
     /// Prefixes every key of this plan, so runs and rounds never share keys.
     nonce: String,
+    /// Seeds the choice of pre-filled records ([`Keys::Filled`]).
+    seed: u64,
+    /// How many records are pre-filled ([`Keys::Filled`]).
+    filled: u64,
 }
 
 impl Plan {
-    pub(crate) fn new(workload: Workload, addr: SocketAddr) -> Self {
+    /// The requests of `workload` to the servers at `addrs` (at least one); `filled` is how
+    /// many records the database was pre-filled with, for [`Keys::Filled`].
+    pub(crate) fn new(workload: Workload, addrs: &[SocketAddr], filled: u64) -> Self {
         static PLANS: AtomicU64 = AtomicU64::new(0);
+        assert!(!addrs.is_empty(), "a plan needs a server");
         let epoch = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |since| since.as_millis());
-        let nonce = format!(
-            "{epoch:x}-{:x}-{}",
-            std::process::id(),
-            PLANS.fetch_add(1, Ordering::Relaxed)
-        );
+        let plan = PLANS.fetch_add(1, Ordering::Relaxed);
+        let nonce = format!("{epoch:x}-{:x}-{plan}", std::process::id());
         Self {
             workload,
             body: workload.body.bytes(),
-            host: HeaderValue::try_from(addr.to_string())
-                .expect("a socket address is a valid header"),
-            accounts: (0..ACCOUNTS)
-                .map(|i| HeaderValue::try_from(format!("Bearer acct_{i}")).expect("valid header"))
+            addrs: addrs.to_vec(),
+            hosts: addrs
+                .iter()
+                .map(|addr| {
+                    HeaderValue::try_from(addr.to_string())
+                        .expect("a socket address is a valid header")
+                })
+                .collect(),
+            accounts: (0..ACCOUNTS as u64)
+                .map(|i| {
+                    HeaderValue::try_from(format!("Bearer {}", account(i))).expect("valid header")
+                })
                 .collect(),
             nonce,
+            seed: splitmix64((epoch as u64) ^ (u64::from(std::process::id()) << 40) ^ plan),
+            filled,
         }
+    }
+
+    /// The server connection `connection` talks to.
+    pub(crate) fn addr(&self, connection: usize) -> SocketAddr {
+        self.addrs[connection % self.addrs.len()]
+    }
+
+    /// The pre-filled record the `seq`-th request of `connection` retries.
+    fn filled_record(&self, working_set: Option<usize>, connection: usize, seq: u64) -> u64 {
+        let pick = match working_set {
+            Some(size) => seq % size.max(1) as u64,
+            None => seq,
+        };
+        let mixed = splitmix64(self.seed ^ ((connection as u64) << 44) ^ pick);
+        mixed % self.filled.max(1)
     }
 
     /// The `seq`-th request of connection `connection`.
     fn request(&self, connection: usize, seq: u64) -> Request<Full<Bytes>> {
+        let mut account = connection % self.accounts.len();
         let key = match self.workload.keys {
             Keys::Fresh => format!("{}-{connection}-{seq}", self.nonce),
             Keys::Completed { per_connection } => {
                 let index = seq % per_connection.max(1) as u64;
                 format!("{}-{connection}-r{index}", self.nonce)
             }
+            Keys::Filled { working_set } => {
+                let n = self.filled_record(working_set, connection, seq);
+                account = (n % ACCOUNTS as u64) as usize;
+                format!("{FILLED_KEY_PREFIX}{n}")
+            }
         };
         let mut request = Request::new(Full::new(self.body.clone()));
         *request.method_mut() = Method::POST;
         *request.uri_mut() = Uri::from_static(CHARGES_PATH);
         let headers = request.headers_mut();
-        headers.insert(HOST, self.host.clone());
+        headers.insert(HOST, self.hosts[connection % self.hosts.len()].clone());
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        headers.insert(
-            AUTHORIZATION,
-            self.accounts[connection % self.accounts.len()].clone(),
-        );
+        headers.insert(AUTHORIZATION, self.accounts[account].clone());
         headers.insert(
             "idempotency-key",
             HeaderValue::try_from(key).expect("keys are made of ASCII letters, digits and '-'"),
@@ -152,7 +201,11 @@ impl Plan {
     /// Whether `answer` is what the scenario must get: `201 Created`, replayed exactly when
     /// the key was completed before (`first` is the request that completes it).
     fn check(&self, answer: &Answer, first: bool) -> Result<(), String> {
-        let want_replay = matches!(self.workload.keys, Keys::Completed { .. }) && !first;
+        let want_replay = match self.workload.keys {
+            Keys::Fresh => false,
+            Keys::Completed { .. } => !first,
+            Keys::Filled { .. } => true,
+        };
         if answer.status != StatusCode::CREATED {
             return Err(format!(
                 "status {}: {}",
@@ -174,7 +227,6 @@ impl Plan {
 /// Runs the preparation the workload needs before its measurement: completing the keys that
 /// [`Keys::Completed`] retries.
 pub(crate) async fn prepare(
-    addr: SocketAddr,
     plan: &Arc<Plan>,
     connections: usize,
     deadline: Duration,
@@ -186,7 +238,7 @@ pub(crate) async fn prepare(
     for connection in 0..connections {
         let plan = Arc::clone(plan);
         tasks.spawn(async move {
-            let mut sender = connect(addr).await?;
+            let mut sender = connect(plan.addr(connection)).await?;
             for seq in 0..per_connection as u64 {
                 let answer = exchange(&mut sender, plan.request(connection, seq)).await?;
                 plan.check(&answer, true)
@@ -205,19 +257,31 @@ pub(crate) async fn prepare(
     .map_err(|_| format!("completing the keys to replay took over {deadline:?}"))?
 }
 
-/// Drives `connections` closed-loop connections to `addr` through `window`.
+/// Drives `connections` closed-loop connections to the plan's servers through `window`, or
+/// until `stop` turns true (then requests already sent are still answered and counted).
+/// `traced` keeps every request's time in the tally ([`Tally::within`]).
 pub(crate) async fn run(
-    addr: SocketAddr,
     plan: &Arc<Plan>,
     connections: usize,
     window: Window,
+    stop: Option<watch::Receiver<bool>>,
+    traced: bool,
 ) -> Result<Tally, BoxError> {
     let mut tasks = tokio::task::JoinSet::new();
     for connection in 0..connections {
         let plan = Arc::clone(plan);
-        tasks.spawn(drive(addr, plan, connection, window));
+        let tally = if traced {
+            Tally::traced()
+        } else {
+            Tally::new()
+        };
+        tasks.spawn(drive(plan, connection, window, stop.clone(), tally));
     }
-    let mut total = Tally::new();
+    let mut total = if traced {
+        Tally::traced()
+    } else {
+        Tally::new()
+    };
     while let Some(tally) = tasks.join_next().await {
         total.merge(tally?);
     }
@@ -225,11 +289,18 @@ pub(crate) async fn run(
 }
 
 /// One connection's loop.
-async fn drive(addr: SocketAddr, plan: Arc<Plan>, connection: usize, window: Window) -> Tally {
-    let mut tally = Tally::new();
+async fn drive(
+    plan: Arc<Plan>,
+    connection: usize,
+    window: Window,
+    stop: Option<watch::Receiver<bool>>,
+    mut tally: Tally,
+) -> Tally {
+    let addr = plan.addr(connection);
+    let stopped = || stop.as_ref().is_some_and(|stop| *stop.borrow());
     let mut sender = None;
     let mut seq = 0_u64;
-    while Instant::now() < window.end {
+    while Instant::now() < window.end && !stopped() {
         let sent = Instant::now();
         let live = match sender.as_mut() {
             Some(live) => live,
@@ -263,13 +334,13 @@ async fn drive(addr: SocketAddr, plan: Arc<Plan>, connection: usize, window: Win
 }
 
 /// What the client keeps of a response.
-struct Answer {
-    status: StatusCode,
-    replayed: bool,
-    body: Bytes,
+pub(crate) struct Answer {
+    pub(crate) status: StatusCode,
+    pub(crate) replayed: bool,
+    pub(crate) body: Bytes,
 }
 
-async fn connect(addr: SocketAddr) -> Result<SendRequest<Full<Bytes>>, BoxError> {
+pub(crate) async fn connect(addr: SocketAddr) -> Result<SendRequest<Full<Bytes>>, BoxError> {
     let stream = TcpStream::connect(addr).await?;
     stream.set_nodelay(true)?;
     let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
@@ -281,7 +352,7 @@ async fn connect(addr: SocketAddr) -> Result<SendRequest<Full<Bytes>>, BoxError>
     Ok(sender)
 }
 
-async fn exchange(
+pub(crate) async fn exchange(
     sender: &mut SendRequest<Full<Bytes>>,
     request: Request<Full<Bytes>>,
 ) -> Result<Answer, hyper::Error> {
@@ -298,6 +369,14 @@ async fn exchange(
         replayed,
         body,
     })
+}
+
+/// A 64-bit mix (SplitMix64's finaliser): well-spread record numbers from counters.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 #[cfg(test)]
@@ -321,7 +400,8 @@ mod tests {
                 keys: Keys::Fresh,
                 body: BodySize::Small,
             },
-            addr,
+            &[addr],
+            0,
         );
         assert_ne!(key(&fresh, 0, 0), key(&fresh, 0, 1));
         assert_ne!(key(&fresh, 0, 0), key(&fresh, 1, 0));
@@ -330,7 +410,8 @@ mod tests {
                 keys: Keys::Completed { per_connection: 3 },
                 body: BodySize::Small,
             },
-            addr,
+            &[addr],
+            0,
         );
         assert_eq!(key(&replay, 2, 1), key(&replay, 2, 4));
         assert_ne!(key(&replay, 2, 1), key(&replay, 3, 1));
@@ -339,12 +420,63 @@ mod tests {
                 keys: Keys::Fresh,
                 body: BodySize::Small,
             },
-            addr,
+            &[addr],
+            0,
         );
         assert_ne!(
             key(&fresh, 0, 0),
             key(&again, 0, 0),
             "plans never share keys"
         );
+    }
+
+    #[test]
+    fn filled_keys_are_records_of_their_account() {
+        let addrs: [SocketAddr; 2] = [
+            "127.0.0.1:1".parse().unwrap(),
+            "127.0.0.1:2".parse().unwrap(),
+        ];
+        let header = |request: &Request<Full<Bytes>>, name: &str| {
+            request.headers()[name].to_str().unwrap().to_owned()
+        };
+        let random = Plan::new(
+            Workload {
+                keys: Keys::Filled { working_set: None },
+                body: BodySize::Small,
+            },
+            &addrs,
+            1_000,
+        );
+        let mut seen = std::collections::HashSet::new();
+        for seq in 0..200 {
+            let request = random.request(3, seq);
+            let key = header(&request, "idempotency-key");
+            let n: u64 = key
+                .strip_prefix(FILLED_KEY_PREFIX)
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(n < 1_000);
+            assert_eq!(
+                header(&request, "authorization"),
+                format!("Bearer {}", account(n % ACCOUNTS as u64))
+            );
+            assert_eq!(header(&request, "host"), "127.0.0.1:2");
+            seen.insert(n);
+        }
+        assert!(seen.len() > 150, "random records: {}", seen.len());
+        let cycling = Plan::new(
+            Workload {
+                keys: Keys::Filled {
+                    working_set: Some(4),
+                },
+                body: BodySize::Small,
+            },
+            &addrs,
+            1_000_000,
+        );
+        let key = |s| header(&cycling.request(0, s), "idempotency-key");
+        assert_eq!(key(1), key(5));
+        assert_ne!(key(1), key(2));
     }
 }

@@ -62,6 +62,27 @@ fn thread_cpu_time(task: &Path) -> io::Result<Duration> {
     }
 }
 
+/// Reads completed and bytes read by the machine's disks so far (`/proc/diskstats`, whole
+/// devices: `/sys/block` entries other than loop, RAM and zram devices).
+pub(crate) fn disk_reads() -> Option<(u64, u64)> {
+    let stats = fs::read_to_string("/proc/diskstats").ok()?;
+    let mut total = (0, 0);
+    for line in stats.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let Some(name) = fields.get(2) else { continue };
+        let whole = Path::new("/sys/block").join(name).exists();
+        if !whole || ["loop", "ram", "zram"].iter().any(|p| name.starts_with(p)) {
+            continue;
+        }
+        // Fields 4 and 6 (1-based): reads completed, sectors read (512 bytes).
+        let reads: u64 = fields.get(3)?.parse().ok()?;
+        let sectors: u64 = fields.get(5)?.parse().ok()?;
+        total.0 += reads;
+        total.1 += sectors * 512;
+    }
+    Some(total)
+}
+
 /// Whether `pid` is a local PostgreSQL process (its backends are named `postgres`).
 pub(crate) fn is_postgres(pid: u32) -> bool {
     fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|comm| comm.trim() == "postgres")
@@ -127,5 +148,6 @@ mod tests {
         assert!(exists(pid));
         assert!(!is_postgres(pid));
         assert!(Machine::detect().cores >= 1);
+        let _ = disk_reads();
     }
 }

@@ -6,6 +6,7 @@ use std::{fmt::Write as _, time::Duration};
 use serde_json::{Value, json};
 
 use crate::{
+    reaper::ReaperReport,
     scenario::{Scenario, Target},
     stats::Tally,
 };
@@ -20,9 +21,23 @@ pub(crate) struct Sample {
     pub(crate) connections: usize,
     pub(crate) window: Duration,
     pub(crate) tally: Tally,
-    /// The server process's peak RSS (HTTP scenarios).
+    /// The server process's peak RSS (HTTP scenarios; the sum over the instances).
     pub(crate) peak_rss: Option<u64>,
     pub(crate) cpu: Cpu,
+    /// What the scale scenarios report beside the table: database preparation, the reaper,
+    /// locks, WAL, the duplicate burst. One sentence each.
+    pub(crate) details: Vec<String>,
+    /// Correctness failures (a key executed twice, a reaper that failed): the scenario fails,
+    /// loudly.
+    pub(crate) failures: Vec<String>,
+    /// The expiry loop's statistics when the backlog was drained (reaping scenarios).
+    pub(crate) reaper: Option<ReaperReport>,
+    /// WAL written during the window (while reaping, for reaping scenarios): the run
+    /// database's own when `pg_walinspect` tells it, else the whole server's.
+    pub(crate) wal_bytes: Option<u64>,
+    /// Reaping scenarios: the load over at least `--duration-secs` from the reaper's start
+    /// (seconds, p99 in µs), beside the table's figures which are those while it ran.
+    pub(crate) fixed_view: Option<(f64, f64)>,
 }
 
 /// CPU time used during the window, by who.
@@ -37,6 +52,28 @@ pub(crate) struct Cpu {
 }
 
 impl Sample {
+    pub(crate) fn new(
+        round: usize,
+        connections: usize,
+        window: Duration,
+        tally: Tally,
+        cpu: Cpu,
+    ) -> Self {
+        Self {
+            round,
+            connections,
+            window,
+            tally,
+            peak_rss: None,
+            cpu,
+            details: Vec::new(),
+            failures: Vec::new(),
+            reaper: None,
+            wal_bytes: None,
+            fixed_view: None,
+        }
+    }
+
     fn rps(&self) -> f64 {
         self.tally.ok as f64 / self.window.as_secs_f64()
     }
@@ -49,7 +86,7 @@ impl Sample {
         self.quantile(0.5)
     }
 
-    fn p99(&self) -> Option<f64> {
+    pub(crate) fn p99(&self) -> Option<f64> {
         self.quantile(0.99)
     }
 
@@ -101,6 +138,10 @@ impl Sample {
                 "postgres": micros(self.cpu.postgres),
                 "client": micros(self.cpu.client),
             },
+            "details": self.details,
+            "failures": self.failures,
+            "reaper": self.reaper,
+            "wal_bytes": self.wal_bytes,
         })
     }
 }
@@ -111,6 +152,8 @@ pub(crate) struct Results {
     pub(crate) scenarios: Vec<(&'static Scenario, Vec<Sample>)>,
     /// Cores of the machine, for how busy it was.
     pub(crate) cores: usize,
+    /// What preparing the databases took (the full store's fill), for the scale section.
+    pub(crate) notes: Vec<String>,
 }
 
 /// A scenario's medians, and its ratios to its baseline.
@@ -127,6 +170,7 @@ struct Summary {
     ok: u64,
     errors: u64,
     first_error: Option<String>,
+    failures: usize,
 }
 
 impl Results {
@@ -161,6 +205,7 @@ impl Results {
             ok: samples.iter().map(|s| s.tally.ok).sum(),
             errors: samples.iter().map(|s| s.tally.errors).sum(),
             first_error: samples.iter().find_map(|s| s.tally.first_error.clone()),
+            failures: samples.iter().map(|s| s.failures.len()).sum(),
         }
     }
 
@@ -205,6 +250,120 @@ impl Results {
                     s.ok + s.errors
                 );
             }
+        }
+        out
+    }
+
+    /// The correctness failures, one line each with its round; empty when there were none.
+    pub(crate) fn failures(&self) -> String {
+        let mut out = String::new();
+        for (scenario, samples) in &self.scenarios {
+            for sample in samples {
+                for failure in &sample.failures {
+                    let _ = writeln!(
+                        out,
+                        "- `{}`, round {}: {failure}",
+                        scenario.name,
+                        sample.round + 1
+                    );
+                }
+            }
+        }
+        out
+    }
+
+    /// The scale scenarios' details, round by round, and the two ways of expiry side by
+    /// side; empty when no scale scenario ran.
+    pub(crate) fn scale_section(&self) -> String {
+        let mut out = String::new();
+        let with_details: Vec<_> = self
+            .scenarios
+            .iter()
+            .filter(|(_, samples)| samples.iter().any(|s| !s.details.is_empty()))
+            .collect();
+        if self.notes.is_empty() && with_details.is_empty() {
+            return out;
+        }
+        out.push_str("\n### Scale scenarios\n\n");
+        for note in &self.notes {
+            let _ = writeln!(out, "- {note}");
+        }
+        for (scenario, samples) in with_details {
+            let _ = writeln!(out, "\n`{}`:\n", scenario.name);
+            for sample in samples {
+                for detail in &sample.details {
+                    let _ = writeln!(out, "- round {}: {detail}", sample.round + 1);
+                }
+            }
+        }
+        out.push_str(&self.expiry_table());
+        out
+    }
+
+    /// Expiring the backlog both ways (each reaping scenario against its idle baseline),
+    /// medians over rounds.
+    fn expiry_table(&self) -> String {
+        let reaping: Vec<_> = self
+            .scenarios
+            .iter()
+            .filter(|(_, samples)| samples.iter().any(|s| s.reaper.is_some()))
+            .collect();
+        if reaping.is_empty() {
+            return String::new();
+        }
+        let mut out = String::from(
+            "\nExpiring the backlog, each way (medians over rounds). WAL is the run database's \
+             own (`pg_walinspect`) when available. Live traffic is measured while the reaper \
+             runs, and over at least `--duration-secs` from its start, each against the same \
+             traffic with the backlog present and no reaper:\n\n\
+             | way | records | drained in | records/s | calls | longest call | WAL while reaping | WAL/s, no reaper | live req/s while reaping | live p99 while reaping | live p99, whole window |\n\
+             |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
+        );
+        for (scenario, samples) in reaping {
+            let s = self.summarize(scenario, samples);
+            let baseline = scenario.baseline.and_then(|name| self.samples(name));
+            let reaper = |f: fn(&ReaperReport) -> Option<f64>| {
+                median(samples.iter().filter_map(|s| s.reaper.as_ref().and_then(f)))
+            };
+            let wal = median(samples.iter().filter_map(|s| s.wal_bytes.map(|b| b as f64)));
+            let idle_wal_rate =
+                baseline.and_then(|b| {
+                    median(b.iter().filter_map(|s| {
+                        Some(s.wal_bytes? as f64 / s.window.as_secs_f64().max(1e-9))
+                    }))
+                });
+            let view_p99 = median(samples.iter().filter_map(|s| s.fixed_view.map(|v| v.1)));
+            let view_ratio = baseline.and_then(|baseline| {
+                median(samples.iter().filter_map(|sample| {
+                    let base = baseline.iter().find(|b| b.round == sample.round)?;
+                    let base = base.p99()?;
+                    (base > 0.0).then_some(sample.fixed_view?.1 / base)
+                }))
+            });
+            let view_secs = median(samples.iter().filter_map(|s| s.fixed_view.map(|v| v.0)));
+            let _ = writeln!(
+                out,
+                "| `{}` | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                scenario.name,
+                reaper(|r| Some(r.rows as f64)).map_or("—".to_owned(), format_rate),
+                reaper(|r| r.drained_after_us.map(|us| us as f64))
+                    .map_or("—".to_owned(), format_micros),
+                reaper(ReaperReport::rows_per_sec).map_or("—".to_owned(), format_rate),
+                reaper(|r| Some(r.calls as f64)).map_or("—".to_owned(), format_rate),
+                reaper(|r| Some(r.call_max_us as f64)).map_or("—".to_owned(), format_micros),
+                wal.map_or("—".to_owned(), format_bytes),
+                idle_wal_rate.map_or("—".to_owned(), |r| format!("{}/s", format_bytes(r))),
+                with_ratio(s.rps.map(format_rate), s.rps_ratio),
+                with_ratio(s.p99.map(format_micros), s.p99_ratio),
+                with_ratio(
+                    view_p99.map(|p99| format!(
+                        "{} over {:.0} s",
+                        format_micros(p99),
+                        view_secs.unwrap_or(0.0)
+                    )),
+                    view_ratio
+                ),
+            );
         }
         out
     }
@@ -280,6 +439,9 @@ fn verdict(targets: &[Target], s: &Summary) -> String {
     if targets.is_empty() {
         return "—".to_owned();
     }
+    if s.failures > 0 {
+        return format!("**FAIL** ({} failures, listed below)", s.failures);
+    }
     let requests = s.ok + s.errors;
     if requests == 0 {
         return "n/a".to_owned();
@@ -292,6 +454,8 @@ fn verdict(targets: &[Target], s: &Summary) -> String {
             Target::Throughput(min) => s.rps_ratio.map(|r| r >= min),
             Target::P99(max) => s.p99_ratio.map(|r| r <= max),
             Target::PeakRss(max) => s.rss.map(|rss| rss <= max as f64),
+            // Failures were checked above.
+            Target::ExactlyOnce => Some(true),
         };
         match holds {
             Some(true) => {}
@@ -337,7 +501,7 @@ fn with_ratio(value: Option<String>, ratio: Option<f64>) -> String {
 }
 
 /// `12,345`.
-fn format_rate(rate: f64) -> String {
+pub(crate) fn format_rate(rate: f64) -> String {
     let digits = format!("{:.0}", rate.max(0.0));
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, digit) in digits.chars().enumerate() {
@@ -402,6 +566,7 @@ mod tests {
             ok: 1000,
             errors,
             first_error: None,
+            failures: 0,
         }
     }
 
@@ -423,5 +588,12 @@ mod tests {
             "PASS"
         );
         assert_eq!(verdict(&[], &summary(1.0, 1.0, 0.0, 0)), "—");
+        let once = [Target::ExactlyOnce];
+        assert_eq!(verdict(&once, &summary(1.0, 1.0, 0.0, 0)), "PASS");
+        let twice = Summary {
+            failures: 2,
+            ..summary(1.0, 1.0, 0.0, 0)
+        };
+        assert!(verdict(&once, &twice).starts_with("**FAIL**"));
     }
 }

@@ -7,22 +7,28 @@
 //! * the parent keeps the child's stdin open; the child exits as soon as it reads end-of-file
 //!   there. So a child never outlives the benchmark, however the benchmark ends (even killed
 //!   with `SIGKILL`, when its end of the pipe is closed by the kernel);
+//! * a child started with `--reaper-batch` starts its expiry loop when it reads a `reap` line,
+//!   and reports on stdout (`drained <json>`, and `reaper <json>` as it exits; see
+//!   [`reaper`]);
 //! * besides, [`ServerProcess`] kills the child when dropped (an error, a panic, Ctrl-C).
 
 use std::{
     net::{Ipv4Addr, SocketAddr},
     process::Stdio,
     str::FromStr,
+    sync::Arc,
     time::Duration,
 };
 
 use axum::serve::ListenerExt;
 use sqlx::postgres::PgConnectOptions;
 use tokio::{
-    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+    io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
     net::TcpListener,
-    process::{Child, ChildStdin, ChildStdout, Command},
+    process::{Child, ChildStdin, Command},
+    sync::{Notify, mpsc},
 };
+use tower_idempotency::store::continuously_delete_expired;
 
 use crate::{
     BoxError,
@@ -30,6 +36,7 @@ use crate::{
     cli::ServeArgs,
     db::{self, BenchDb},
     procfs,
+    reaper::{self, ReaperStats, TimedReaper},
 };
 
 const READY: &str = "listening";
@@ -40,16 +47,30 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a server may take to exit once told to.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The command that starts a child's expiry loop.
+pub(crate) const REAP: &str = "reap";
+
 /// The child side: `idempotency-bench serve`.
 pub(crate) async fn serve(args: ServeArgs) -> Result<(), BoxError> {
-    // Exit when the parent closes our stdin, or dies.
-    tokio::spawn(async {
-        let mut stdin = tokio::io::stdin();
-        let mut buffer = [0_u8; 64];
-        loop {
-            match stdin.read(&mut buffer).await {
-                Ok(0) | Err(_) => std::process::exit(0),
-                Ok(_) => {}
+    let reap = Arc::new(Notify::new());
+    let stats = args.reaper_batch.map(ReaperStats::new);
+    // Exit when the parent closes our stdin, or dies; start the expiry loop when told to.
+    tokio::spawn({
+        let reap = Arc::clone(&reap);
+        let stats = stats.clone();
+        async move {
+            let mut lines = BufReader::new(tokio::io::stdin()).lines();
+            loop {
+                match lines.next_line().await {
+                    Ok(Some(line)) if line.trim() == REAP => reap.notify_one(),
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(_) => {
+                        if let Some(stats) = &stats {
+                            ReaperStats::print(reaper::FINAL, &stats.report());
+                        }
+                        std::process::exit(0)
+                    }
+                }
             }
         }
     });
@@ -67,6 +88,20 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<(), BoxError> {
     } else {
         None
     };
+    if let (Some(stats), Some(store)) = (stats, pool.as_ref().and_then(|pool| args.app.store(pool)))
+    {
+        let period = Duration::from_millis(args.reaper_period_ms.max(1));
+        tokio::spawn(async move {
+            reap.notified().await;
+            stats.start();
+            let batch = args.reaper_batch.unwrap_or(1_000);
+            let store = TimedReaper {
+                inner: store,
+                stats,
+            };
+            continuously_delete_expired(store, period, batch).await;
+        });
+    }
     let router = app::router(args.app, pool);
 
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
@@ -93,13 +128,27 @@ pub(crate) struct ServerProcess {
     addr: SocketAddr,
     /// Held open for the child's lifetime: closing it tells the child to exit.
     stdin: Option<ChildStdin>,
-    /// Held so the child never writes into a closed pipe.
-    _stdout: BufReader<ChildStdout>,
+    /// What the child prints after `listening`, line by line, until it exits. The task
+    /// reading it keeps the pipe open, so the child never writes into a closed pipe.
+    lines: mpsc::UnboundedReceiver<String>,
+}
+
+/// Options of a server process beyond its app.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ServeOptions {
+    /// Arms the expiry loop with this batch size (started by [`ServerProcess::command`]
+    /// with [`REAP`]).
+    pub(crate) reaper_batch: Option<u32>,
 }
 
 impl ServerProcess {
     /// Starts `app` (on `db` if it uses the database) and waits until it listens.
-    pub(crate) async fn start(app: App, db: &BenchDb, pool_size: usize) -> Result<Self, BoxError> {
+    pub(crate) async fn start(
+        app: App,
+        db: &BenchDb,
+        pool_size: usize,
+        options: ServeOptions,
+    ) -> Result<Self, BoxError> {
         let mut command = Command::new(std::env::current_exe()?);
         command
             .args(["serve", "--app", app.as_arg(), "--pool-size"])
@@ -108,6 +157,9 @@ impl ServerProcess {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true);
+        if let Some(batch) = options.reaper_batch {
+            command.arg("--reaper-batch").arg(batch.to_string());
+        }
         if app.uses_database() {
             command
                 .args(["--database", db.name()])
@@ -141,13 +193,47 @@ impl ServerProcess {
                 .into());
             }
         };
+        let (sender, lines) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut stdout = stdout.lines();
+            while let Ok(Some(line)) = stdout.next_line().await {
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
         Ok(Self {
             child,
             pid,
             addr,
             stdin,
-            _stdout: stdout,
+            lines,
         })
+    }
+
+    /// Writes `line` on the child's stdin.
+    pub(crate) async fn command(&mut self, line: &str) -> Result<(), BoxError> {
+        let stdin = self.stdin.as_mut().ok_or("the server is stopping")?;
+        stdin.write_all(format!("{line}\n").as_bytes()).await?;
+        stdin.flush().await?;
+        Ok(())
+    }
+
+    /// The next line the child prints that starts with `prefix` (the rest of it), waiting
+    /// until `deadline`; `None` at the deadline or if the child is gone.
+    pub(crate) async fn line_starting(
+        &mut self,
+        prefix: &str,
+        deadline: tokio::time::Instant,
+    ) -> Option<String> {
+        loop {
+            let line = tokio::time::timeout_at(deadline, self.lines.recv())
+                .await
+                .ok()??;
+            if let Some(rest) = line.strip_prefix(prefix) {
+                return Some(rest.trim().to_owned());
+            }
+        }
     }
 
     /// The address it listens on.
@@ -165,8 +251,9 @@ impl ServerProcess {
         procfs::peak_rss(self.pid)
     }
 
-    /// Tells it to exit, and kills it if it has not within a few seconds.
-    pub(crate) async fn stop(mut self) -> Result<(), BoxError> {
+    /// Tells it to exit, and kills it if it has not within a few seconds; returns what it
+    /// printed since the last line read.
+    pub(crate) async fn stop(mut self) -> Result<Vec<String>, BoxError> {
         drop(self.stdin.take());
         match tokio::time::timeout(STOP_TIMEOUT, self.child.wait()).await {
             Ok(status) => {
@@ -176,6 +263,11 @@ impl ServerProcess {
                 self.child.kill().await?;
             }
         }
-        Ok(())
+        let mut printed = Vec::new();
+        let deadline = tokio::time::Instant::now() + STOP_TIMEOUT;
+        while let Ok(Some(line)) = tokio::time::timeout_at(deadline, self.lines.recv()).await {
+            printed.push(line);
+        }
+        Ok(printed)
     }
 }

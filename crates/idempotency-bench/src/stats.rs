@@ -44,6 +44,9 @@ pub(crate) struct Tally {
     pub(crate) latency: Histogram<u64>,
     /// The first failure seen, for the report.
     pub(crate) first_error: Option<String>,
+    /// Every successful request, when traced: when it was sent (µs after the window opened)
+    /// and how long it took (µs), so that parts of the window can be looked at apart.
+    trace: Option<Vec<(u32, u32)>>,
 }
 
 impl Tally {
@@ -54,7 +57,33 @@ impl Tally {
             latency: Histogram::new_with_bounds(1, HIGHEST_MICROS, 3)
                 .expect("constant histogram bounds are valid"),
             first_error: None,
+            trace: None,
         }
+    }
+
+    /// A tally that also keeps every request's time, for [`within`](Self::within).
+    pub(crate) fn traced() -> Self {
+        Self {
+            trace: Some(Vec::new()),
+            ..Self::new()
+        }
+    }
+
+    /// The successful requests of a traced tally sent at least `from` after the window opened
+    /// and done by `to` (errors are not traced: all of them are kept).
+    pub(crate) fn within(&self, from: Duration, to: Duration) -> Self {
+        let mut part = Self::new();
+        part.errors = self.errors;
+        part.first_error.clone_from(&self.first_error);
+        let (from, to) = (from.as_micros(), to.as_micros());
+        for &(sent, took) in self.trace.as_deref().unwrap_or_default() {
+            let (sent, took) = (u128::from(sent), u128::from(took));
+            if sent >= from && sent + took <= to {
+                part.ok += 1;
+                part.latency.saturating_record(took as u64);
+            }
+        }
+        part
     }
 
     /// Records a request sent at `sent` that ended now with `outcome`, if it lies in `window`.
@@ -68,6 +97,13 @@ impl Tally {
                 self.ok += 1;
                 let micros = u64::try_from((done - sent).as_micros()).unwrap_or(u64::MAX);
                 self.latency.saturating_record(micros.max(1));
+                if let Some(trace) = &mut self.trace {
+                    let offset = (sent - window.start).as_micros();
+                    trace.push((
+                        u32::try_from(offset).unwrap_or(u32::MAX),
+                        u32::try_from(micros.max(1)).unwrap_or(u32::MAX),
+                    ));
+                }
             }
             Err(error) => self.error(error),
         }
@@ -88,5 +124,40 @@ impl Tally {
         if self.first_error.is_none() {
             self.first_error = other.first_error;
         }
+        if let (Some(trace), Some(other)) = (&mut self.trace, other.trace) {
+            trace.extend(other);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traced_tallies_split_by_time() {
+        let now = Instant::now();
+        let window = Window {
+            start: now - Duration::from_secs(5),
+            end: now + Duration::from_secs(5),
+        };
+        let mut tally = Tally::traced();
+        // Sent 0.1 s into the window, 4.9 s long; sent 4.99 s in, 10 ms long.
+        tally.record(&window, now - Duration::from_millis(4_900), Ok(()));
+        tally.record(&window, now - Duration::from_millis(10), Ok(()));
+        tally.error("one failure".to_owned());
+        assert_eq!(tally.ok, 2);
+        let secs = Duration::from_secs;
+        assert_eq!(tally.within(Duration::ZERO, secs(6)).ok, 2);
+        let late = tally.within(secs(1), secs(6));
+        assert_eq!(late.ok, 1, "the first was sent before 1 s");
+        assert_eq!(late.errors, 1);
+        assert!(late.latency.max() < 1_000_000);
+        assert_eq!(
+            tally.within(Duration::ZERO, secs(4)).ok,
+            0,
+            "none done by 4 s"
+        );
+        assert_eq!(Tally::new().within(Duration::ZERO, secs(60)).ok, 0);
     }
 }

@@ -297,6 +297,41 @@ mod postgres_only {
                 .expect("count");
         assert_eq!(left, 10, "live records stay");
     }
+
+    /// A drain's batches go oldest first, each from where the last stopped; a record skipped
+    /// because a transaction held it is not forgotten: the next drain starts from the oldest
+    /// record again. (Without prepared statements, as behind an old PgBouncer.)
+    #[tokio::test]
+    async fn an_expiry_drain_resumes_where_it_stopped_and_skipped_records_are_not_lost() {
+        let (db, store) = migrated().await;
+        let store = store.without_prepared_statements();
+        db.pool()
+            .execute(
+                "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, status, header_names, header_values, body)
+                 SELECT sha256(i::text::bytea), sha256('f'), i, now() - interval '1 hour' + i * interval '1 second', 200, '{}'::text[], '{}'::bytea[], 'x'::bytea
+                 FROM generate_series(1, 2500) i",
+            )
+            .await
+            .expect("seed");
+        // Another transaction holds the oldest record (a claim taking it over, say).
+        let mut holder = db.pool().begin().await.expect("begin");
+        sqlx::query("SELECT 1 FROM idempotency.records WHERE token = 1 FOR UPDATE")
+            .execute(&mut *holder)
+            .await
+            .expect("lock the oldest");
+        for expected in [1000, 1000, 499] {
+            assert_eq!(store.delete_expired(1000).await.expect("batch"), expected);
+        }
+        let newest_left: i64 = sqlx::query_scalar("SELECT max(token) FROM idempotency.records")
+            .fetch_one(db.pool())
+            .await
+            .expect("left");
+        assert_eq!(newest_left, 1, "oldest first: only the held record is left");
+        holder.rollback().await.expect("rollback");
+        // The short batch ended the drain; the next starts from the oldest again.
+        assert_eq!(store.delete_expired(1000).await.expect("batch"), 1);
+        assert_eq!(store.delete_expired(1000).await.expect("batch"), 0);
+    }
 }
 
 /// Forgetting `migrate()` is a 503 and an error that says what to do, not a mystery.

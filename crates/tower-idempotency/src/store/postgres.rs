@@ -1,7 +1,10 @@
 use std::{
     fmt,
     future::Future,
-    sync::{Arc, LazyLock},
+    sync::{
+        Arc, LazyLock,
+        atomic::{AtomicI64, Ordering},
+    },
     time::Duration,
 };
 
@@ -53,6 +56,11 @@ pub struct PostgresStore {
     transactional: bool,
     prepared: bool,
     partitions: Option<Partitioning>,
+    /// Where the current expiry drain stands: every record expiring before it was deleted or
+    /// skipped as locked by this store's earlier batches (microseconds since the Unix epoch;
+    /// 0 when no drain is under way). Reset by a short batch, so the next drain starts from
+    /// the oldest record again and picks up what was skipped.
+    expiry_cursor: Arc<AtomicI64>,
 }
 
 /// Partitioned mode's settings.
@@ -206,14 +214,26 @@ const FENCED_PARTITIONED: Fenced = fenced_statements!("partitioned_records");
 const BEGIN_PARTITIONED: &str = "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $5)";
 
 /// Bounded and non-blocking: rows another transaction has locked are skipped, not waited for.
+/// One batch of expiry: the oldest expired records from `$2` (microseconds since the Unix
+/// epoch) on. The lower bound lets a drain's batches start where the previous one stopped
+/// instead of walking, every time, the index entries of the rows already deleted (they stay in
+/// the index until vacuum). Returns the count and the newest `expires_at` deleted.
 const DELETE_EXPIRED: &str = r#"
-DELETE FROM idempotency.records
-WHERE scope_key IN (
-    SELECT scope_key FROM idempotency.records
-    WHERE expires_at <= now()
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
+WITH gone AS (
+    DELETE FROM idempotency.records
+    WHERE scope_key IN (
+        SELECT scope_key FROM idempotency.records
+        WHERE expires_at >= timestamptz 'epoch' + $2::int8 * interval '1 microsecond'
+          AND expires_at <= now()
+        ORDER BY expires_at
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING expires_at
 )
+SELECT count(*)::int8 AS deleted,
+       (extract(epoch FROM max(expires_at)) * 1000000)::int8 AS newest
+FROM gone
 "#;
 
 /// How many times `begin` runs its statement when a racing commit hides the conflicting row.
@@ -228,6 +248,7 @@ impl PostgresStore {
             transactional: false,
             prepared: true,
             partitions: None,
+            expiry_cursor: Arc::default(),
         }
     }
 
@@ -925,15 +946,27 @@ impl ExpiredDeletion for PostgresStore {
         if self.partitions.is_some() {
             return Ok(self.maintain_partitions().await?.rows_dropped);
         }
-        let done = self
+        let from = self.expiry_cursor.load(Ordering::Relaxed);
+        let row = self
             .timed(
                 "delete_expired",
                 Statement::new(DELETE_EXPIRED)
                     .with(Param::Int(i64::from(batch)))
-                    .execute(self.prepared, &self.pool),
+                    .with(Param::Int(from))
+                    .fetch_optional(self.prepared, &self.pool),
             )
-            .await?;
-        Ok(done.rows_affected())
+            .await?
+            .ok_or_else(|| PostgresStoreError::Corrupt("expiry returned no row".to_owned()))?;
+        let deleted = u64::try_from(row.try_get::<i64, _>("deleted")?).unwrap_or(0);
+        let newest: Option<i64> = row.try_get("newest")?;
+        // A full batch: the next one starts from the newest record deleted. A short one ends
+        // the drain, and the next starts from the beginning.
+        let next = match newest {
+            Some(newest) if deleted >= u64::from(batch) => newest,
+            _ => 0,
+        };
+        self.expiry_cursor.store(next, Ordering::Relaxed);
+        Ok(deleted)
     }
 }
 

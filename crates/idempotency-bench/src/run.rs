@@ -202,6 +202,10 @@ impl Databases {
             eprintln!("{note}");
             self.notes.push(note);
             self.filled.push((kind, rows));
+            if kind == Database::Empty {
+                eprintln!("measuring bytes per record by body size...");
+                self.notes.push(scale::record_sizes(db).await?);
+            }
         }
         Ok(())
     }

@@ -273,6 +273,76 @@ pub(crate) async fn fill_completed(
     })
 }
 
+/// Response body sizes the storage table reports on.
+const PROBE_BODIES: [usize; 5] = [0, 256, 1024, 4096, 16384];
+
+/// Records written per body size by [`record_sizes`].
+const PROBE_ROWS: u64 = 20_000;
+
+/// Bytes on disk per completed record, by response body size, as a markdown table (indented
+/// to sit under a list item): for each size, [`PROBE_ROWS`] records with three response
+/// headers (`content-type`, `request-id`, `location`) and a body of random bytes (nothing for
+/// TOAST to compress: the worst case) go into a scratch copy of `idempotency.records` — same
+/// columns, indexes and fillfactor — which is vacuumed, measured with
+/// `pg_total_relation_size` and dropped.
+pub(crate) async fn record_sizes(db: &BenchDb) -> Result<String, BoxError> {
+    let mut out = String::from(
+        "bytes on disk per completed record by response body size, indexes and TOAST \
+         included (20,000 records each, three response headers, incompressible bodies; a \
+         scratch copy of `idempotency.records`):\n\n  | response body | bytes per record | \
+         per million records |\n  |--:|--:|--:|\n",
+    );
+    for body in PROBE_BODIES {
+        sqlx::raw_sql(
+            "DROP TABLE IF EXISTS idempotency.size_probe;
+             CREATE TABLE idempotency.size_probe (LIKE idempotency.records INCLUDING ALL)
+                 WITH (fillfactor = 80);",
+        )
+        .execute(db.control())
+        .await?;
+        sqlx::query(
+            "INSERT INTO idempotency.size_probe
+                 (scope_key, fingerprint, token, expires_at, lease_until, completed_at, status,
+                  header_names, header_values, body)
+             SELECT sha256(int8send(n)), sha256(int8send(-n)), n,
+                    now() + interval '1 day', NULL, now(), 200,
+                    ARRAY['content-type', 'request-id', 'location'],
+                    ARRAY[convert_to('application/json', 'UTF8'),
+                          convert_to('req_' || substr(md5(n::text), 1, 24), 'UTF8'),
+                          convert_to('/v1/charges/ch_' || substr(md5(n::text), 1, 24), 'UTF8')],
+                    substr((SELECT coalesce(string_agg(decode(md5(n || ':' || i || random()), 'hex'), ''), '')
+                            FROM generate_series(1, ($2::int8 + 15) / 16) AS i), 1, $2::int4)
+             FROM generate_series(1, $1::int8) AS n",
+        )
+        .bind(PROBE_ROWS as i64)
+        .bind(body as i64)
+        .execute(db.control())
+        .await?;
+        sqlx::raw_sql("VACUUM ANALYZE idempotency.size_probe")
+            .execute(db.control())
+            .await?;
+        let total: i64 =
+            sqlx::query_scalar("SELECT pg_total_relation_size('idempotency.size_probe')")
+                .fetch_one(db.control())
+                .await?;
+        let per_record = total as f64 / PROBE_ROWS as f64;
+        let body = match body {
+            0 => "none".to_owned(),
+            1..1024 => format!("{body} B"),
+            _ => format!("{} KiB", body / 1024),
+        };
+        out.push_str(&format!(
+            "  | {body} | {} | {:.2} GB |\n",
+            format_rate(per_record),
+            per_record * 1e6 / 1e9,
+        ));
+    }
+    sqlx::raw_sql("DROP TABLE idempotency.size_probe")
+        .execute(db.control())
+        .await?;
+    Ok(out)
+}
+
 /// Checks that filled records are where the layer will look for them: the scope key and
 /// fingerprint the crate computes for `fill-<n>` find record `n`.
 async fn verify_filled(db: &BenchDb, rows: u64) -> Result<(), BoxError> {

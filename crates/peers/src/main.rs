@@ -5,11 +5,12 @@
 //! cargo run --release -p peers -- [--handler-ms N] [--duration-secs N] [--rounds N] [--connections N]
 //! ```
 //!
-//! The peer is [axum-idempotent](https://crates.io/crates/axum-idempotent) 0.6, the most used
-//! idempotency middleware for Axum on crates.io, configured as its README recommends for
-//! payments: direct-key mode on the `Idempotency-Key` header (required), over ruts' in-memory
-//! session store — the same class of store as tower-idempotency's `MemoryStore`, so neither
-//! side pays for a database. Both wrap the same charge handler, which counts its runs per key.
+//! The peer is [axum-idempotent](https://crates.io/crates/axum-idempotent) 0.6, the
+//! idempotency middleware for Axum on crates.io that comes closest in scope, configured as its
+//! README shows for payments: direct-key mode on the `Idempotency-Key` header (required), over
+//! ruts' in-memory session store — the same class of store as tower-idempotency's
+//! `MemoryStore`, so neither side pays for a database. Both wrap the same charge handler, which
+//! counts its runs per key.
 //!
 //! **Part 1, behaviour.** Each [case](probe::CASES) is played against each server with a key of
 //! its own; the table shows how many times the handler ran and what the client got back. The

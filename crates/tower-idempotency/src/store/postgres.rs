@@ -213,9 +213,9 @@ const FENCED_PARTITIONED: Fenced = fenced_statements!("partitioned_records");
 
 const BEGIN_PARTITIONED: &str = "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $5)";
 
-/// Bounded and non-blocking: rows another transaction has locked are skipped, not waited for.
 /// One batch of expiry: the oldest expired records from `$2` (microseconds since the Unix
-/// epoch) on. The lower bound lets a drain's batches start where the previous one stopped
+/// epoch) on. Bounded and non-blocking: rows another transaction has locked are skipped, not
+/// waited for. The lower bound lets a drain's batches start where the previous one stopped
 /// instead of walking, every time, the index entries of the rows already deleted (they stay in
 /// the index until vacuum). Returns the count and the newest `expires_at` deleted.
 const DELETE_EXPIRED: &str = r#"

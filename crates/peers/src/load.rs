@@ -12,7 +12,7 @@ use reqwest::Client;
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::servers::{CHARGES, LOGIN, SESSION_COOKIE, Server};
+use crate::servers::{CHARGES, LOGIN, Server, session_cookie};
 
 /// What one measurement saw.
 #[derive(Debug)]
@@ -70,14 +70,7 @@ async fn client(
         .send()
         .await?
         .error_for_status()?;
-    let cookie = login
-        .headers()
-        .get_all(reqwest::header::SET_COOKIE)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .filter_map(|value| value.split(';').next())
-        .find(|pair| pair.starts_with(&format!("{SESSION_COOKIE}=")))
-        .map(str::to_owned);
+    let cookie = session_cookie(&login);
     let url = server.url(CHARGES);
     let mut latency = Histogram::<u64>::new(3).expect("a valid histogram");
     let mut errors = 0;

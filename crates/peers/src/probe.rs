@@ -7,7 +7,7 @@ use futures_util::future::join_all;
 use reqwest::{Client, StatusCode};
 use serde_json::json;
 
-use crate::servers::{LOGIN, SESSION_COOKIE, Server};
+use crate::servers::{LOGIN, Server, session_cookie};
 
 /// The cases, in the order they are reported.
 pub(crate) const CASES: [Case; 6] = [
@@ -102,14 +102,7 @@ impl<'a> Caller<'a> {
             .send()
             .await?
             .error_for_status()?;
-        self.cookie = response
-            .headers()
-            .get_all(reqwest::header::SET_COOKIE)
-            .iter()
-            .filter_map(|value| value.to_str().ok())
-            .filter_map(|value| value.split(';').next())
-            .find(|pair| pair.starts_with(&format!("{SESSION_COOKIE}=")))
-            .map(str::to_owned);
+        self.cookie = session_cookie(&response);
         Ok(())
     }
 

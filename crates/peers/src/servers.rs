@@ -36,6 +36,18 @@ pub(crate) const LOGIN: &str = "/login";
 /// The name of the peer's session cookie.
 pub(crate) const SESSION_COOKIE: &str = "session";
 
+/// The `name=value` of the peer's session cookie that `response` sets, if it sets one.
+pub(crate) fn session_cookie(response: &reqwest::Response) -> Option<String> {
+    response
+        .headers()
+        .get_all(reqwest::header::SET_COOKIE)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .filter_map(|value| value.split(';').next())
+        .find(|pair| pair.starts_with(&format!("{SESSION_COOKIE}=")))
+        .map(str::to_owned)
+}
+
 /// Which server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {

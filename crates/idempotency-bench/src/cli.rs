@@ -67,6 +67,12 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value = "16", value_name = "N")]
     pub(crate) pool_size: NonZeroUsize,
 
+    /// Servers' pools skip sqlx's connection check before each checkout
+    /// (`PgPoolOptions::test_before_acquire(false)`, a round trip saved per store call), as the
+    /// README suggests for production; the default keeps sqlx's default (checks on).
+    #[arg(long)]
+    pub(crate) no_pool_checks: bool,
+
     /// Completed records pre-filled (by SQL, once per run) into the full store of the
     /// `full-*` scenarios. Only used when one of them is selected.
     #[arg(long, default_value_t = 10_000_000, value_name = "N")]
@@ -125,6 +131,10 @@ pub(crate) struct ServeArgs {
     /// store and pool; it starts when `reap` is written on stdin.
     #[arg(long)]
     pub(crate) reaper_batch: Option<u32>,
+
+    /// The pool skips sqlx's connection check before each checkout.
+    #[arg(long)]
+    pub(crate) no_pool_checks: bool,
 
     /// The expiry loop's period, in milliseconds.
     #[arg(long, default_value = "10000")]

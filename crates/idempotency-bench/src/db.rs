@@ -126,7 +126,7 @@ impl BenchDb {
 
     /// A new pool of `size` connections, all opened before it is handed out.
     pub(crate) async fn pool(&self, size: u32) -> Result<PgPool, sqlx::Error> {
-        connect_pool(self.options.clone(), size).await
+        connect_pool(self.options.clone(), size, true).await
     }
 
     /// The pids of the backends connected to the database, the benchmark's own excepted.
@@ -216,8 +216,10 @@ impl Drop for BenchDb {
 pub(crate) async fn connect_pool(
     options: PgConnectOptions,
     size: u32,
+    test_before_acquire: bool,
 ) -> Result<PgPool, sqlx::Error> {
     let pool = PgPoolOptions::new()
+        .test_before_acquire(test_before_acquire)
         .max_connections(size)
         .min_connections(size)
         .acquire_timeout(Duration::from_secs(30))

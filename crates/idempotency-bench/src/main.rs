@@ -8,7 +8,7 @@
 //!     [--connections N] [--rounds N] [--scenarios a,b,...] [--database-url URL]
 //!     [--pool-size N] [--json PATH] [--list]
 //!     [--full-store-rows N] [--expired-rows N] [--reaper-batch N] [--instances N]
-//!     [--duplicate-keys N] [--db-setting NAME=VALUE ...]
+//!     [--duplicate-keys N] [--db-setting NAME=VALUE ...] [--no-pool-checks]
 //! ```
 //!
 //! The report (markdown) goes to stdout, progress to stderr: `... > bench.md` keeps the table.

@@ -357,6 +357,7 @@ async fn measure_http(
     for i in 0..instances {
         let options = ServeOptions {
             reaper_batch: (reaping && i == 0).then_some(args.reaper_batch),
+            no_pool_checks: args.no_pool_checks,
         };
         servers.push(ServerProcess::start(http.app, db, args.pool_size.get(), options).await?);
     }

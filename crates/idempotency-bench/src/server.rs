@@ -84,7 +84,7 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<(), BoxError> {
             .ok_or("serve: --database is required for this app")?;
         let options = PgConnectOptions::from_str(&url)?.database(database);
         let size = u32::try_from(args.pool_size.get()).unwrap_or(u32::MAX);
-        Some(db::connect_pool(options, size).await?)
+        Some(db::connect_pool(options, size, !args.no_pool_checks).await?)
     } else {
         None
     };
@@ -139,6 +139,8 @@ pub(crate) struct ServeOptions {
     /// Arms the expiry loop with this batch size (started by [`ServerProcess::command`]
     /// with [`REAP`]).
     pub(crate) reaper_batch: Option<u32>,
+    /// The server's pool skips sqlx's check before each checkout.
+    pub(crate) no_pool_checks: bool,
 }
 
 impl ServerProcess {
@@ -157,6 +159,9 @@ impl ServerProcess {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true);
+        if options.no_pool_checks {
+            command.arg("--no-pool-checks");
+        }
         if let Some(batch) = options.reaper_batch {
             command.arg("--reaper-batch").arg(batch.to_string());
         }

@@ -7,15 +7,17 @@
 use std::{future::Future, time::Duration};
 
 use http::{HeaderValue, Method, StatusCode};
+use sqlx::Executor;
 use tokio::{io::AsyncWriteExt, net::TcpStream, task::JoinSet};
 use tower_idempotency::{
     Disconnect, Fingerprint, FingerprintMode, IdempotencyKey, IdempotencyLayer, Principal,
     RetentionPolicy, ScopeKey, StoreFailure,
-    store::{Begin, ClaimRequest, ClaimStatus, Store},
+    store::{Begin, ClaimRequest, ClaimStatus, PostgresStore, Store},
 };
 
 use crate::{
     app::{Probe, app},
+    db::TestDb,
     server::TestServer,
     store::ObservedStore,
 };
@@ -40,6 +42,75 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Whether a claim in flight is an open transaction (PostgreSQL's transactional mode) rather
     /// than a lease: it then ends with its holder, with no lease to lapse.
     const TRANSACTIONAL: bool = false;
+}
+
+/// A `PostgresStore` on a test database of its own, which the suite runs in both of the
+/// store's modes: as [`InLeaseMode`] and as [`InTransactionalMode`]. Leases and expiry act on
+/// `idempotency.records` unless the fixture keeps its records elsewhere.
+pub trait PostgresFixture: Send + Sync + Sized + 'static {
+    /// A fresh fixture, its store switched to transactional mode when `transactional`.
+    fn start(transactional: bool) -> impl Future<Output = Self> + Send;
+
+    /// The test database (a direct connection, whatever the store goes through).
+    fn db(&self) -> &TestDb;
+
+    /// The store.
+    fn store(&self) -> PostgresStore;
+
+    /// As [`Backend::lapse_leases`].
+    fn lapse_leases(&self) -> impl Future<Output = ()> + Send {
+        async {
+            self.db()
+                .pool()
+                .execute(
+                    "UPDATE idempotency.records SET lease_until = now() - interval '1 second' \
+                     WHERE status IS NULL",
+                )
+                .await
+                .expect("lapse leases");
+        }
+    }
+
+    /// As [`Backend::expire_records`].
+    fn expire_records(&self) -> impl Future<Output = ()> + Send {
+        async {
+            self.db()
+                .pool()
+                .execute("UPDATE idempotency.records SET expires_at = now() - interval '1 second'")
+                .await
+                .expect("expire records");
+        }
+    }
+}
+
+/// A [`PostgresFixture`] as a [`Backend`], its store in transactional mode when `TRANSACTIONAL`.
+pub struct InMode<F, const TRANSACTIONAL: bool>(pub F);
+
+/// The suite against a fixture's store in lease mode.
+pub type InLeaseMode<F> = InMode<F, false>;
+
+/// The suite against a fixture's store in transactional mode.
+pub type InTransactionalMode<F> = InMode<F, true>;
+
+impl<F: PostgresFixture, const TRANSACTIONAL: bool> Backend for InMode<F, TRANSACTIONAL> {
+    type Store = PostgresStore;
+    const TRANSACTIONAL: bool = TRANSACTIONAL;
+
+    async fn start() -> Self {
+        Self(F::start(TRANSACTIONAL).await)
+    }
+
+    fn store(&self) -> PostgresStore {
+        self.0.store()
+    }
+
+    async fn lapse_leases(&self) {
+        self.0.lapse_leases().await;
+    }
+
+    async fn expire_records(&self) {
+        self.0.expire_records().await;
+    }
 }
 
 type Layer<B> = IdempotencyLayer<ObservedStore<<B as Backend>::Store>>;

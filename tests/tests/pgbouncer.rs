@@ -13,9 +13,9 @@
 use idempotency_tests::{
     db::TestDb,
     pgbouncer::{SERVER_POOL_SIZE, pgbouncer},
-    suite::Backend,
+    suite::{InLeaseMode, InTransactionalMode, PostgresFixture},
 };
-use sqlx::{Executor, PgPool, postgres::PgPoolOptions};
+use sqlx::{PgPool, postgres::PgPoolOptions};
 use tower_idempotency::store::PostgresStore;
 
 struct Bounced {
@@ -27,7 +27,8 @@ async fn available() -> bool {
     pgbouncer().await.is_some()
 }
 
-impl Bounced {
+/// The store goes through PgBouncer; the test's own updates (leases, expiry) go direct.
+impl PostgresFixture for Bounced {
     async fn start(transactional: bool) -> Self {
         let bouncer = pgbouncer().await.expect("checked by run_if");
         let db = TestDb::new().await;
@@ -50,78 +51,25 @@ impl Bounced {
         Self { db, store }
     }
 
-    async fn lapse_leases(&self) {
-        self.db
-            .pool()
-            .execute("UPDATE idempotency.records SET lease_until = now() - interval '1 second' WHERE status IS NULL")
-            .await
-            .expect("lapse leases");
+    fn db(&self) -> &TestDb {
+        &self.db
     }
 
-    async fn expire_records(&self) {
-        self.db
-            .pool()
-            .execute("UPDATE idempotency.records SET expires_at = now() - interval '1 second'")
-            .await
-            .expect("expire records");
+    fn store(&self) -> PostgresStore {
+        self.store.clone()
     }
 }
 
 mod lease {
     use super::*;
 
-    struct BouncedLease(Bounced);
-
-    impl Backend for BouncedLease {
-        type Store = PostgresStore;
-
-        async fn start() -> Self {
-            Self(Bounced::start(false).await)
-        }
-
-        fn store(&self) -> PostgresStore {
-            self.0.store.clone()
-        }
-
-        async fn lapse_leases(&self) {
-            self.0.lapse_leases().await;
-        }
-
-        async fn expire_records(&self) {
-            self.0.expire_records().await;
-        }
-    }
-
-    idempotency_tests::store_suite!(BouncedLease, run_if: available());
+    idempotency_tests::store_suite!(InLeaseMode<Bounced>, run_if: available());
 }
 
 mod transactional {
     use super::*;
 
-    struct BouncedTransactional(Bounced);
-
-    impl Backend for BouncedTransactional {
-        type Store = PostgresStore;
-        const TRANSACTIONAL: bool = true;
-
-        async fn start() -> Self {
-            Self(Bounced::start(true).await)
-        }
-
-        fn store(&self) -> PostgresStore {
-            self.0.store.clone()
-        }
-
-        async fn lapse_leases(&self) {
-            self.0.lapse_leases().await;
-        }
-
-        async fn expire_records(&self) {
-            self.0.expire_records().await;
-        }
-    }
-
-    idempotency_tests::store_suite!(BouncedTransactional, run_if: available());
+    idempotency_tests::store_suite!(InTransactionalMode<Bounced>, run_if: available());
 }
 
 /// The negative control: the same traffic with sqlx's (default) cached prepared statements

@@ -1,8 +1,10 @@
 //! The protocol suite against `PostgresStore`, each test in its own database, plus what only
 //! PostgreSQL has: many pools racing, outages, migrations, the reaper.
 
-use idempotency_tests::{db::TestDb, suite::Backend};
-use sqlx::Executor;
+use idempotency_tests::{
+    db::TestDb,
+    suite::{InLeaseMode, PostgresFixture},
+};
 use tower_idempotency::store::PostgresStore;
 
 struct Postgres {
@@ -10,72 +12,35 @@ struct Postgres {
     store: PostgresStore,
 }
 
-impl Backend for Postgres {
-    type Store = PostgresStore;
-
-    async fn start() -> Self {
+impl PostgresFixture for Postgres {
+    async fn start(transactional: bool) -> Self {
         let db = TestDb::new().await;
         let store = PostgresStore::new(db.pool().clone());
         store.migrate().await.expect("migrate");
+        let store = if transactional {
+            store.transactional()
+        } else {
+            store
+        };
         Self { db, store }
+    }
+
+    fn db(&self) -> &TestDb {
+        &self.db
     }
 
     fn store(&self) -> PostgresStore {
         self.store.clone()
     }
-
-    async fn lapse_leases(&self) {
-        self.db
-            .pool()
-            .execute("UPDATE idempotency.records SET lease_until = now() - interval '1 second' WHERE status IS NULL")
-            .await
-            .expect("lapse leases");
-    }
-
-    async fn expire_records(&self) {
-        self.db
-            .pool()
-            .execute("UPDATE idempotency.records SET expires_at = now() - interval '1 second'")
-            .await
-            .expect("expire records");
-    }
 }
 
-idempotency_tests::store_suite!(Postgres);
+idempotency_tests::store_suite!(InLeaseMode<Postgres>);
 
 /// The same suite with the store in transactional mode.
 mod transactional {
-    use idempotency_tests::suite::Backend;
-    use tower_idempotency::store::PostgresStore;
+    use idempotency_tests::suite::InTransactionalMode;
 
-    struct PostgresTransactional(super::Postgres);
-
-    impl Backend for PostgresTransactional {
-        type Store = PostgresStore;
-        const TRANSACTIONAL: bool = true;
-
-        async fn start() -> Self {
-            let inner = super::Postgres::start().await;
-            Self(super::Postgres {
-                store: inner.store.clone().transactional(),
-                db: inner.db,
-            })
-        }
-
-        fn store(&self) -> PostgresStore {
-            self.0.store()
-        }
-
-        async fn lapse_leases(&self) {
-            self.0.lapse_leases().await;
-        }
-
-        async fn expire_records(&self) {
-            self.0.expire_records().await;
-        }
-    }
-
-    idempotency_tests::store_suite!(PostgresTransactional);
+    idempotency_tests::store_suite!(InTransactionalMode<super::Postgres>);
 }
 
 mod postgres_only {
@@ -385,7 +350,10 @@ async fn an_unmigrated_database_says_so() {
 mod partitioned {
     use std::time::Duration;
 
-    use idempotency_tests::{db::TestDb, suite::Backend};
+    use idempotency_tests::{
+        db::TestDb,
+        suite::{InLeaseMode, InTransactionalMode, PostgresFixture},
+    };
     use sqlx::Executor;
     use tower_idempotency::store::{ExpiredDeletion, PostgresStore};
 
@@ -396,7 +364,7 @@ mod partitioned {
         store: PostgresStore,
     }
 
-    impl Partitioned {
+    impl PostgresFixture for Partitioned {
         async fn start(transactional: bool) -> Self {
             let db = TestDb::new().await;
             let store = PostgresStore::new(db.pool().clone()).partitioned(WIDTH);
@@ -410,6 +378,14 @@ mod partitioned {
                 .await
                 .expect("migrate and create partitions");
             Self { db, store }
+        }
+
+        fn db(&self) -> &TestDb {
+            &self.db
+        }
+
+        fn store(&self) -> PostgresStore {
+            self.store.clone()
         }
 
         async fn lapse_leases(&self) {
@@ -439,58 +415,13 @@ mod partitioned {
     mod lease {
         use super::*;
 
-        struct PartitionedLease(Partitioned);
-
-        impl Backend for PartitionedLease {
-            type Store = PostgresStore;
-
-            async fn start() -> Self {
-                Self(Partitioned::start(false).await)
-            }
-
-            fn store(&self) -> PostgresStore {
-                self.0.store.clone()
-            }
-
-            async fn lapse_leases(&self) {
-                self.0.lapse_leases().await;
-            }
-
-            async fn expire_records(&self) {
-                self.0.expire_records().await;
-            }
-        }
-
-        idempotency_tests::store_suite!(PartitionedLease);
+        idempotency_tests::store_suite!(InLeaseMode<Partitioned>);
     }
 
     mod transactional {
         use super::*;
 
-        struct PartitionedTransactional(Partitioned);
-
-        impl Backend for PartitionedTransactional {
-            type Store = PostgresStore;
-            const TRANSACTIONAL: bool = true;
-
-            async fn start() -> Self {
-                Self(Partitioned::start(true).await)
-            }
-
-            fn store(&self) -> PostgresStore {
-                self.0.store.clone()
-            }
-
-            async fn lapse_leases(&self) {
-                self.0.lapse_leases().await;
-            }
-
-            async fn expire_records(&self) {
-                self.0.expire_records().await;
-            }
-        }
-
-        idempotency_tests::store_suite!(PartitionedTransactional);
+        idempotency_tests::store_suite!(InTransactionalMode<Partitioned>);
     }
 
     async fn partitions(db: &TestDb) -> Vec<String> {

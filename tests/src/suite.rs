@@ -48,13 +48,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
 /// store's modes: as [`InLeaseMode`] and as [`InTransactionalMode`]. Leases and expiry act on
 /// `idempotency.records` unless the fixture keeps its records elsewhere.
 pub trait PostgresFixture: Send + Sync + Sized + 'static {
-    /// A fresh fixture, its store switched to transactional mode when `transactional`.
-    fn start(transactional: bool) -> impl Future<Output = Self> + Send;
+    /// A fresh fixture.
+    fn start() -> impl Future<Output = Self> + Send;
 
     /// The test database (a direct connection, whatever the store goes through).
     fn db(&self) -> &TestDb;
 
-    /// The store.
+    /// The store, in lease mode (the suite switches it to transactional mode where it runs
+    /// that).
     fn store(&self) -> PostgresStore;
 
     /// As [`Backend::lapse_leases`].
@@ -97,11 +98,16 @@ impl<F: PostgresFixture, const TRANSACTIONAL: bool> Backend for InMode<F, TRANSA
     const TRANSACTIONAL: bool = TRANSACTIONAL;
 
     async fn start() -> Self {
-        Self(F::start(TRANSACTIONAL).await)
+        Self(F::start().await)
     }
 
     fn store(&self) -> PostgresStore {
-        self.0.store()
+        let store = self.0.store();
+        if TRANSACTIONAL {
+            store.transactional()
+        } else {
+            store
+        }
     }
 
     async fn lapse_leases(&self) {

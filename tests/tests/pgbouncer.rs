@@ -29,7 +29,7 @@ async fn available() -> bool {
 
 /// The store goes through PgBouncer; the test's own updates (leases, expiry) go direct.
 impl PostgresFixture for Bounced {
-    async fn start(transactional: bool) -> Self {
+    async fn start() -> Self {
         let bouncer = pgbouncer().await.expect("checked by run_if");
         let db = TestDb::new().await;
         PostgresStore::new(db.pool().clone())
@@ -43,11 +43,6 @@ impl PostgresFixture for Bounced {
             .await
             .expect("connect through pgbouncer");
         let store = PostgresStore::new(pool).without_prepared_statements();
-        let store = if transactional {
-            store.transactional()
-        } else {
-            store
-        };
         Self { db, store }
     }
 

@@ -13,15 +13,10 @@ struct Postgres {
 }
 
 impl PostgresFixture for Postgres {
-    async fn start(transactional: bool) -> Self {
+    async fn start() -> Self {
         let db = TestDb::new().await;
         let store = PostgresStore::new(db.pool().clone());
         store.migrate().await.expect("migrate");
-        let store = if transactional {
-            store.transactional()
-        } else {
-            store
-        };
         Self { db, store }
     }
 
@@ -365,14 +360,9 @@ mod partitioned {
     }
 
     impl PostgresFixture for Partitioned {
-        async fn start(transactional: bool) -> Self {
+        async fn start() -> Self {
             let db = TestDb::new().await;
             let store = PostgresStore::new(db.pool().clone()).partitioned(WIDTH);
-            let store = if transactional {
-                store.transactional()
-            } else {
-                store
-            };
             store
                 .migrate()
                 .await

@@ -193,13 +193,7 @@ async fn create_charge(
     Extension(principal): Extension<Principal>,
     Json(new): Json<NewCharge>,
 ) -> Result<(StatusCode, Json<Charge>), HandlerError> {
-    let id: i64 = sqlx::query_scalar(INSERT_CHARGE)
-        .bind(principal.as_str())
-        .bind(new.amount)
-        .bind(&new.currency)
-        .fetch_one(&pool)
-        .await
-        .map_err(HandlerError)?;
+    let id = insert_charge(&pool, &principal, &new).await?;
     Ok(created(id, &principal, new))
 }
 
@@ -210,14 +204,23 @@ async fn create_charge_in_transaction(
     Extension(principal): Extension<Principal>,
     Json(new): Json<NewCharge>,
 ) -> Result<(StatusCode, Json<Charge>), HandlerError> {
-    let id: i64 = sqlx::query_scalar(INSERT_CHARGE)
+    let id = insert_charge(&mut *tx, &principal, &new).await?;
+    Ok(created(id, &principal, new))
+}
+
+/// The charge's one `INSERT`, through the pool or the request's transaction; its id.
+async fn insert_charge<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    principal: &Principal,
+    new: &NewCharge,
+) -> Result<i64, HandlerError> {
+    sqlx::query_scalar(INSERT_CHARGE)
         .bind(principal.as_str())
         .bind(new.amount)
         .bind(&new.currency)
-        .fetch_one(&mut *tx)
+        .fetch_one(executor)
         .await
-        .map_err(HandlerError)?;
-    Ok(created(id, &principal, new))
+        .map_err(HandlerError)
 }
 
 /// The same answer without any I/O: the id comes from a counter.

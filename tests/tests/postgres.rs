@@ -201,6 +201,166 @@ mod postgres_only {
         assert_eq!(rows, 1);
     }
 
+    /// Group commit: concurrent claims of new keys and their completions go to PostgreSQL in
+    /// shared statements, yet each key is acquired once (a key sent twice at once included),
+    /// and each record replays exactly as it was completed, whatever its neighbours in the
+    /// batch carried: no headers, repeated headers, no body, an empty body, a large one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn batched_claims_and_completions_keep_every_key_apart() {
+        use http::{HeaderMap, HeaderValue};
+        use tower_idempotency::{
+            Fingerprint, Record, ScopeKey,
+            store::{Begin, ClaimRequest, ClaimStatus, Store},
+        };
+
+        let (_db, store) = migrated().await;
+        let request = |i: u8| ClaimRequest {
+            key: ScopeKey::from_bytes([i; 32]),
+            fingerprint: Fingerprint::from_bytes([i.wrapping_add(1); 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        };
+        let record = |i: u8| {
+            let mut headers = HeaderMap::new();
+            for h in 0..i % 4 {
+                headers.append(
+                    "link",
+                    HeaderValue::from_str(&format!("<{i}/{h}>")).unwrap(),
+                );
+            }
+            if i.is_multiple_of(2) {
+                headers.append("content-type", HeaderValue::from_static("application/json"));
+            }
+            let body = match i % 5 {
+                0 => None,
+                1 => Some(bytes::Bytes::new()),
+                _ => Some(bytes::Bytes::from(
+                    format!("body {i} ").repeat(usize::from(i) * 40),
+                )),
+            };
+            Record::from_parts(
+                http::StatusCode::from_u16(200 + u16::from(i % 7)).unwrap(),
+                headers,
+                body,
+            )
+        };
+
+        // 64 new keys, the first 8 of them sent twice, all at once.
+        let mut claims = JoinSet::new();
+        for i in (0..64u8).chain(0..8) {
+            let store = store.clone();
+            claims.spawn(async move { (i, store.begin(&request(i)).await.expect("begin")) });
+        }
+        let mut held = std::collections::HashMap::new();
+        let mut in_flight = vec![0; 64];
+        while let Some(claimed) = claims.join_next().await {
+            match claimed.expect("task") {
+                (
+                    i,
+                    Begin::Acquired {
+                        claim,
+                        takeover: false,
+                    },
+                ) => {
+                    assert!(held.insert(i, claim).is_none(), "key {i} acquired twice");
+                }
+                (i, Begin::InFlight { .. }) => in_flight[usize::from(i)] += 1,
+                (i, other) => panic!("key {i}: {other:?}"),
+            }
+        }
+        assert_eq!(held.len(), 64, "every key acquired");
+        assert_eq!(in_flight.iter().sum::<i32>(), 8);
+        assert!(
+            in_flight[..8].iter().all(|&n| n == 1),
+            "each duplicate is in flight: {in_flight:?}"
+        );
+
+        // All completed at once.
+        let mut completions = JoinSet::new();
+        for (i, claim) in held {
+            let store = store.clone();
+            completions.spawn(async move { (i, store.complete(&claim, &record(i)).await) });
+        }
+        while let Some(completed) = completions.join_next().await {
+            let (i, status) = completed.expect("task");
+            assert_eq!(status.expect("complete"), ClaimStatus::Held, "key {i}");
+        }
+
+        for i in 0..64u8 {
+            match store.begin(&request(i)).await.expect("replay") {
+                Begin::Completed { record: stored, .. } => assert_eq!(stored, record(i), "key {i}"),
+                other => panic!("key {i}: {other:?}"),
+            }
+        }
+    }
+
+    /// A claim written in a batch for a request that has gone meanwhile (cancelled while it
+    /// waited) is released at once, not left in flight until its lease lapses.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_batched_for_a_request_that_is_gone_is_released() {
+        use tower_idempotency::{
+            Fingerprint, ScopeKey,
+            store::{Begin, ClaimRequest, Store},
+        };
+
+        let (db, store) = migrated().await;
+        let request = ClaimRequest {
+            key: ScopeKey::from_bytes([9; 32]),
+            fingerprint: Fingerprint::from_bytes([1; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        };
+        let key = &request.key.as_bytes()[..];
+        // Another transaction inserts the same key and stays open: the batch waits on it.
+        let mut blocker = db.pool().begin().await.expect("begin");
+        sqlx::query(
+            "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
+             VALUES ($1, $2, 0, now() + interval '1 hour', now() + interval '30 s')",
+        )
+        .bind(key)
+        .bind(&request.fingerprint.as_bytes()[..])
+        .execute(&mut *blocker)
+        .await
+        .expect("blocking insert");
+        let claiming = tokio::spawn({
+            let (store, request) = (store.clone(), request.clone());
+            async move { store.begin(&request).await }
+        });
+        wait_until(&db, "SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%'").await;
+        // The request goes away; then the batch gets through and claims the key for no one.
+        claiming.abort();
+        assert!(claiming.await.expect_err("aborted").is_cancelled());
+        blocker.rollback().await.expect("rollback");
+        wait_until(&db, "SELECT count(*) = 0 FROM idempotency.records").await;
+        assert!(matches!(
+            store.begin(&request).await.expect("begin"),
+            Begin::Acquired {
+                takeover: false,
+                ..
+            }
+        ));
+    }
+
+    /// Polls `condition` (a query returning one boolean) until it holds: for what happens in
+    /// a background task with nothing to signal it. Bounded: fails after 10 s.
+    async fn wait_until(db: &TestDb, condition: &'static str) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let holds: bool = sqlx::query_scalar(condition)
+                .fetch_one(db.pool())
+                .await
+                .expect("condition");
+            if holds {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "never held: {condition}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// A handler slower than its lease keeps the key: the heartbeat renews it.
     #[tokio::test]
     async fn the_heartbeat_keeps_a_slow_handlers_key() {

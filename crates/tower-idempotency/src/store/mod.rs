@@ -53,6 +53,8 @@ use std::{future::Future, time::Duration};
 
 use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
+#[cfg(feature = "postgres")]
+mod batch;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;

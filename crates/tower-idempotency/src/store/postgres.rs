@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, Transaction, migrate::Migrator, postgres::PgRow};
 
-use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Lease, Store};
+use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Lease, Store, batch::Batcher};
 use crate::{record::Record, transaction::TxSlot};
 
 /// The [`Store`] for production: PostgreSQL, shared by every instance of the application.
@@ -34,8 +34,10 @@ use crate::{record::Record, transaction::TxSlot};
 /// is one statement: it reads the key's row and, in the same statement, inserts a new key
 /// (`ON CONFLICT DO NOTHING`) or takes over an expired record or a lapsed lease with a conditional
 /// `UPDATE`, so two requests racing for a key are ordered by PostgreSQL and exactly one acquires
-/// it. Replays and conflicts neither write nor lock. Completing or releasing is one
-/// `UPDATE`/`DELETE` fenced by the claim's token. All times are `timestamptz` compared with
+/// it. (In lease mode a claim first tries the plain `INSERT .. ON CONFLICT DO NOTHING`, shared
+/// with other requests' claims, see [group commit](#group-commit); only a key that has a row
+/// goes on to the full statement.) Replays and conflicts neither write nor lock. Completing or
+/// releasing is one `UPDATE`/`DELETE` fenced by the claim's token. All times are `timestamptz` compared with
 /// `now()` in the database, so app servers' clocks never matter.
 ///
 /// # Two modes
@@ -45,6 +47,19 @@ use crate::{record::Record, transaction::TxSlot};
 /// * **Transactional mode** ([`transactional`](Self::transactional)): the claim, the handler's
 ///   own writes through [`IdempotentTx`](crate::IdempotentTx) and the stored response commit in
 ///   **one transaction**, or roll back together. See [`transaction`](crate::transaction).
+///
+/// # Group commit
+///
+/// In lease mode, concurrent requests share their writes: claims of keys that have no row yet
+/// go to PostgreSQL together as one `INSERT .. ON CONFLICT DO NOTHING` over arrays, and
+/// responses are stored together as one fenced `UPDATE`, each batch in one round trip and one
+/// commit. A request never waits for a batch to fill: it waits only while the previous batch
+/// of its kind is being written, and a lone request goes out at once. What a claim or a
+/// completion answers is unchanged: a key that already has a row is claimed by the one-key
+/// statement above, and each completion is fenced by its own token. Without prepared
+/// statements ([`without_prepared_statements`](Self::without_prepared_statements)), in
+/// partitioned mode and in transactional mode (one transaction per request), every operation is
+/// its own statement.
 ///
 /// Every operation is bounded by [`with_timeout`](Self::with_timeout) (5 s by default), so an
 /// exhausted pool or an unreachable server becomes a prompt error (and the layer's `503`) rather
@@ -61,6 +76,26 @@ pub struct PostgresStore {
     /// 0 when no drain is under way). Reset by a short batch, so the next drain starts from
     /// the oldest record again and picks up what was skipped.
     expiry_cursor: Arc<AtomicI64>,
+    /// Lease mode's group commit of claims of new keys: the claim of each key claimed, `None`
+    /// for a key that has a row already.
+    new_claims: Arc<Batcher<ClaimRequest, Batched<Option<Lease>>>>,
+    /// Lease mode's group commit of completions.
+    completions: Arc<Batcher<(Lease, Record), Batched<ClaimStatus>>>,
+}
+
+/// The most operations one batch writes.
+const MAX_BATCH: usize = 256;
+
+/// What became of an operation sent in a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Batched<T> {
+    /// Written, with this answer.
+    Done(T),
+    /// Not written: do it alone (its key was in the batch twice, or PostgreSQL refused the
+    /// batch as a whole).
+    Alone,
+    /// The batch timed out.
+    TimedOut,
 }
 
 /// Partitioned mode's settings.
@@ -201,6 +236,36 @@ macro_rules! fenced_statements {
     };
 }
 
+/// Lease mode's group commit of claims (see [`PostgresStore`]): inserts the keys that have no
+/// row, each with its own fencing token, and returns them. The keys come sorted, so two batches
+/// racing for the same keys take them in the same order and cannot deadlock.
+const CLAIM_NEW_KEYS: &str = r#"
+INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
+SELECT c.key, c.fingerprint, nextval('idempotency.fencing_tokens'),
+       now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
+       now() + c.lease * interval '1 microsecond'
+FROM unnest($1::bytea[], $2::bytea[], $3::int8[], $4::int8[]) AS c(key, fingerprint, lease, ttl)
+ON CONFLICT (scope_key) DO NOTHING
+RETURNING scope_key, token
+"#;
+
+/// Lease mode's group commit of completions: `complete` for many claims, each fenced by its
+/// token. Header names and values come as two flat arrays, each record's headers being the
+/// slice `[first:last]` of them (empty when `last < first`).
+const COMPLETE_MANY: &str = r#"
+UPDATE idempotency.records r
+SET status = c.status,
+    header_names = ($7::text[])[c.first:c.last],
+    header_values = ($8::bytea[])[c.first:c.last],
+    body = c.body,
+    lease_until = NULL,
+    completed_at = now()
+FROM unnest($1::bytea[], $2::int8[], $3::int2[], $4::bytea[], $5::int4[], $6::int4[])
+     AS c(key, token, status, body, first, last)
+WHERE r.scope_key = c.key AND r.token = c.token AND r.status IS NULL AND r.expires_at > now()
+RETURNING r.scope_key, r.token
+"#;
+
 /// The statements that act on a held claim.
 struct Fenced {
     renew: &'static str,
@@ -249,6 +314,8 @@ impl PostgresStore {
             prepared: true,
             partitions: None,
             expiry_cursor: Arc::default(),
+            new_claims: Arc::new(Batcher::new(MAX_BATCH)),
+            completions: Arc::new(Batcher::new(MAX_BATCH)),
         }
     }
 
@@ -526,10 +593,14 @@ impl PostgresStore {
     ) -> Result<T, PostgresStoreError> {
         match tokio::time::timeout(self.timeout, future).await {
             Ok(result) => result.map_err(PostgresStoreError::from),
-            Err(_) => Err(PostgresStoreError::Timeout {
-                operation,
-                after: self.timeout,
-            }),
+            Err(_) => Err(self.timeout_error(operation)),
+        }
+    }
+
+    fn timeout_error(&self, operation: &'static str) -> PostgresStoreError {
+        PostgresStoreError::Timeout {
+            operation,
+            after: self.timeout,
         }
     }
 
@@ -578,10 +649,51 @@ impl PostgresStore {
         }
     }
 
+    /// Whether operations go out in batches (see [`PostgresStore`]'s group commit).
+    fn batches(&self) -> bool {
+        self.prepared && self.partitions.is_none() && !self.transactional
+    }
+
     async fn begin_lease(
         &self,
         request: &ClaimRequest,
     ) -> Result<Begin<PgClaim>, PostgresStoreError> {
+        if self.batches() {
+            let (pool, timeout) = (self.pool.clone(), self.timeout);
+            let store = self.clone();
+            let claimed = self
+                .new_claims
+                .run(
+                    request.clone(),
+                    move |batch| claim_new_keys(pool.clone(), timeout, batch),
+                    // Claimed for a request that is gone (cancelled while its batch was
+                    // written): free the key now rather than when its lease lapses.
+                    move |claimed| {
+                        if let Batched::Done(Some(lease)) = claimed {
+                            let store = store.clone();
+                            tokio::spawn(async move {
+                                let claim = PgClaim { lease, tx: None };
+                                if let Err(error) = store.release(&claim).await {
+                                    tracing::warn!(%error, "releasing an abandoned claim failed; it frees itself when its lease lapses");
+                                }
+                            });
+                        }
+                    },
+                )
+                .await;
+            match claimed {
+                Some(Batched::Done(Some(lease))) => {
+                    return Ok(Begin::Acquired {
+                        claim: PgClaim { lease, tx: None },
+                        takeover: false,
+                    });
+                }
+                Some(Batched::TimedOut) => return Err(self.timeout_error("begin")),
+                // The key has a row (or the batch could not say): the one-key statement
+                // decides between replay, conflict, mismatch and takeover.
+                Some(Batched::Done(None) | Batched::Alone) | None => {}
+            }
+        }
         for _ in 0..BEGIN_ATTEMPTS {
             let row = self
                 .timed(
@@ -647,6 +759,150 @@ fn advisory_lock_key(request: &ClaimRequest) -> i64 {
     let mut prefix = [0; 8];
     prefix.copy_from_slice(&request.key.as_bytes()[..8]);
     i64::from_be_bytes(prefix)
+}
+
+/// Writes a batch of [`CLAIM_NEW_KEYS`]: for each request its new claim, `None` when its key
+/// has a row already.
+async fn claim_new_keys(
+    pool: PgPool,
+    timeout: Duration,
+    batch: Vec<ClaimRequest>,
+) -> Vec<Batched<Option<Lease>>> {
+    let mut order: Vec<usize> = (0..batch.len()).collect();
+    order.sort_by_key(|&i| batch[i].key);
+    // A key twice in one batch: the second one claims alone, after the first.
+    let mut alone = vec![false; batch.len()];
+    for pair in order.windows(2) {
+        if batch[pair[0]].key == batch[pair[1]].key {
+            alone[pair[1]] = true;
+        }
+    }
+    let sent: Vec<&ClaimRequest> = order
+        .iter()
+        .filter(|&&i| !alone[i])
+        .map(|&i| &batch[i])
+        .collect();
+    let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+    let query = sqlx::query(CLAIM_NEW_KEYS)
+        .bind(
+            sent.iter()
+                .map(|r| &r.key.as_bytes()[..])
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            sent.iter()
+                .map(|r| &r.fingerprint.as_bytes()[..])
+                .collect::<Vec<_>>(),
+        )
+        .bind(sent.iter().map(|r| micros(r.lease)).collect::<Vec<_>>())
+        .bind(sent.iter().map(|r| micros(r.ttl)).collect::<Vec<_>>());
+    let rows = match batch_outcome(tokio::time::timeout(timeout, query.fetch_all(&pool)).await) {
+        Ok(rows) => rows,
+        Err(failed) => return vec![failed; batch.len()],
+    };
+    let mut tokens = std::collections::HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let (Ok(key), Ok(token)) = (row.try_get::<&[u8], _>(0), row.try_get::<i64, _>(1)) else {
+            return vec![Batched::Alone; batch.len()];
+        };
+        tokens.insert(key.to_vec(), token);
+    }
+    batch
+        .iter()
+        .zip(alone)
+        .map(|(request, alone)| {
+            if alone {
+                Batched::Alone
+            } else {
+                Batched::Done(tokens.get(&request.key.as_bytes()[..]).map(|&token| Lease {
+                    key: request.key,
+                    token,
+                }))
+            }
+        })
+        .collect()
+}
+
+/// Writes a batch of [`COMPLETE_MANY`]: for each claim, whether it still held its key.
+async fn complete_many(
+    pool: PgPool,
+    timeout: Duration,
+    batch: Vec<(Lease, Record)>,
+) -> Vec<Batched<ClaimStatus>> {
+    let mut keys = Vec::with_capacity(batch.len());
+    let mut tokens = Vec::with_capacity(batch.len());
+    let mut statuses = Vec::with_capacity(batch.len());
+    let mut bodies = Vec::with_capacity(batch.len());
+    let (mut firsts, mut lasts) = (
+        Vec::with_capacity(batch.len()),
+        Vec::with_capacity(batch.len()),
+    );
+    let (mut names, mut values) = (Vec::new(), Vec::new());
+    for (lease, record) in &batch {
+        keys.push(&lease.key.as_bytes()[..]);
+        tokens.push(lease.token);
+        statuses.push(record.status().as_u16() as i16);
+        bodies.push(record.body().map(|b| &b[..]));
+        // 1-based and inclusive, as PostgreSQL's array slices are.
+        firsts.push(names.len() as i32 + 1);
+        for (name, value) in record.headers() {
+            names.push(name.as_str());
+            values.push(value.as_bytes());
+        }
+        lasts.push(names.len() as i32);
+    }
+    // Planned afresh for each batch (an unnamed statement), never from a cached generic plan:
+    // a plan cached while the table was small joins the batch to it by a sequential scan, and
+    // would go on doing so as the table grows to millions of rows.
+    let query = sqlx::query(COMPLETE_MANY)
+        .persistent(false)
+        .bind(keys)
+        .bind(tokens)
+        .bind(statuses)
+        .bind(bodies)
+        .bind(firsts)
+        .bind(lasts)
+        .bind(names)
+        .bind(values);
+    let rows = match batch_outcome(tokio::time::timeout(timeout, query.fetch_all(&pool)).await) {
+        Ok(rows) => rows,
+        Err(failed) => return vec![failed; batch.len()],
+    };
+    let mut held = std::collections::HashSet::with_capacity(rows.len());
+    for row in &rows {
+        let (Ok(key), Ok(token)) = (row.try_get::<&[u8], _>(0), row.try_get::<i64, _>(1)) else {
+            return vec![Batched::Alone; batch.len()];
+        };
+        held.insert((key.to_vec(), token));
+    }
+    batch
+        .iter()
+        .map(|(lease, _)| {
+            Batched::Done(
+                if held.contains(&(lease.key.as_bytes().to_vec(), lease.token)) {
+                    ClaimStatus::Held
+                } else {
+                    ClaimStatus::Lost
+                },
+            )
+        })
+        .collect()
+}
+
+/// A batch statement's rows, or what each of its operations does instead: a timeout is every
+/// operation's timeout; any other failure (a deadlock with another instance's batch, a lost
+/// connection) sends each to do its operation alone, where it succeeds or fails on its own.
+fn batch_outcome<T>(
+    result: Result<Result<Vec<PgRow>, sqlx::Error>, tokio::time::error::Elapsed>,
+) -> Result<Vec<PgRow>, Batched<T>> {
+    match result {
+        Ok(Ok(rows)) => Ok(rows),
+        Ok(Err(error)) => {
+            tracing::debug!(%error, "a batch of idempotency store operations failed; each goes alone");
+            Err(Batched::Alone)
+        }
+        Err(_) => Err(Batched::TimedOut),
+    }
 }
 
 fn fenced_statement<'a>(sql: &'static str, lease: &'a Lease) -> Statement<'a> {
@@ -839,6 +1095,23 @@ impl Store for PostgresStore {
         record: &Record,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         let Some(slot) = &claim.tx else {
+            if self.batches() {
+                let (pool, timeout) = (self.pool.clone(), self.timeout);
+                let completed = self
+                    .completions
+                    .run(
+                        (claim.lease, record.clone()),
+                        move |batch| complete_many(pool.clone(), timeout, batch),
+                        // Stored, whether or not anyone waits to hear it.
+                        drop,
+                    )
+                    .await;
+                match completed {
+                    Some(Batched::Done(status)) => return Ok(status),
+                    Some(Batched::TimedOut) => return Err(self.timeout_error("complete")),
+                    Some(Batched::Alone) | None => {}
+                }
+            }
             return self
                 .fenced(
                     "complete",

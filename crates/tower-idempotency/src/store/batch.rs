@@ -1,0 +1,309 @@
+//! Group commit for store operations: concurrent requests' operations of one kind are sent
+//! to the database together, as one statement in one transaction.
+//!
+//! A request's operation waits in a queue only while an earlier batch is being written; the
+//! first operation to find no batch under way starts a flusher task, which writes whatever has
+//! queued up, batch after batch, until the queue is empty. Nothing waits for a batch to fill,
+//! so a lone request goes out at once, and under load the cost of a round trip and a commit is
+//! shared by every request that arrived during the previous one.
+//!
+//! The flusher is a task of its own, so a request dropped while it waits (its client hung up
+//! and the app chose to cancel) takes no one else's operation with it. If the flusher itself
+//! is torn down (its runtime shut down), every operation it held or that was waiting gets no
+//! answer, and its caller falls back to doing its operation alone.
+
+use std::{
+    future::Future,
+    mem,
+    sync::{Arc, Mutex, MutexGuard},
+};
+
+use tokio::sync::oneshot;
+
+/// Operations of type `T` waiting to be written in batches; each gets an `R` back.
+#[derive(Debug)]
+pub(crate) struct Batcher<T, R> {
+    queue: Mutex<Queue<T, R>>,
+    max_batch: usize,
+}
+
+#[derive(Debug)]
+struct Queue<T, R> {
+    waiting: Vec<(T, oneshot::Sender<R>)>,
+    flushing: bool,
+}
+
+impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
+    /// A batcher writing at most `max_batch` operations per batch.
+    pub(crate) fn new(max_batch: usize) -> Self {
+        Self {
+            queue: Mutex::new(Queue {
+                waiting: Vec::new(),
+                flushing: false,
+            }),
+            max_batch: max_batch.max(1),
+        }
+    }
+
+    /// Queues `operation` and waits for its batch to be written by `flush`, which gets the
+    /// batch's operations in the order they queued and returns one result for each, in the
+    /// same order. `None` when the flusher was torn down before answering. A result whose
+    /// caller stopped waiting goes to `unanswered` (to undo what no one will follow up).
+    pub(crate) async fn run<F, Fut, U>(
+        self: &Arc<Self>,
+        operation: T,
+        flush: F,
+        unanswered: U,
+    ) -> Option<R>
+    where
+        F: Fn(Vec<T>) -> Fut + Send + 'static,
+        Fut: Future<Output = Vec<R>> + Send + 'static,
+        U: Fn(R) + Send + 'static,
+    {
+        let (answer, answered) = oneshot::channel();
+        let start = {
+            let mut queue = self.queue();
+            queue.waiting.push((operation, answer));
+            !mem::replace(&mut queue.flushing, true)
+        };
+        if start {
+            tokio::spawn(Arc::clone(self).flush_all(flush, unanswered));
+        }
+        answered.await.ok()
+    }
+
+    /// Writes batches until the queue is empty.
+    async fn flush_all<F, Fut, U>(self: Arc<Self>, flush: F, unanswered: U)
+    where
+        F: Fn(Vec<T>) -> Fut,
+        Fut: Future<Output = Vec<R>>,
+        U: Fn(R),
+    {
+        let _stopped = Stopped(&self);
+        loop {
+            let batch: Vec<_> = {
+                let mut queue = self.queue();
+                if queue.waiting.is_empty() {
+                    queue.flushing = false;
+                    return;
+                }
+                let take = queue.waiting.len().min(self.max_batch);
+                queue.waiting.drain(..take).collect()
+            };
+            let (operations, answers): (Vec<T>, Vec<_>) = batch.into_iter().unzip();
+            let results = flush(operations).await;
+            debug_assert_eq!(results.len(), answers.len(), "one result per operation");
+            for (answer, result) in answers.into_iter().zip(results) {
+                if let Err(result) = answer.send(result) {
+                    unanswered(result);
+                }
+            }
+        }
+    }
+}
+
+impl<T, R> Batcher<T, R> {
+    fn queue(&self) -> MutexGuard<'_, Queue<T, R>> {
+        // No critical section can panic half-way, so a poisoned lock still guards a sound queue.
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Leaves the queue ready for the next flusher however the current one ends. A flusher torn
+/// down mid-way drops the waiting operations' answers, so their callers fall back at once
+/// instead of waiting for a flusher that may never come.
+struct Stopped<'a, T, R>(&'a Batcher<T, R>);
+
+impl<T, R> Drop for Stopped<'_, T, R> {
+    fn drop(&mut self) {
+        let waiting = {
+            let mut queue = self.0.queue();
+            if !queue.flushing {
+                return;
+            }
+            queue.flushing = false;
+            mem::take(&mut queue.waiting)
+        };
+        drop(waiting);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// How many operations wait, and whether a flusher runs.
+    fn state<T, R>(batcher: &Batcher<T, R>) -> (usize, bool) {
+        let queue = batcher.queue();
+        (queue.waiting.len(), queue.flushing)
+    }
+
+    /// Yields until the flusher has taken every queued operation into its batch.
+    async fn until_taken<T, R>(batcher: &Batcher<T, R>) {
+        while state(batcher) != (0, true) {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lone_operation_is_written_at_once() {
+        let batcher = Arc::new(Batcher::new(8));
+        let answer = batcher
+            .run(
+                3,
+                |batch: Vec<u32>| async move { batch.into_iter().map(|n| n * 2).collect() },
+                drop,
+            )
+            .await;
+        assert_eq!(answer, Some(6));
+    }
+
+    #[tokio::test]
+    async fn operations_queued_during_a_batch_share_the_next_one_in_order() {
+        let batcher = Arc::new(Batcher::new(64));
+        let batches = Arc::new(Mutex::new(Vec::<Vec<u32>>::new()));
+        let (release, released) = tokio::sync::watch::channel(false);
+        let flush = {
+            let batches = Arc::clone(&batches);
+            move |batch: Vec<u32>| {
+                let batches = Arc::clone(&batches);
+                let mut released = released.clone();
+                async move {
+                    // The first batch is held until every other operation has queued.
+                    released.wait_for(|r| *r).await.unwrap();
+                    batches.lock().unwrap().push(batch.clone());
+                    batch.into_iter().map(|n| n + 100).collect()
+                }
+            }
+        };
+        let first = tokio::spawn({
+            let batcher = Arc::clone(&batcher);
+            let flush = flush.clone();
+            async move { batcher.run(0, flush, drop).await }
+        });
+        // The first operation is taken by the flusher before the others queue.
+        until_taken(&batcher).await;
+        let rest: Vec<_> = (1..=5)
+            .map(|n| {
+                let batcher = Arc::clone(&batcher);
+                let flush = flush.clone();
+                async move { batcher.run(n, flush, drop).await }
+            })
+            .collect();
+        let rest = tokio::spawn(futures_util::future::join_all(rest));
+        while state(&batcher).0 < 5 {
+            tokio::task::yield_now().await;
+        }
+        release.send(true).unwrap();
+        assert_eq!(first.await.unwrap(), Some(100));
+        assert_eq!(
+            rest.await.unwrap(),
+            [Some(101), Some(102), Some(103), Some(104), Some(105)]
+        );
+        assert_eq!(*batches.lock().unwrap(), [vec![0], vec![1, 2, 3, 4, 5]]);
+    }
+
+    #[tokio::test]
+    async fn batches_are_bounded() {
+        let batcher = Arc::new(Batcher::new(2));
+        let largest = Arc::new(AtomicUsize::new(0));
+        let flush = {
+            let largest = Arc::clone(&largest);
+            move |batch: Vec<u32>| {
+                largest.fetch_max(batch.len(), Ordering::Relaxed);
+                async move {
+                    tokio::task::yield_now().await;
+                    batch
+                }
+            }
+        };
+        let all: Vec<_> = (0..20)
+            .map(|n| {
+                let batcher = Arc::clone(&batcher);
+                let flush = flush.clone();
+                tokio::spawn(async move { batcher.run(n, flush, drop).await })
+            })
+            .collect();
+        for (n, task) in all.into_iter().enumerate() {
+            assert_eq!(task.await.unwrap(), Some(n as u32));
+        }
+        assert_eq!(largest.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn a_result_no_one_waits_for_is_handed_back() {
+        let batcher = Arc::new(Batcher::new(8));
+        let (unanswered, mut handed_back) = tokio::sync::mpsc::unbounded_channel();
+        let (release, released) = tokio::sync::watch::channel(false);
+        let flush = move |batch: Vec<u32>| {
+            let mut released = released.clone();
+            async move {
+                released.wait_for(|r| *r).await.unwrap();
+                batch
+            }
+        };
+        let waiting = tokio::spawn({
+            let batcher = Arc::clone(&batcher);
+            async move {
+                batcher
+                    .run(7, flush, move |n| unanswered.send(n).unwrap())
+                    .await
+            }
+        });
+        until_taken(&batcher).await;
+        // The caller gives up while its operation is being written.
+        waiting.abort();
+        assert!(waiting.await.unwrap_err().is_cancelled());
+        release.send(true).unwrap();
+        assert_eq!(handed_back.recv().await, Some(7));
+    }
+
+    #[test]
+    fn a_flusher_torn_down_with_its_runtime_leaves_no_caller_waiting() {
+        let batcher = Arc::new(Batcher::<u32, u32>::new(8));
+        let (entered, mut entered_rx) = tokio::sync::mpsc::unbounded_channel();
+        let doomed = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let flush = move |batch: Vec<u32>| {
+            let entered = entered.clone();
+            async move {
+                entered.send(()).unwrap();
+                std::future::pending::<()>().await;
+                batch
+            }
+        };
+        // The flusher starts on `doomed` and hangs in its first batch.
+        let first = doomed.spawn({
+            let batcher = Arc::clone(&batcher);
+            let flush = flush.clone();
+            async move { batcher.run(1, flush, drop).await }
+        });
+        doomed.block_on(async { entered_rx.recv().await.unwrap() });
+        // Another runtime's operation queues behind it.
+        let survivor = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let second = survivor.spawn({
+            let batcher = Arc::clone(&batcher);
+            async move { batcher.run(2, flush, drop).await }
+        });
+        survivor.block_on(async {
+            while state(&batcher).0 == 0 {
+                tokio::task::yield_now().await;
+            }
+        });
+        drop(doomed);
+        drop(first);
+        assert_eq!(survivor.block_on(second).unwrap(), None);
+        assert_eq!(
+            state(&batcher),
+            (0, false),
+            "the next operation starts a flusher"
+        );
+    }
+}

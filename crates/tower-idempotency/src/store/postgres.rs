@@ -86,6 +86,10 @@ pub struct PostgresStore {
 /// The most operations one batch writes.
 const MAX_BATCH: usize = 256;
 
+/// Records larger than this (body and headers) are stored by a statement of their own, so a
+/// batch stays under `MAX_BATCH` × 64 KiB however large the responses an app keeps.
+const MAX_BATCHED_RECORD: usize = 64 * 1024;
+
 /// What became of an operation sent in a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Batched<T> {
@@ -1095,7 +1099,7 @@ impl Store for PostgresStore {
         record: &Record,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         let Some(slot) = &claim.tx else {
-            if self.batches() {
+            if self.batches() && record.size() <= MAX_BATCHED_RECORD {
                 let (pool, timeout) = (self.pool.clone(), self.timeout);
                 let completed = self
                     .completions

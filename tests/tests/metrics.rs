@@ -36,6 +36,24 @@ fn counter(metrics: &Metrics, name: &str, label: (&str, &str)) -> u64 {
         .sum()
 }
 
+/// The sum of a histogram's samples with `label`.
+fn histogram_sum(metrics: &Metrics, name: &str, label: (&str, &str)) -> f64 {
+    metrics
+        .iter()
+        .filter(|(key, _, _, _)| {
+            key.key().name() == name
+                && key
+                    .key()
+                    .labels()
+                    .any(|l| l.key() == label.0 && l.value() == label.1)
+        })
+        .map(|(_, _, _, value)| match value {
+            DebugValue::Histogram(samples) => samples.iter().map(|s| s.into_inner()).sum(),
+            _ => 0.0,
+        })
+        .sum()
+}
+
 fn histogram_samples(metrics: &Metrics, name: &str) -> usize {
     metrics
         .iter()
@@ -96,4 +114,26 @@ async fn outcomes_rejections_and_store_latency_are_recorded() {
     // complete, one release.
     assert_eq!(histogram_samples(&m, names::STORE_SECONDS), 3 + 1 + 1);
     assert_eq!(histogram_samples(&m, names::STORED_BODY_BYTES), 1);
+
+    // PostgreSQL in lease mode: every new key's claim and completion goes through exactly one
+    // batch, however the 40 concurrent requests were grouped.
+    let db = idempotency_tests::db::TestDb::new().await;
+    let store = tower_idempotency::store::PostgresStore::new(db.pool().clone());
+    store.migrate().await.expect("migrate");
+    let layer = IdempotencyLayer::new(store).with_scope(Scope::single_tenant());
+    let server = TestServer::start(app(layer, Probe::default())).await;
+    let replies = futures_util::future::join_all((0..40).map(|i| {
+        Reply::of(
+            client
+                .post(server.url("/charges"))
+                .header("idempotency-key", format!("pg-{i}"))
+                .body("a"),
+        )
+    }))
+    .await;
+    assert!(replies.iter().all(|r| r.status == StatusCode::CREATED));
+    let m = snapshotter.snapshot().into_vec();
+    let batched = |operation| histogram_sum(&m, names::STORE_BATCH_SIZE, ("operation", operation));
+    assert_eq!(batched("claim"), 40.0);
+    assert_eq!(batched("complete"), 40.0);
 }

@@ -17,6 +17,7 @@
 //! | `idempotency_store_seconds` | histogram | `operation`: `begin`, `complete`, `release`, `renew` | the store is slow: every keyed request pays `begin` |
 //! | `idempotency_lease_renewals_total` | counter | `result`: `held`, `lost`, `error` | `lost`: a holder kept running after another took its key over |
 //! | `idempotency_stored_body_bytes` | histogram | | storage growth; responses near `max_response_bytes` |
+//! | `idempotency_store_batch_size` | histogram | `operation`: `claim`, `complete` | [`PostgresStore`](crate::store::PostgresStore)'s group commit: requests sharing each statement; about 1 under load means requests are spread too thin to share (many instances, little concurrency each) |
 //! | `idempotency_expired_deleted_total` | counter | | expiry keeps up (compare with the rate of new keys) |
 //! | `idempotency_expiry_errors_total` | counter | | the expiry loop is failing: the table grows |
 
@@ -30,6 +31,8 @@ pub const STORE_SECONDS: &str = "idempotency_store_seconds";
 pub const LEASE_RENEWALS: &str = "idempotency_lease_renewals_total";
 /// Stored response body sizes, in bytes.
 pub const STORED_BODY_BYTES: &str = "idempotency_stored_body_bytes";
+/// Operations written together by one batch statement (lease mode's group commit).
+pub const STORE_BATCH_SIZE: &str = "idempotency_store_batch_size";
 /// Records deleted by expiry.
 pub const EXPIRED_DELETED: &str = "idempotency_expired_deleted_total";
 /// Failed expiry batches.
@@ -62,6 +65,11 @@ mod record {
         metrics::histogram!(super::STORED_BODY_BYTES).record(bytes as f64);
     }
 
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn batch(operation: &'static str, size: usize) {
+        metrics::histogram!(super::STORE_BATCH_SIZE, "operation" => operation).record(size as f64);
+    }
+
     pub(crate) fn expired_deleted(count: u64) {
         metrics::counter!(super::EXPIRED_DELETED).increment(count);
     }
@@ -79,6 +87,8 @@ mod record {
     pub(crate) fn rejected(_: RejectionKind) {}
     pub(crate) fn renewal(_: &'static str) {}
     pub(crate) fn stored_body(_: usize) {}
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn batch(_: &'static str, _: usize) {}
     pub(crate) fn expired_deleted(_: u64) {}
     pub(crate) fn expiry_error() {}
 }

@@ -772,6 +772,7 @@ async fn claim_new_keys(
     timeout: Duration,
     batch: Vec<ClaimRequest>,
 ) -> Vec<Batched<Option<Lease>>> {
+    crate::metrics::batch("claim", batch.len());
     let mut order: Vec<usize> = (0..batch.len()).collect();
     order.sort_by_key(|&i| batch[i].key);
     // A key twice in one batch: the second one claims alone, after the first.
@@ -833,6 +834,7 @@ async fn complete_many(
     timeout: Duration,
     batch: Vec<(Lease, Record)>,
 ) -> Vec<Batched<ClaimStatus>> {
+    crate::metrics::batch("complete", batch.len());
     let mut keys = Vec::with_capacity(batch.len());
     let mut tokens = Vec::with_capacity(batch.len());
     let mut statuses = Vec::with_capacity(batch.len());

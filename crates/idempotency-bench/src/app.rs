@@ -29,16 +29,8 @@ use tower_idempotency::{IdempotencyLayer, IdempotentTx, Principal, store::Postgr
 pub(crate) const CHARGES_PATH: &str = "/v1/charges";
 
 /// The table the charge handler writes to, created in the run's database before any server
-/// starts.
-pub(crate) const CHARGES_SCHEMA: &str = r#"
-CREATE TABLE charges (
-    id         bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    account    text        NOT NULL,
-    amount     bigint      NOT NULL CHECK (amount > 0),
-    currency   text        NOT NULL,
-    created_at timestamptz NOT NULL DEFAULT now()
-)
-"#;
+/// starts (shared with the `pgbench` scripts beside this crate's sources).
+pub(crate) const CHARGES_SCHEMA: &str = include_str!("../pgbench/charges.sql");
 
 const INSERT_CHARGE: &str =
     "INSERT INTO charges (account, amount, currency) VALUES ($1, $2, $3) RETURNING id";

@@ -1,4 +1,5 @@
 use std::{
+    collections::HashMap,
     fmt,
     future::Future,
     sync::{
@@ -13,7 +14,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, Transaction, migrate::Migrator, postgres::PgRow};
 
 use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Lease, Store, batch::Batcher};
-use crate::{record::Record, transaction::TxSlot};
+use crate::{record::Record, scope::ScopeKey, transaction::TxSlot};
 
 /// The [`Store`] for production: PostgreSQL, shared by every instance of the application.
 ///
@@ -801,17 +802,10 @@ async fn claim_new_keys(
         )
         .bind(sent.iter().map(|r| micros(r.lease)).collect::<Vec<_>>())
         .bind(sent.iter().map(|r| micros(r.ttl)).collect::<Vec<_>>());
-    let rows = match batch_outcome(tokio::time::timeout(timeout, query.fetch_all(&pool)).await) {
-        Ok(rows) => rows,
+    let tokens = match written(query, &pool, timeout).await {
+        Ok(tokens) => tokens,
         Err(failed) => return vec![failed; batch.len()],
     };
-    let mut tokens = std::collections::HashMap::with_capacity(rows.len());
-    for row in &rows {
-        let (Ok(key), Ok(token)) = (row.try_get::<&[u8], _>(0), row.try_get::<i64, _>(1)) else {
-            return vec![Batched::Alone; batch.len()];
-        };
-        tokens.insert(key.to_vec(), token);
-    }
     batch
         .iter()
         .zip(alone)
@@ -819,7 +813,7 @@ async fn claim_new_keys(
             if alone {
                 Batched::Alone
             } else {
-                Batched::Done(tokens.get(&request.key.as_bytes()[..]).map(|&token| Lease {
+                Batched::Done(tokens.get(&request.key).map(|&token| Lease {
                     key: request.key,
                     token,
                 }))
@@ -870,45 +864,47 @@ async fn complete_many(
         .bind(lasts)
         .bind(names)
         .bind(values);
-    let rows = match batch_outcome(tokio::time::timeout(timeout, query.fetch_all(&pool)).await) {
-        Ok(rows) => rows,
+    let held = match written(query, &pool, timeout).await {
+        Ok(held) => held,
         Err(failed) => return vec![failed; batch.len()],
     };
-    let mut held = std::collections::HashSet::with_capacity(rows.len());
-    for row in &rows {
-        let (Ok(key), Ok(token)) = (row.try_get::<&[u8], _>(0), row.try_get::<i64, _>(1)) else {
-            return vec![Batched::Alone; batch.len()];
-        };
-        held.insert((key.to_vec(), token));
-    }
     batch
         .iter()
         .map(|(lease, _)| {
-            Batched::Done(
-                if held.contains(&(lease.key.as_bytes().to_vec(), lease.token)) {
-                    ClaimStatus::Held
-                } else {
-                    ClaimStatus::Lost
-                },
-            )
+            Batched::Done(if held.get(&lease.key) == Some(&lease.token) {
+                ClaimStatus::Held
+            } else {
+                ClaimStatus::Lost
+            })
         })
         .collect()
 }
 
-/// A batch statement's rows, or what each of its operations does instead: a timeout is every
+/// Runs a batch statement returning `(scope_key, token)` rows: each key it wrote, with its
+/// token. Otherwise what each of the batch's operations does instead: a timeout is every
 /// operation's timeout; any other failure (a deadlock with another instance's batch, a lost
-/// connection) sends each to do its operation alone, where it succeeds or fails on its own.
-fn batch_outcome<T>(
-    result: Result<Result<Vec<PgRow>, sqlx::Error>, tokio::time::error::Elapsed>,
-) -> Result<Vec<PgRow>, Batched<T>> {
-    match result {
-        Ok(Ok(rows)) => Ok(rows),
+/// connection, a row it cannot read) sends each to do its operation alone, where it succeeds or
+/// fails on its own.
+async fn written<T>(
+    query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
+    pool: &PgPool,
+    timeout: Duration,
+) -> Result<HashMap<ScopeKey, i64>, Batched<T>> {
+    let rows = match tokio::time::timeout(timeout, query.fetch_all(pool)).await {
+        Ok(Ok(rows)) => rows,
         Ok(Err(error)) => {
             tracing::debug!(%error, "a batch of idempotency store operations failed; each goes alone");
-            Err(Batched::Alone)
+            return Err(Batched::Alone);
         }
-        Err(_) => Err(Batched::TimedOut),
-    }
+        Err(_) => return Err(Batched::TimedOut),
+    };
+    rows.iter()
+        .map(|row| {
+            let key = <[u8; 32]>::try_from(row.try_get::<&[u8], _>(0).ok()?).ok()?;
+            Some((ScopeKey::from_bytes(key), row.try_get::<i64, _>(1).ok()?))
+        })
+        .collect::<Option<_>>()
+        .ok_or(Batched::Alone)
 }
 
 fn fenced_statement<'a>(sql: &'static str, lease: &'a Lease) -> Statement<'a> {

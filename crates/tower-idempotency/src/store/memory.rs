@@ -19,7 +19,9 @@ use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 /// each other's keys, and a restart forgets them all. Use [`PostgresStore`](super::PostgresStore)
 /// when either matters. Expired records are removed when their key is claimed again or by
 /// [`continuously_delete_expired`](super::continuously_delete_expired); memory grows with the
-/// number of keys claimed within one TTL.
+/// number of keys claimed within one TTL. Each completed record is kept packed in one
+/// allocation (status, headers and body), so a store holding many of them neither fragments the
+/// heap nor keeps the response's own buffers alive.
 ///
 /// Time is `tokio::time`, so tests can drive leases and expiry with `tokio::time::pause`.
 #[derive(Clone, Debug, Default)]
@@ -44,7 +46,79 @@ struct Entry {
 #[derive(Debug)]
 enum State {
     InFlight { lease_until: Instant },
-    Completed(Record),
+    Completed(Packed),
+}
+
+/// A completed record as the store keeps it: status, headers and body in one allocation, so
+/// that the hundreds of thousands of records a busy store holds for their TTL are one block
+/// each rather than the response's four (record, header table and entries, body), scattered
+/// among every request's short-lived allocations. Unpacked into a [`Record`] on replay.
+#[derive(Debug)]
+struct Packed {
+    status: http::StatusCode,
+    /// Each header as name length, name, value length, value (lengths as 4-byte little-endian);
+    /// then the body.
+    bytes: Box<[u8]>,
+    /// Where the body starts in `bytes`, if it was kept.
+    body_at: Option<usize>,
+}
+
+impl Packed {
+    fn pack(record: &Record) -> Self {
+        let headers: usize = record
+            .headers()
+            .iter()
+            .map(|(name, value)| 8 + name.as_str().len() + value.len())
+            .sum();
+        let body = record.body().map_or(&[][..], |b| &b[..]);
+        let mut bytes = Vec::with_capacity(headers + body.len());
+        for (name, value) in record.headers() {
+            put(&mut bytes, name.as_str().as_bytes());
+            put(&mut bytes, value.as_bytes());
+        }
+        let body_at = record.body().map(|_| bytes.len());
+        bytes.extend_from_slice(body);
+        Self {
+            status: record.status(),
+            bytes: bytes.into_boxed_slice(),
+            body_at,
+        }
+    }
+
+    fn unpack(&self) -> Record {
+        let mut headers = http::HeaderMap::new();
+        let mut rest = &self.bytes[..self.body_at.unwrap_or(self.bytes.len())];
+        while let Some((name, after)) = take(rest) {
+            let Some((value, after)) = take(after) else {
+                break;
+            };
+            // Both were a valid name and value when packed.
+            if let (Ok(name), Ok(value)) = (
+                http::HeaderName::from_bytes(name),
+                http::HeaderValue::from_bytes(value),
+            ) {
+                headers.append(name, value);
+            }
+            rest = after;
+        }
+        let body = self
+            .body_at
+            .map(|at| bytes::Bytes::copy_from_slice(&self.bytes[at..]));
+        Record::from_parts(self.status, headers, body)
+    }
+}
+
+/// Appends `field`, prefixed by its length.
+fn put(bytes: &mut Vec<u8>, field: &[u8]) {
+    bytes.extend_from_slice(&(field.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(field);
+}
+
+/// The field at the start of `bytes`, and what follows it.
+fn take(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
+    let (len, rest) = bytes.split_first_chunk::<4>()?;
+    let len = u32::from_le_bytes(*len) as usize;
+    (rest.len() >= len).then(|| rest.split_at(len))
 }
 
 impl MemoryStore {
@@ -103,12 +177,12 @@ impl Store for MemoryStore {
             Some(entry) if entry.expires_at <= now => false,
             Some(entry) if entry.fingerprint != request.fingerprint => return Ok(Begin::Mismatch),
             Some(Entry {
-                state: State::Completed(record),
+                state: State::Completed(packed),
                 expires_at,
                 ..
             }) => {
                 return Ok(Begin::Completed {
-                    record: record.clone(),
+                    record: packed.unpack(),
                     expires_in: Some(*expires_at - now),
                 });
             }
@@ -155,9 +229,11 @@ impl Store for MemoryStore {
     }
 
     async fn complete(&self, claim: &Lease, record: &Record) -> Result<ClaimStatus, Infallible> {
+        // Packed outside the lock.
+        let packed = Packed::pack(record);
         Ok(self.with_held(claim, |records| {
             if let Some(entry) = records.get_mut(&claim.key) {
-                entry.state = State::Completed(record.clone());
+                entry.state = State::Completed(packed);
             }
         }))
     }
@@ -209,6 +285,31 @@ mod tests {
         match store.begin(request).await.unwrap() {
             Begin::Acquired { claim, takeover } => (claim, takeover),
             other => panic!("expected to acquire, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_kept_record_comes_back_exactly() {
+        let mut headers = http::HeaderMap::new();
+        headers.append("link", http::HeaderValue::from_static("<a>; rel=a"));
+        headers.append(
+            "content-type",
+            http::HeaderValue::from_static("application/json"),
+        );
+        headers.append("link", http::HeaderValue::from_static("<b>; rel=b"));
+        headers.append(
+            "x-binary",
+            http::HeaderValue::from_bytes(&[0x80, 0xff]).unwrap(),
+        );
+        for body in [None, Some(bytes::Bytes::new()), Some("{\"id\":1}".into())] {
+            for headers in [http::HeaderMap::new(), headers.clone()] {
+                let record =
+                    Record::from_parts(StatusCode::PAYMENT_REQUIRED, headers, body.clone());
+                let unpacked = Packed::pack(&record).unpack();
+                assert_eq!(unpacked, record);
+                let order: Vec<_> = unpacked.headers().iter().collect();
+                assert_eq!(order, record.headers().iter().collect::<Vec<_>>());
+            }
         }
     }
 

@@ -52,13 +52,14 @@ enum State {
 /// A completed record as the store keeps it: status, headers and body in one allocation, so
 /// that the hundreds of thousands of records a busy store holds for their TTL are one block
 /// each rather than the response's four (record, header table and entries, body), scattered
-/// among every request's short-lived allocations. Unpacked into a [`Record`] on replay.
-#[derive(Debug)]
+/// among every request's short-lived allocations. Unpacked into a [`Record`] on replay, whose
+/// body is a slice of the same buffer.
+#[derive(Debug, Clone)]
 struct Packed {
     status: http::StatusCode,
     /// Each header as name length, name, value length, value (lengths as 4-byte little-endian);
     /// then the body.
-    bytes: Box<[u8]>,
+    bytes: bytes::Bytes,
     /// Where the body starts in `bytes`, if it was kept.
     body_at: Option<usize>,
 }
@@ -80,7 +81,7 @@ impl Packed {
         bytes.extend_from_slice(body);
         Self {
             status: record.status(),
-            bytes: bytes.into_boxed_slice(),
+            bytes: bytes.into(),
             body_at,
         }
     }
@@ -101,9 +102,7 @@ impl Packed {
             }
             rest = after;
         }
-        let body = self
-            .body_at
-            .map(|at| bytes::Bytes::copy_from_slice(&self.bytes[at..]));
+        let body = self.body_at.map(|at| self.bytes.slice(at..));
         Record::from_parts(self.status, headers, body)
     }
 }
@@ -181,9 +180,12 @@ impl Store for MemoryStore {
                 expires_at,
                 ..
             }) => {
+                // A handle out of the lock; rebuilt into a record after it is released.
+                let (packed, expires_in) = (packed.clone(), *expires_at - now);
+                drop(records);
                 return Ok(Begin::Completed {
                     record: packed.unpack(),
-                    expires_in: Some(*expires_at - now),
+                    expires_in: Some(expires_in),
                 });
             }
             Some(Entry {

@@ -29,10 +29,26 @@ pub struct MemoryStore {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug, Default)]
+/// The records, split by key over [`SHARDS`] maps with a lock each: requests for different keys
+/// rarely wait on each other, and a map that grows rehashes one shard at a time, so no request
+/// waits behind a rehash of the whole store.
+#[derive(Debug)]
 struct Inner {
-    records: Mutex<HashMap<ScopeKey, Entry>>,
+    shards: Box<[Mutex<Records>]>,
     tokens: AtomicI64,
+}
+
+type Records = HashMap<ScopeKey, Entry>;
+
+const SHARDS: usize = 64;
+
+impl Default for Inner {
+    fn default() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            tokens: AtomicI64::new(0),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -128,7 +144,7 @@ impl MemoryStore {
 
     /// The number of records held, expired ones not yet deleted included.
     pub fn len(&self) -> usize {
-        self.records().len()
+        (0..SHARDS).map(|shard| self.shard(shard).len()).sum()
     }
 
     /// Whether no records are held.
@@ -136,22 +152,23 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn records(&self) -> MutexGuard<'_, HashMap<ScopeKey, Entry>> {
+    /// The shard that holds `key`, locked. Keys are SHA-256 digests, so any byte spreads them
+    /// evenly.
+    fn records(&self, key: &ScopeKey) -> MutexGuard<'_, Records> {
+        self.shard(usize::from(key.as_bytes()[0]) % SHARDS)
+    }
+
+    fn shard(&self, shard: usize) -> MutexGuard<'_, Records> {
         // Every critical section leaves the map consistent, so a panic elsewhere while the
         // lock was held does not make it unusable.
-        self.inner
-            .records
+        self.inner.shards[shard]
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Runs `f` on the entry still held by `lease`, if any.
-    fn with_held(
-        &self,
-        lease: &Lease,
-        f: impl FnOnce(&mut HashMap<ScopeKey, Entry>),
-    ) -> ClaimStatus {
-        let mut records = self.records();
+    fn with_held(&self, lease: &Lease, f: impl FnOnce(&mut Records)) -> ClaimStatus {
+        let mut records = self.records(&lease.key);
         match records.get(&lease.key) {
             Some(entry)
                 if entry.token == lease.token && matches!(entry.state, State::InFlight { .. }) =>
@@ -170,7 +187,7 @@ impl Store for MemoryStore {
 
     async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, Infallible> {
         let now = Instant::now();
-        let mut records = self.records();
+        let mut records = self.records(&request.key);
         let takeover = match records.get(&request.key) {
             None => false,
             Some(entry) if entry.expires_at <= now => false,
@@ -248,19 +265,22 @@ impl Store for MemoryStore {
 }
 
 impl ExpiredDeletion for MemoryStore {
+    /// Deletes up to `batch` expired records, holding one shard's lock at a time.
     async fn delete_expired(&self, batch: u32) -> Result<u64, Infallible> {
         let now = Instant::now();
-        let mut records = self.records();
-        let expired: Vec<ScopeKey> = records
-            .iter()
-            .filter(|(_, entry)| entry.expires_at <= now)
-            .map(|(key, _)| *key)
-            .take(batch as usize)
-            .collect();
-        for key in &expired {
-            records.remove(key);
+        let mut left = batch as usize;
+        for shard in 0..SHARDS {
+            if left == 0 {
+                break;
+            }
+            let mut records = self.shard(shard);
+            records.retain(|_, entry| {
+                let delete = left > 0 && entry.expires_at <= now;
+                left -= usize::from(delete);
+                !delete
+            });
         }
-        Ok(expired.len() as u64)
+        Ok((batch as usize - left) as u64)
     }
 }
 

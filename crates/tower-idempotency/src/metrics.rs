@@ -95,23 +95,47 @@ mod record {
 
 pub(crate) use record::*;
 
-/// Times a store operation (without the `metrics` feature, just runs it).
+/// Times a store operation.
 #[cfg(feature = "metrics")]
-pub(crate) async fn timed<T>(
-    operation: &'static str,
-    future: impl std::future::Future<Output = T>,
-) -> T {
-    let started = std::time::Instant::now();
-    let output = future.await;
-    store_operation(operation, started.elapsed());
-    output
+pub(crate) fn timed<F: std::future::Future>(operation: &'static str, future: F) -> Timed<F> {
+    Timed {
+        future,
+        operation,
+        started: None,
+    }
 }
 
-/// Times a store operation (without the `metrics` feature, just runs it).
+#[cfg(feature = "metrics")]
+pin_project_lite::pin_project! {
+    /// A store operation's future, timed from its first poll to its output. A struct rather
+    /// than an `async fn`, which would hold the operation's future twice (argument and awaited
+    /// copy).
+    pub(crate) struct Timed<F> {
+        #[pin]
+        future: F,
+        operation: &'static str,
+        started: Option<std::time::Instant>,
+    }
+}
+
+#[cfg(feature = "metrics")]
+impl<F: std::future::Future> std::future::Future for Timed<F> {
+    type Output = F::Output;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let this = self.project();
+        let started = *this.started.get_or_insert_with(std::time::Instant::now);
+        let output = std::task::ready!(this.future.poll(cx));
+        store_operation(this.operation, started.elapsed());
+        std::task::Poll::Ready(output)
+    }
+}
+
+/// Without the `metrics` feature, the operation itself.
 #[cfg(not(feature = "metrics"))]
-pub(crate) async fn timed<T>(
-    _operation: &'static str,
-    future: impl std::future::Future<Output = T>,
-) -> T {
-    future.await
+pub(crate) fn timed<F: std::future::Future>(_operation: &'static str, future: F) -> F {
+    future
 }

@@ -243,28 +243,16 @@ where
             &body,
         );
 
-        self.claim(parts, body, fingerprint).await
-    }
-
-    /// Claim the key, then run, replay or refuse.
-    async fn claim(
-        self,
-        parts: Parts,
-        body: Bytes,
-        fingerprint: Fingerprint,
-    ) -> Served<ResBody, S::Error> {
-        match self.cache.get(&self.scope_key, &fingerprint) {
-            Some(Hit::Replay(record)) => return Ok(replayed(&record)),
-            Some(Hit::Mismatch) => return Ok(mismatch()),
-            None => {}
-        }
-        let request = ClaimRequest {
-            key: self.scope_key,
+        // Claim, then run, replay or refuse.
+        let begin = match claim(
+            &*self.store,
+            &self.cache,
+            &self.config,
+            self.scope_key,
             fingerprint,
-            lease: self.config.lease,
-            ttl: self.config.ttl,
-        };
-        let begin = match metrics::timed("begin", self.store.begin(&request)).await {
+        )
+        .await
+        {
             Ok(begin) => begin,
             Err(error) => return self.store_failed(&error, parts, body).await,
         };
@@ -278,13 +266,7 @@ where
                 }
                 self.run(claim, takeover, parts, body).await
             }
-            Begin::Completed { record, expires_in } => {
-                if let Some(expires_in) = expires_in {
-                    self.cache
-                        .insert(self.scope_key, fingerprint, &record, expires_in);
-                }
-                Ok(replayed(&record))
-            }
+            Begin::Completed { record, .. } => Ok(replayed(&record)),
             Begin::InFlight { .. } => {
                 outcome(Outcome::Conflict);
                 Ok(reject(Rejection::new(
@@ -433,6 +415,42 @@ where
             }
         }
     }
+}
+
+/// The key's state: from the replay cache if it holds the key's record, otherwise from the
+/// store's atomic claim (a completed record it returns is cached for the next retry).
+async fn claim<St: Store>(
+    store: &St,
+    cache: &ReplayCache,
+    config: &Config,
+    key: ScopeKey,
+    fingerprint: Fingerprint,
+) -> Result<Begin<St::Claim>, St::Error> {
+    match cache.get(&key, &fingerprint) {
+        Some(Hit::Replay(record)) => {
+            return Ok(Begin::Completed {
+                record,
+                expires_in: None,
+            });
+        }
+        Some(Hit::Mismatch) => return Ok(Begin::Mismatch),
+        None => {}
+    }
+    let request = ClaimRequest {
+        key,
+        fingerprint,
+        lease: config.lease,
+        ttl: config.ttl,
+    };
+    let begin = metrics::timed("begin", store.begin(&request)).await?;
+    if let Begin::Completed {
+        record,
+        expires_in: Some(expires_in),
+    } = &begin
+    {
+        cache.insert(key, fingerprint, record, *expires_in);
+    }
+    Ok(begin)
 }
 
 /// Runs `future` while renewing `claim`'s lease every third of `lease`. Renewal runs beside the

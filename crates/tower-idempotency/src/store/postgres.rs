@@ -10,6 +10,7 @@ use std::{
 };
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, Transaction, migrate::Migrator, postgres::PgRow};
 
@@ -591,15 +592,18 @@ impl PostgresStore {
         Ok(rows as u64)
     }
 
-    async fn timed<T>(
+    /// `future` under the store's timeout. A plain function rather than an `async fn`, which
+    /// would hold `future` twice (argument and awaited copy): sqlx's futures run to kilobytes.
+    fn timed<T>(
         &self,
         operation: &'static str,
         future: impl Future<Output = Result<T, sqlx::Error>>,
-    ) -> Result<T, PostgresStoreError> {
-        match tokio::time::timeout(self.timeout, future).await {
+    ) -> impl Future<Output = Result<T, PostgresStoreError>> {
+        let after = self.timeout;
+        tokio::time::timeout(after, future).map(move |timed| match timed {
             Ok(result) => result.map_err(PostgresStoreError::from),
-            Err(_) => Err(self.timeout_error(operation)),
-        }
+            Err(_) => Err(PostgresStoreError::Timeout { operation, after }),
+        })
     }
 
     fn timeout_error(&self, operation: &'static str) -> PostgresStoreError {
@@ -1067,7 +1071,9 @@ impl Store for PostgresStore {
 
     async fn begin(&self, request: &ClaimRequest) -> Result<Begin<PgClaim>, PostgresStoreError> {
         if self.transactional {
-            self.begin_transactional(request).await
+            // Boxed: opening a transaction is a large future, which would otherwise make every
+            // lease-mode request's future as large.
+            Box::pin(self.begin_transactional(request)).await
         } else {
             self.begin_lease(request).await
         }

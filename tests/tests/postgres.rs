@@ -297,6 +297,82 @@ mod postgres_only {
         }
     }
 
+    /// Claims and completions batched side by side: while the responses of 32 held keys are
+    /// stored, 32 new keys are claimed and each of the 32 held keys is retried, all at once.
+    /// Each new key is acquired once, a retry never acquires a key that is held or completed
+    /// (it is in flight or replays), and each completed key replays its own record.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claims_and_completions_batched_together_stay_apart() {
+        use tower_idempotency::{
+            Fingerprint, Record, ScopeKey,
+            store::{Begin, ClaimRequest, ClaimStatus, Store},
+        };
+
+        enum Done {
+            Completed(u8, ClaimStatus),
+            Claimed(u8, Begin<tower_idempotency::store::PgClaim>),
+        }
+
+        let (_db, store) = migrated().await;
+        let request = |i: u8| ClaimRequest {
+            key: ScopeKey::from_bytes([i; 32]),
+            fingerprint: Fingerprint::from_bytes([i; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        };
+        let record = |i: u8| {
+            Record::from_parts(
+                http::StatusCode::CREATED,
+                Default::default(),
+                Some(format!("charge {i}").into()),
+            )
+        };
+        let mut held = Vec::new();
+        for i in 0..32u8 {
+            match store.begin(&request(i)).await.expect("begin") {
+                Begin::Acquired { claim, .. } => held.push((i, claim)),
+                other => panic!("key {i}: {other:?}"),
+            }
+        }
+
+        let mut tasks = JoinSet::new();
+        for (i, claim) in held {
+            let store = store.clone();
+            tasks.spawn(async move {
+                Done::Completed(
+                    i,
+                    store.complete(&claim, &record(i)).await.expect("complete"),
+                )
+            });
+        }
+        for i in (0..32u8).chain(100..132) {
+            let store = store.clone();
+            tasks.spawn(
+                async move { Done::Claimed(i, store.begin(&request(i)).await.expect("begin")) },
+            );
+        }
+        let mut acquired = Vec::new();
+        while let Some(done) = tasks.join_next().await {
+            match done.expect("task") {
+                Done::Completed(i, status) => assert_eq!(status, ClaimStatus::Held, "key {i}"),
+                Done::Claimed(i, Begin::Acquired { .. }) if i >= 100 => acquired.push(i),
+                Done::Claimed(i, Begin::InFlight { .. }) if i < 32 => {}
+                Done::Claimed(i, Begin::Completed { record: stored, .. }) if i < 32 => {
+                    assert_eq!(stored, record(i), "key {i}");
+                }
+                Done::Claimed(i, other) => panic!("key {i}: {other:?}"),
+            }
+        }
+        acquired.sort_unstable();
+        assert_eq!(acquired, (100..132).collect::<Vec<_>>());
+        for i in 0..32u8 {
+            match store.begin(&request(i)).await.expect("replay") {
+                Begin::Completed { record: stored, .. } => assert_eq!(stored, record(i), "key {i}"),
+                other => panic!("key {i}: {other:?}"),
+            }
+        }
+    }
+
     /// A claim written in a batch for a request that has gone meanwhile (cancelled while it
     /// waited) is released at once, not left in flight until its lease lapses.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -329,11 +405,21 @@ mod postgres_only {
             let (store, request) = (store.clone(), request.clone());
             async move { store.begin(&request).await }
         });
-        wait_until(&db, "SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%unnest%'").await;
+        wait_until(&db, "SELECT count(*) = 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%unnest%'").await;
         // The request goes away; then the batch gets through and claims the key for no one.
         claiming.abort();
         assert!(claiming.await.expect_err("aborted").is_cancelled());
         blocker.rollback().await.expect("rollback");
+        // The batch commits its claim (the row is invisible until then, so "no row" alone
+        // would not tell a release from a batch still under way)...
+        wait_until(
+            &db,
+            "SELECT count(*) = 0 FROM pg_stat_activity
+             WHERE datname = current_database() AND state <> 'idle'
+               AND query LIKE '%unnest%' AND pid <> pg_backend_pid()",
+        )
+        .await;
+        // ...and the claim is released.
         wait_until(&db, "SELECT count(*) = 0 FROM idempotency.records").await;
         assert!(matches!(
             store.begin(&request).await.expect("begin"),

@@ -273,12 +273,12 @@ impl ExpiredDeletion for MemoryStore {
             if left == 0 {
                 break;
             }
-            let mut records = self.shard(shard);
-            records.retain(|_, entry| {
-                let delete = left > 0 && entry.expires_at <= now;
-                left -= usize::from(delete);
-                !delete
-            });
+            // Removes only what it yields, so it stops at the batch's end.
+            left -= self
+                .shard(shard)
+                .extract_if(|_, entry| entry.expires_at <= now)
+                .take(left)
+                .count();
         }
         Ok((batch as usize - left) as u64)
     }

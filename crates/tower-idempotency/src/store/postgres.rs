@@ -599,10 +599,9 @@ impl PostgresStore {
         operation: &'static str,
         future: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> impl Future<Output = Result<T, PostgresStoreError>> {
-        let after = self.timeout;
-        tokio::time::timeout(after, future).map(move |timed| match timed {
+        tokio::time::timeout(self.timeout, future).map(move |timed| match timed {
             Ok(result) => result.map_err(PostgresStoreError::from),
-            Err(_) => Err(PostgresStoreError::Timeout { operation, after }),
+            Err(_) => Err(self.timeout_error(operation)),
         })
     }
 

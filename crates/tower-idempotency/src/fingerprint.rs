@@ -334,6 +334,53 @@ mod tests {
     const JSON: Option<&str> = Some("application/json");
     const FORM: Option<&str> = Some("application/x-www-form-urlencoded");
 
+    /// Stored records are matched by fingerprint, so a new version must compute the same
+    /// fingerprint as the last for the same request, or a rolling deploy would answer retries
+    /// of keys claimed before it with `422`. Changing these values is a breaking change.
+    #[test]
+    fn fingerprints_stay_the_same_between_versions() {
+        let cases = [
+            (
+                "/v1/charges",
+                JSON,
+                r#"{"amount":1000,"currency":"usd","description":"idempotency-bench"}"#,
+                "776fe25707a4e836da7829bda75984d5d8700da8b7a2223ab1868f48125efd45",
+            ),
+            (
+                "/v1/charges?expand[]=customer",
+                Some("application/json; charset=utf-8"),
+                r#" {"z":[1.50,-0,1e2,"caf\u00e9\n"],"a":{"y":null,"x":true},"a":false} "#,
+                "b8eb5258ee8bef6c6e3dbf6ba53a57b47db222fe942f2084a693cd584f16bad7",
+            ),
+            (
+                "/v1/charges",
+                FORM,
+                "currency=usd&amount=1000&metadata%5Border%5D=6735+x",
+                "cd517df44308996e6f5bc1afd5f315f66347ea8845613de6df78064a94d04a4b",
+            ),
+            (
+                "/v1/charges",
+                Some("text/plain"),
+                "hello",
+                "5e4921329eb6e4393876af72a304dd694896256f6a4001a6a1bf6d93a63ebf68",
+            ),
+            (
+                "/v1/charges",
+                JSON,
+                "{not json",
+                "eabaac70d1783ebefacc1ef31f55e95bff29a8621bf4823e3fd8867b114bacd8",
+            ),
+        ];
+        for (uri, content_type, body, expected) in cases {
+            let fingerprint = fp(FingerprintMode::Semantic, uri, content_type, body);
+            assert_eq!(
+                format!("{fingerprint:?}"),
+                format!("Fingerprint({expected})"),
+                "{body}"
+            );
+        }
+    }
+
     #[test]
     fn json_objects_are_sorted_and_compacted() {
         assert_eq!(

@@ -34,7 +34,10 @@
 use std::{borrow::Cow, fmt};
 
 use http::{HeaderValue, Method, Uri};
-use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::{
+    Serialize,
+    de::{Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor},
+};
 use sha2::{Digest, Sha256};
 
 /// How request bodies are compared; see the [module documentation](self).
@@ -173,101 +176,159 @@ fn put_pairs(hasher: &mut Sha256, encoded: &[u8]) {
 ///
 /// When `input` is not a single valid JSON document.
 pub fn canonical_json(input: &[u8]) -> Result<Vec<u8>, serde_json::Error> {
-    serde_json::from_slice::<Canonical>(input).map(|canonical| canonical.0)
+    // The canonical form is never longer than the input, except for the rare number written
+    // shorter than its canonical form (`1e9`).
+    let mut out = Vec::with_capacity(input.len());
+    let mut deserializer = serde_json::Deserializer::from_slice(input);
+    Canonical(&mut out).deserialize(&mut deserializer)?;
+    deserializer.end()?;
+    Ok(out)
 }
 
-/// A JSON value's canonical bytes.
-struct Canonical(Vec<u8>);
+/// Writes the canonical form of the JSON value it is given to the end of its buffer: values
+/// are written as they are read, into one buffer, and an object's members are only moved when
+/// they arrive out of order.
+struct Canonical<'a>(&'a mut Vec<u8>);
 
-impl<'de> Deserialize<'de> for Canonical {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(CanonicalVisitor)
+impl<'de> DeserializeSeed<'de> for Canonical<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
     }
 }
-
-struct CanonicalVisitor;
 
 /// Integers below this magnitude are exact as doubles, so `1.0`, `1e0` and `1` meet there.
 const EXACT_INTEGER_LIMIT: f64 = 9_007_199_254_740_992.0; // 2^53
 
-impl<'de> Visitor<'de> for CanonicalVisitor {
-    type Value = Canonical;
+impl<'de> Visitor<'de> for Canonical<'_> {
+    type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON value")
     }
 
-    fn visit_unit<E>(self) -> Result<Canonical, E> {
-        Ok(Canonical(b"null".to_vec()))
+    fn visit_unit<E>(self) -> Result<(), E> {
+        self.0.extend_from_slice(b"null");
+        Ok(())
     }
 
-    fn visit_bool<E>(self, v: bool) -> Result<Canonical, E> {
-        Ok(Canonical(if v {
-            b"true".to_vec()
-        } else {
-            b"false".to_vec()
-        }))
+    fn visit_bool<E>(self, v: bool) -> Result<(), E> {
+        self.0.extend_from_slice(if v { b"true" } else { b"false" });
+        Ok(())
     }
 
-    fn visit_i64<E>(self, v: i64) -> Result<Canonical, E> {
-        Ok(Canonical(v.to_string().into_bytes()))
+    fn visit_i64<E>(self, v: i64) -> Result<(), E> {
+        write_json(self.0, &v);
+        Ok(())
     }
 
-    fn visit_u64<E>(self, v: u64) -> Result<Canonical, E> {
-        Ok(Canonical(v.to_string().into_bytes()))
+    fn visit_u64<E>(self, v: u64) -> Result<(), E> {
+        write_json(self.0, &v);
+        Ok(())
     }
 
-    fn visit_f64<E>(self, v: f64) -> Result<Canonical, E> {
+    fn visit_f64<E>(self, v: f64) -> Result<(), E> {
         if v.fract() == 0.0 && v.abs() < EXACT_INTEGER_LIMIT {
             // Exact: the value is an integer below 2^53.
-            return Ok(Canonical((v as i64).to_string().into_bytes()));
+            write_json(self.0, &(v as i64));
+            return Ok(());
         }
-        // JSON numbers are finite, so this is always `Some`; ryu's shortest round-trip form.
-        let text = serde_json::Number::from_f64(v).map_or_else(String::new, |n| n.to_string());
-        Ok(Canonical(text.into_bytes()))
+        // JSON numbers are finite, so serde_json writes ryu's shortest round-trip form.
+        write_json(self.0, &v);
+        Ok(())
     }
 
-    fn visit_str<E>(self, v: &str) -> Result<Canonical, E> {
-        Ok(Canonical(json_string(v)))
+    fn visit_str<E>(self, v: &str) -> Result<(), E> {
+        write_json(self.0, v);
+        Ok(())
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Canonical, A::Error> {
-        let mut out = b"[".to_vec();
-        while let Some(Canonical(element)) = seq.next_element()? {
-            if out.len() > 1 {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let out = self.0;
+        out.push(b'[');
+        let mut first = true;
+        loop {
+            let comma = out.len();
+            if !first {
                 out.push(b',');
             }
-            out.extend_from_slice(&element);
+            if seq.next_element_seed(Canonical(out))?.is_none() {
+                out.truncate(comma);
+                break;
+            }
+            first = false;
         }
         out.push(b']');
-        Ok(Canonical(out))
+        Ok(())
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Canonical, A::Error> {
-        let mut members: Vec<(String, Canonical)> = Vec::new();
-        while let Some(member) = map.next_entry()? {
-            members.push(member);
-        }
-        // Stable: members with the same name keep their order.
-        members.sort_by(|(a, _), (b, _)| a.cmp(b));
-        let mut out = b"{".to_vec();
-        for (i, (name, Canonical(value))) in members.iter().enumerate() {
-            if i > 0 {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let out = self.0;
+        let start = out.len();
+        out.push(b'{');
+        // Each member's name and where its `"name":value` was written.
+        let mut members: Vec<(Name<'de>, usize, usize)> = Vec::new();
+        while let Some(name) = map.next_key::<Name<'de>>()? {
+            if !members.is_empty() {
                 out.push(b',');
             }
-            out.extend_from_slice(&json_string(name));
+            let at = out.len();
+            write_json(out, &*name.0);
             out.push(b':');
-            out.extend_from_slice(value);
+            map.next_value_seed(Canonical(&mut *out))?;
+            members.push((name, at, out.len()));
         }
         out.push(b'}');
-        Ok(Canonical(out))
+        // Stable: members with the same name keep their order. Usually already in order.
+        if !members.is_sorted_by(|(a, ..), (b, ..)| a.0 <= b.0) {
+            let written = out.split_off(start);
+            members.sort_by(|(a, ..), (b, ..)| a.0.cmp(&b.0));
+            out.push(b'{');
+            for (i, (_, from, to)) in members.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(&written[from - start..to - start]);
+            }
+            out.push(b'}');
+        }
+        Ok(())
     }
 }
 
-/// A string as JSON, with serde_json's minimal escaping.
-fn json_string(s: &str) -> Vec<u8> {
-    // Serialising a `str` into a `Vec` cannot fail.
-    serde_json::to_vec(s).unwrap_or_default()
+/// An object member's name, borrowed from the input unless it had escapes to decode.
+struct Name<'de>(Cow<'de, str>);
+
+impl<'de> Deserialize<'de> for Name<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct NameVisitor;
+
+        impl<'de> Visitor<'de> for NameVisitor {
+            type Value = Name<'de>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object member name")
+            }
+
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Name<'de>, E> {
+                Ok(Name(Cow::Borrowed(v)))
+            }
+
+            fn visit_str<E>(self, v: &str) -> Result<Name<'de>, E> {
+                Ok(Name(Cow::Owned(v.to_owned())))
+            }
+        }
+
+        deserializer.deserialize_str(NameVisitor)
+    }
+}
+
+/// Appends a number or string as serde_json writes it: strings minimally escaped, integers in
+/// decimal, other numbers in ryu's shortest round-trip form.
+fn write_json<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) {
+    // Serialising a number or `str` into a `Vec` cannot fail.
+    let _ = value.serialize(&mut serde_json::Serializer::new(out));
 }
 
 /// A decoded form or query pair: name and value bytes.

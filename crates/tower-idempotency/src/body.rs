@@ -221,10 +221,11 @@ pub(crate) enum Buffered<B> {
 
 /// Reads `body` into one contiguous buffer of at most `limit` bytes. A single-frame body is
 /// taken without copying; otherwise the buffer is sized from the size hint, so a body is held
-/// in memory at most once.
-pub(crate) async fn buffer<B>(mut body: Pin<Box<B>>, limit: usize) -> Buffered<Pin<Box<B>>>
+/// in memory at most once. A body that is not `Unpin` is passed pinned (`Pin<&mut B>` if the
+/// rest is not needed, `Pin<Box<B>>` if it is).
+pub(crate) async fn buffer<B>(mut body: B, limit: usize) -> Buffered<B>
 where
-    B: Body<Data = Bytes>,
+    B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
     let hint = body.size_hint();

@@ -1,10 +1,8 @@
 //! The response future of [`Idempotency`](crate::Idempotency).
 
 use std::{
-    any::Any,
     fmt,
     future::Future,
-    marker::PhantomData,
     pin::Pin,
     task::{Context, Poll},
 };
@@ -17,9 +15,8 @@ use crate::{body::ResponseBody, problem::Rejection};
 /// What a keyed request's future yields.
 type Output<B, E> = Result<Response<ResponseBody<B>>, E>;
 
-/// A keyed request's future, its output type erased so that it can be moved into a task of its
-/// own without bounds on the response future's type parameters.
-type ErasedFuture = Pin<Box<dyn Future<Output = Box<dyn Any + Send>> + Send>>;
+/// A keyed request's future.
+type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Output<B, E>> + Send>>;
 
 pin_project! {
     /// Response future of [`Idempotency`](crate::Idempotency).
@@ -57,22 +54,20 @@ impl<F, B, E> ResponseFuture<F, B, E> {
         }
     }
 
-    /// A keyed request's future; with `detach`, finished in a task of its own if this response
-    /// future is dropped first (see [`Disconnect`](crate::Disconnect)).
-    pub(crate) fn keyed<Fut>(future: Fut, detach: bool) -> Self
+    /// A keyed request's future, boxed where it was made (moving the large state machine
+    /// would copy it); with `detach`, finished in a task of its own if this response future is
+    /// dropped first (see [`Disconnect`](crate::Disconnect)).
+    pub(crate) fn keyed<Fut>(future: Pin<Box<Fut>>, detach: bool) -> Self
     where
-        Fut: Future<Output = Result<Response<ResponseBody<B>>, E>> + Send + 'static,
+        Fut: Future<Output = Output<B, E>> + Send + 'static,
         B: Send + 'static,
         E: Send + 'static,
     {
-        let erased: ErasedFuture =
-            Box::pin(async move { Box::new(future.await) as Box<dyn Any + Send> });
         Self {
             kind: Kind::Keyed {
                 keyed: Detachable {
-                    future: Some(erased),
-                    detach,
-                    output: PhantomData,
+                    future: Some(future),
+                    detach: detach.then_some(finish_detached::<B, E>),
                 },
             },
         }
@@ -82,8 +77,6 @@ impl<F, B, E> ResponseFuture<F, B, E> {
 impl<F, B, E> Future for ResponseFuture<F, B, E>
 where
     F: Future<Output = Result<Response<B>, E>>,
-    B: 'static,
-    E: 'static,
 {
     type Output = Result<Response<ResponseBody<B>>, E>;
 
@@ -107,43 +100,42 @@ where
 /// only when that is dropped unfinished (hyper drops it when the client disconnects) is the
 /// already-boxed future moved, as it stands, into a task that runs it to completion.
 struct Detachable<B, E> {
-    future: Option<ErasedFuture>,
-    detach: bool,
-    output: PhantomData<fn() -> Output<B, E>>,
+    future: Option<BoxFuture<B, E>>,
+    /// Spawns the unfinished future; made where `B` and `E` are known to be `Send`, which
+    /// spawning needs and the response future's own bounds do not promise.
+    detach: Option<fn(BoxFuture<B, E>)>,
 }
 
-impl<B: 'static, E: 'static> Detachable<B, E> {
-    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Response<ResponseBody<B>>, E>> {
+impl<B, E> Detachable<B, E> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Output<B, E>> {
         let future = self.future.as_mut().expect("polled after completion");
         let output = std::task::ready!(future.as_mut().poll(cx));
         self.future = None;
-        match output.downcast::<Result<Response<ResponseBody<B>>, E>>() {
-            Ok(output) => Poll::Ready(*output),
-            Err(_) => unreachable!("the erased future's output is the type it was built with"),
-        }
+        Poll::Ready(output)
     }
 }
 
 impl<B, E> Drop for Detachable<B, E> {
     fn drop(&mut self) {
-        let Some(future) = self.future.take() else {
-            return;
-        };
-        if !self.detach {
-            return;
+        if let (Some(future), Some(detach)) = (self.future.take(), self.detach) {
+            detach(future);
         }
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                tracing::debug!("client went away; finishing the request in the background");
-                runtime.spawn(async move {
-                    // Its answer has no one to go to; what matters is that it completes.
-                    let _ = future.await;
-                });
-            }
-            Err(_) => tracing::warn!(
-                "an idempotent request was dropped outside a Tokio runtime and cannot finish"
-            ),
+    }
+}
+
+/// Runs an abandoned keyed request to completion in a task of its own.
+fn finish_detached<B: Send + 'static, E: Send + 'static>(future: BoxFuture<B, E>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            tracing::debug!("client went away; finishing the request in the background");
+            runtime.spawn(async move {
+                // Its answer has no one to go to; what matters is that it completes.
+                let _ = future.await;
+            });
         }
+        Err(_) => tracing::warn!(
+            "an idempotent request was dropped outside a Tokio runtime and cannot finish"
+        ),
     }
 }
 

@@ -65,22 +65,22 @@ impl IdempotencyKey {
     /// A [`KeyError`] saying why the value is not a valid key.
     pub fn parse(value: &HeaderValue) -> Result<Self, KeyError> {
         let raw = trim_ows(value.as_bytes());
-        let key = if raw.first() == Some(&b'"') {
+        if raw.first() == Some(&b'"') {
             let item: sfv::Item = sfv::Parser::new(raw)
                 .parse_item()
                 .map_err(|err| KeyError::Malformed(err.to_string()))?;
             match item.bare_item.as_string() {
-                Some(s) => s.as_str().to_owned(),
-                None => return Err(KeyError::Malformed("not a string".to_owned())),
+                Some(s) => Self::checked(s.as_str()),
+                None => Err(KeyError::Malformed("not a string".to_owned())),
             }
         } else {
             if let Some(&byte) = raw.iter().find(|b| !is_bare_key_byte(**b)) {
                 return Err(KeyError::InvalidCharacter(byte));
             }
             // Every byte is printable ASCII, so this cannot fail.
-            String::from_utf8_lossy(raw).into_owned()
-        };
-        Self::new(key)
+            let key = std::str::from_utf8(raw).map_err(|e| KeyError::Malformed(e.to_string()))?;
+            Self::checked(key)
+        }
     }
 
     /// Makes a key from its unquoted text, checking its length and characters.
@@ -89,7 +89,10 @@ impl IdempotencyKey {
     ///
     /// [`KeyError::Empty`], [`KeyError::TooLong`] or [`KeyError::InvalidCharacter`].
     pub fn new(key: impl Into<String>) -> Result<Self, KeyError> {
-        let key = key.into();
+        Self::checked(&key.into())
+    }
+
+    fn checked(key: &str) -> Result<Self, KeyError> {
         if key.is_empty() {
             return Err(KeyError::Empty);
         }

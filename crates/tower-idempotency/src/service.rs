@@ -176,7 +176,7 @@ where
         let detach = self.config.disconnect == Disconnect::RunToCompletion;
         // Boxed where it is made: moving this large state machine into the response future
         // would copy it, where moving the box copies a pointer.
-        ResponseFuture::keyed(Box::pin(keyed.serve(parts, body)).instrument(span), detach)
+        ResponseFuture::keyed(Box::pin(keyed.serve(parts, body).instrument(span)), detach)
     }
 }
 
@@ -210,8 +210,8 @@ where
     async fn serve(self, parts: Parts, body: ReqBody) -> Served<ResBody, S::Error> {
         let limit = self.config.max_body_bytes;
         let timeout = self.config.body_timeout;
-        let Ok(buffered) = tokio::time::timeout(timeout, body::buffer(Box::pin(body), limit)).await
-        else {
+        let body = pin!(body);
+        let Ok(buffered) = tokio::time::timeout(timeout, body::buffer(body, limit)).await else {
             return Ok(reject(Rejection::new(
                 RejectionKind::BodyTimeout,
                 format!(

@@ -1,5 +1,5 @@
 use std::{
-    collections::HashMap,
+    collections::{HashMap, hash_map},
     convert::Infallible,
     sync::{
         Arc, Mutex, MutexGuard,
@@ -166,14 +166,19 @@ impl MemoryStore {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Runs `f` on the entry still held by `lease`, if any.
-    fn with_held(&self, lease: &Lease, f: impl FnOnce(&mut Records)) -> ClaimStatus {
+    /// Runs `f` on the entry still held by `lease`, if any, found with one probe of the map.
+    fn with_held(
+        &self,
+        lease: &Lease,
+        f: impl FnOnce(hash_map::OccupiedEntry<'_, ScopeKey, Entry>),
+    ) -> ClaimStatus {
         let mut records = self.records(&lease.key);
-        match records.get(&lease.key) {
-            Some(entry)
-                if entry.token == lease.token && matches!(entry.state, State::InFlight { .. }) =>
+        match records.entry(lease.key) {
+            hash_map::Entry::Occupied(entry)
+                if entry.get().token == lease.token
+                    && matches!(entry.get().state, State::InFlight { .. }) =>
             {
-                f(&mut records);
+                f(entry);
                 ClaimStatus::Held
             }
             _ => ClaimStatus::Lost,
@@ -188,46 +193,47 @@ impl Store for MemoryStore {
     async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, Infallible> {
         let now = Instant::now();
         let mut records = self.records(&request.key);
-        let takeover = match records.get(&request.key) {
-            None => false,
-            Some(entry) if entry.expires_at <= now => false,
-            Some(entry) if entry.fingerprint != request.fingerprint => return Ok(Begin::Mismatch),
-            Some(Entry {
-                state: State::Completed(packed),
-                expires_at,
-                ..
-            }) => {
-                // A handle out of the lock; rebuilt into a record after it is released.
-                let (packed, expires_in) = (packed.clone(), *expires_at - now);
-                drop(records);
-                return Ok(Begin::Completed {
-                    record: packed.unpack(),
-                    expires_in: Some(expires_in),
-                });
-            }
-            Some(Entry {
-                state: State::InFlight { lease_until },
-                ..
-            }) if *lease_until > now => {
-                return Ok(Begin::InFlight {
-                    lease_remaining: Some(*lease_until - now),
-                });
-            }
-            Some(_) => true,
+        // One probe of the map, whatever the outcome.
+        let entry = records.entry(request.key);
+        let takeover = match &entry {
+            hash_map::Entry::Vacant(_) => false,
+            hash_map::Entry::Occupied(held) => match held.get() {
+                entry if entry.expires_at <= now => false,
+                entry if entry.fingerprint != request.fingerprint => return Ok(Begin::Mismatch),
+                Entry {
+                    state: State::Completed(packed),
+                    expires_at,
+                    ..
+                } => {
+                    // A handle out of the lock; rebuilt into a record after it is released.
+                    let (packed, expires_in) = (packed.clone(), *expires_at - now);
+                    drop(records);
+                    return Ok(Begin::Completed {
+                        record: packed.unpack(),
+                        expires_in: Some(expires_in),
+                    });
+                }
+                Entry {
+                    state: State::InFlight { lease_until },
+                    ..
+                } if *lease_until > now => {
+                    return Ok(Begin::InFlight {
+                        lease_remaining: Some(*lease_until - now),
+                    });
+                }
+                Entry { .. } => true,
+            },
         };
         let token = self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1;
-        records.insert(
-            request.key,
-            Entry {
-                fingerprint: request.fingerprint,
-                token,
-                // A claim in flight outlives its TTL until its lease ends.
-                expires_at: now + request.ttl.max(request.lease),
-                state: State::InFlight {
-                    lease_until: now + request.lease,
-                },
+        entry.insert_entry(Entry {
+            fingerprint: request.fingerprint,
+            token,
+            // A claim in flight outlives its TTL until its lease ends.
+            expires_at: now + request.ttl.max(request.lease),
+            state: State::InFlight {
+                lease_until: now + request.lease,
             },
-        );
+        });
         Ok(Begin::Acquired {
             claim: Lease {
                 key: request.key,
@@ -238,28 +244,25 @@ impl Store for MemoryStore {
     }
 
     async fn renew(&self, claim: &Lease, lease: Duration) -> Result<ClaimStatus, Infallible> {
-        Ok(self.with_held(claim, |records| {
-            if let Some(entry) = records.get_mut(&claim.key) {
-                let lease_until = Instant::now() + lease;
-                entry.expires_at = entry.expires_at.max(lease_until);
-                entry.state = State::InFlight { lease_until };
-            }
+        Ok(self.with_held(claim, |mut held| {
+            let entry = held.get_mut();
+            let lease_until = Instant::now() + lease;
+            entry.expires_at = entry.expires_at.max(lease_until);
+            entry.state = State::InFlight { lease_until };
         }))
     }
 
     async fn complete(&self, claim: &Lease, record: &Record) -> Result<ClaimStatus, Infallible> {
         // Packed outside the lock.
         let packed = Packed::pack(record);
-        Ok(self.with_held(claim, |records| {
-            if let Some(entry) = records.get_mut(&claim.key) {
-                entry.state = State::Completed(packed);
-            }
+        Ok(self.with_held(claim, |mut held| {
+            held.get_mut().state = State::Completed(packed);
         }))
     }
 
     async fn release(&self, claim: &Lease) -> Result<ClaimStatus, Infallible> {
-        Ok(self.with_held(claim, |records| {
-            records.remove(&claim.key);
+        Ok(self.with_held(claim, |held| {
+            held.remove();
         }))
     }
 }

@@ -7,7 +7,7 @@ use std::{
     future::Future,
     marker::PhantomData,
     panic::AssertUnwindSafe,
-    pin::pin,
+    pin::{Pin, pin},
     sync::Arc,
     task::{Context, Poll},
     time::Duration,
@@ -211,13 +211,24 @@ where
         let limit = self.config.max_body_bytes;
         let timeout = self.config.body_timeout;
         let body = pin!(body);
-        let Ok(buffered) = tokio::time::timeout(timeout, body::buffer(body, limit)).await else {
-            return Ok(reject(Rejection::new(
-                RejectionKind::BodyTimeout,
-                format!(
-                    "the request body did not arrive within {timeout:?}; nothing was processed"
-                ),
-            )));
+        let mut buffering = pin!(body::buffer(body, limit));
+        // A small body has usually arrived with the head: only a body still on its way gets a
+        // timer (which costs a clock read and a count on the runtime handle shared by every
+        // worker thread).
+        let buffered = match poll_once(buffering.as_mut()).await {
+            Poll::Ready(buffered) => buffered,
+            Poll::Pending => match tokio::time::timeout(timeout, buffering).await {
+                Ok(buffered) => buffered,
+                Err(_) => {
+                    return Ok(reject(Rejection::new(
+                        RejectionKind::BodyTimeout,
+                        format!(
+                            "the request body did not arrive within {timeout:?}; nothing was \
+                             processed"
+                        ),
+                    )));
+                }
+            },
         };
         let body = match buffered {
             Buffered::Complete(body) => body,
@@ -464,9 +475,7 @@ async fn with_heartbeat<St: Store, F: Future>(
 ) -> F::Output {
     let mut future = pin!(future);
     // A handler that answers without waiting needs no heartbeat: don't even start the timer.
-    if let Poll::Ready(output) =
-        std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
-    {
+    if let Poll::Ready(output) = poll_once(future.as_mut()).await {
         return output;
     }
     let period = lease / 3;
@@ -498,6 +507,12 @@ async fn with_heartbeat<St: Store, F: Future>(
             },
         }
     }
+}
+
+/// Polls `future` once, in the task's context: `Pending` leaves it to be awaited on. Used to skip
+/// setting up a timer for work that turns out to be done already.
+async fn poll_once<F: Future>(mut future: Pin<&mut F>) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
 }
 
 /// A held claim that is released if dropped unsettled: a cancelled request (see

@@ -430,6 +430,82 @@ mod postgres_only {
         ));
     }
 
+    /// The connection a batch writer keeps between batches can die under it (a server restart,
+    /// a terminated backend): that batch's claims go alone, the connection is not reused, and
+    /// the batches queued behind it go out on a fresh one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_whose_connection_dies_is_claimed_alone_and_batching_goes_on() {
+        use tower_idempotency::{
+            Fingerprint, ScopeKey,
+            store::{Begin, ClaimRequest, Store},
+        };
+
+        let (db, store) = migrated().await;
+        let request = |i: u8| ClaimRequest {
+            key: ScopeKey::from_bytes([i; 32]),
+            fingerprint: Fingerprint::from_bytes([i; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        };
+        let claim = |i: u8| {
+            let store = store.clone();
+            tokio::spawn(async move { (i, store.begin(&request(i)).await) })
+        };
+        // Another transaction holds key 0's row uncommitted: the first batch waits on it.
+        let mut blocker = db.pool().begin().await.expect("begin");
+        sqlx::query(
+            "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
+             VALUES ($1, $2, 0, now() + interval '1 hour', now() + interval '30 s')",
+        )
+        .bind(&[0u8; 32][..])
+        .bind(&[0u8; 32][..])
+        .execute(&mut *blocker)
+        .await
+        .expect("blocking insert");
+        let mut claims = vec![claim(0)];
+        wait_until(&db, "SELECT count(*) = 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%unnest%'").await;
+        // Eight more queue behind that batch.
+        claims.extend((1..=8).map(claim));
+        // The batch writer's connection dies mid-batch.
+        let terminated: bool = sqlx::query_scalar(
+            "SELECT bool_and(pg_terminate_backend(pid)) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'
+               AND query LIKE '%unnest%' AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(db.pool())
+        .await
+        .expect("terminate");
+        assert!(terminated);
+        // The blocker gives key 0 up; its claim, sent alone after the failed batch, gets it.
+        blocker.rollback().await.expect("rollback");
+        for claimed in claims {
+            let (i, begin) = claimed.await.expect("task");
+            assert!(
+                matches!(
+                    begin,
+                    Ok(Begin::Acquired {
+                        takeover: false,
+                        ..
+                    })
+                ),
+                "key {i}: {begin:?}"
+            );
+        }
+        // Batching goes on.
+        for claimed in (9..=16).map(claim) {
+            let (i, begin) = claimed.await.expect("task");
+            assert!(
+                matches!(begin, Ok(Begin::Acquired { .. })),
+                "key {i}: {begin:?}"
+            );
+        }
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency.records")
+            .fetch_one(db.pool())
+            .await
+            .expect("count");
+        assert_eq!(rows, 17);
+    }
+
     /// Polls `condition` (a query returning one boolean) until it holds: for what happens in
     /// a background task with nothing to signal it. Bounded: fails after 10 s.
     async fn wait_until(db: &TestDb, condition: &'static str) {

@@ -7,6 +7,10 @@
 //! so a lone request goes out at once, and under load the cost of a round trip and a commit is
 //! shared by every request that arrived during the previous one.
 //!
+//! The flusher carries a state of the caller's choosing from one batch to the next (the
+//! PostgreSQL store keeps its connection there, so back-to-back batches skip the pool); the
+//! state is dropped when the queue is empty and the flusher stops.
+//!
 //! The flusher is a task of its own, so a request dropped while it waits (its client hung up
 //! and the app chose to cancel) takes no one else's operation with it. If the flusher itself
 //! is torn down (its runtime shut down), every operation it held or that was waiting gets no
@@ -47,18 +51,21 @@ impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
 
     /// Queues `operation` and waits for its batch to be written by `flush`, which gets the
     /// batch's operations in the order they queued and returns one result for each, in the
-    /// same order. `None` when the flusher was torn down before answering. A result whose
-    /// caller stopped waiting goes to `unanswered` (to undo what no one will follow up).
-    pub(crate) async fn run<F, Fut, U>(
+    /// same order. `flush` also gets the state the previous batch of the same flusher left
+    /// (`S::default()` for its first) and hands it on. `None` when the flusher was torn down
+    /// before answering. A result whose caller stopped waiting goes to `unanswered` (to undo
+    /// what no one will follow up).
+    pub(crate) async fn run<F, Fut, U, S>(
         self: &Arc<Self>,
         operation: T,
         flush: F,
         unanswered: U,
     ) -> Option<R>
     where
-        F: Fn(Vec<T>) -> Fut + Send + 'static,
-        Fut: Future<Output = Vec<R>> + Send + 'static,
+        F: Fn(S, Vec<T>) -> Fut + Send + 'static,
+        Fut: Future<Output = (S, Vec<R>)> + Send + 'static,
         U: Fn(R) + Send + 'static,
+        S: Default + Send + 'static,
     {
         let (answer, answered) = oneshot::channel();
         let start = {
@@ -73,13 +80,15 @@ impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
     }
 
     /// Writes batches until the queue is empty.
-    async fn flush_all<F, Fut, U>(self: Arc<Self>, flush: F, unanswered: U)
+    async fn flush_all<F, Fut, U, S>(self: Arc<Self>, flush: F, unanswered: U)
     where
-        F: Fn(Vec<T>) -> Fut,
-        Fut: Future<Output = Vec<R>>,
+        F: Fn(S, Vec<T>) -> Fut,
+        Fut: Future<Output = (S, Vec<R>)>,
         U: Fn(R),
+        S: Default,
     {
         let _stopped = Stopped(&self);
+        let mut state = S::default();
         loop {
             let batch: Vec<_> = {
                 let mut queue = self.queue();
@@ -91,7 +100,8 @@ impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
                 queue.waiting.drain(..take).collect()
             };
             let (operations, answers): (Vec<T>, Vec<_>) = batch.into_iter().unzip();
-            let results = flush(operations).await;
+            let results;
+            (state, results) = flush(state, operations).await;
             debug_assert_eq!(results.len(), answers.len(), "one result per operation");
             for (answer, result) in answers.into_iter().zip(results) {
                 if let Err(result) = answer.send(result) {
@@ -152,13 +162,16 @@ mod tests {
     #[tokio::test]
     async fn a_lone_operation_is_written_at_once() {
         let batcher = Arc::new(Batcher::new(8));
-        let answer = batcher
-            .run(
-                3,
-                |batch: Vec<u32>| async move { batch.into_iter().map(|n| n * 2).collect() },
-                drop,
-            )
-            .await;
+        let answer =
+            batcher
+                .run(
+                    3,
+                    |(), batch: Vec<u32>| async move {
+                        ((), batch.into_iter().map(|n| n * 2).collect())
+                    },
+                    drop,
+                )
+                .await;
         assert_eq!(answer, Some(6));
     }
 
@@ -169,14 +182,14 @@ mod tests {
         let (release, released) = tokio::sync::watch::channel(false);
         let flush = {
             let batches = Arc::clone(&batches);
-            move |batch: Vec<u32>| {
+            move |(), batch: Vec<u32>| {
                 let batches = Arc::clone(&batches);
                 let mut released = released.clone();
                 async move {
                     // The first batch is held until every other operation has queued.
                     released.wait_for(|r| *r).await.unwrap();
                     batches.lock().unwrap().push(batch.clone());
-                    batch.into_iter().map(|n| n + 100).collect()
+                    ((), batch.into_iter().map(|n| n + 100).collect())
                 }
             }
         };
@@ -208,16 +221,50 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_flusher_hands_its_state_from_batch_to_batch_and_the_next_starts_afresh() {
+        let batcher = Arc::new(Batcher::new(2));
+        let (release, released) = tokio::sync::watch::channel(false);
+        // Each operation is answered with the number of batches its flusher wrote before it.
+        let flush = move |written: usize, batch: Vec<u32>| {
+            let mut released = released.clone();
+            async move {
+                released.wait_for(|r| *r).await.unwrap();
+                (written + 1, batch.iter().map(|_| written).collect())
+            }
+        };
+        let first = tokio::spawn({
+            let (batcher, flush) = (Arc::clone(&batcher), flush.clone());
+            async move { batcher.run(0, flush, drop).await }
+        });
+        until_taken(&batcher).await;
+        let rest: Vec<_> = (1..=4)
+            .map(|n| {
+                let (batcher, flush) = (Arc::clone(&batcher), flush.clone());
+                async move { batcher.run(n, flush, drop).await }
+            })
+            .collect();
+        let rest = tokio::spawn(futures_util::future::join_all(rest));
+        while state(&batcher).0 < 4 {
+            tokio::task::yield_now().await;
+        }
+        release.send(true).unwrap();
+        assert_eq!(first.await.unwrap(), Some(0));
+        assert_eq!(rest.await.unwrap(), [Some(1), Some(1), Some(2), Some(2)]);
+        assert_eq!(state(&batcher), (0, false));
+        assert_eq!(batcher.run(5, flush, drop).await, Some(0));
+    }
+
+    #[tokio::test]
     async fn batches_are_bounded() {
         let batcher = Arc::new(Batcher::new(2));
         let largest = Arc::new(AtomicUsize::new(0));
         let flush = {
             let largest = Arc::clone(&largest);
-            move |batch: Vec<u32>| {
+            move |(), batch: Vec<u32>| {
                 largest.fetch_max(batch.len(), Ordering::Relaxed);
                 async move {
                     tokio::task::yield_now().await;
-                    batch
+                    ((), batch)
                 }
             }
         };
@@ -239,11 +286,11 @@ mod tests {
         let batcher = Arc::new(Batcher::new(8));
         let (unanswered, mut handed_back) = tokio::sync::mpsc::unbounded_channel();
         let (release, released) = tokio::sync::watch::channel(false);
-        let flush = move |batch: Vec<u32>| {
+        let flush = move |(), batch: Vec<u32>| {
             let mut released = released.clone();
             async move {
                 released.wait_for(|r| *r).await.unwrap();
-                batch
+                ((), batch)
             }
         };
         let waiting = tokio::spawn({
@@ -269,12 +316,12 @@ mod tests {
         let doomed = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        let flush = move |batch: Vec<u32>| {
+        let flush = move |(), batch: Vec<u32>| {
             let entered = entered.clone();
             async move {
                 entered.send(()).unwrap();
                 std::future::pending::<()>().await;
-                batch
+                ((), batch)
             }
         };
         // The flusher starts on `doomed` and hangs in its first batch.

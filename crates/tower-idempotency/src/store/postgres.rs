@@ -12,7 +12,10 @@ use std::{
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
-use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, Transaction, migrate::Migrator, postgres::PgRow};
+use sqlx::{
+    AssertSqlSafe, PgPool, Postgres, Row, Transaction, migrate::Migrator, pool::PoolConnection,
+    postgres::PgRow,
+};
 
 use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Lease, Store, batch::Batcher};
 use crate::{record::Record, scope::ScopeKey, transaction::TxSlot};
@@ -673,7 +676,7 @@ impl PostgresStore {
                 .new_claims
                 .run(
                     request.clone(),
-                    move |batch| claim_new_keys(pool.clone(), timeout, batch),
+                    move |writer, batch| claim_new_keys(pool.clone(), timeout, writer, batch),
                     // Claimed for a request that is gone (cancelled while its batch was
                     // written): free the key now rather than when its lease lapses.
                     move |claimed| {
@@ -774,8 +777,9 @@ fn advisory_lock_key(request: &ClaimRequest) -> i64 {
 async fn claim_new_keys(
     pool: PgPool,
     timeout: Duration,
+    writer: BatchWriter,
     batch: Vec<ClaimRequest>,
-) -> Vec<Batched<Option<Lease>>> {
+) -> (BatchWriter, Vec<Batched<Option<Lease>>>) {
     crate::metrics::batch("claim", batch.len());
     let mut order: Vec<usize> = (0..batch.len()).collect();
     order.sort_by_key(|&i| batch[i].key);
@@ -805,11 +809,12 @@ async fn claim_new_keys(
         )
         .bind(sent.iter().map(|r| micros(r.lease)).collect::<Vec<_>>())
         .bind(sent.iter().map(|r| micros(r.ttl)).collect::<Vec<_>>());
-    let tokens = match written(query, &pool, timeout).await {
+    let (writer, tokens) = written(query, &pool, timeout, writer).await;
+    let tokens = match tokens {
         Ok(tokens) => tokens,
-        Err(failed) => return vec![failed; batch.len()],
+        Err(failed) => return (writer, vec![failed; batch.len()]),
     };
-    batch
+    let claimed = batch
         .iter()
         .zip(alone)
         .map(|(request, alone)| {
@@ -822,15 +827,17 @@ async fn claim_new_keys(
                 }))
             }
         })
-        .collect()
+        .collect();
+    (writer, claimed)
 }
 
 /// Writes a batch of [`COMPLETE_MANY`]: for each claim, whether it still held its key.
 async fn complete_many(
     pool: PgPool,
     timeout: Duration,
+    writer: BatchWriter,
     batch: Vec<(Lease, Record)>,
-) -> Vec<Batched<ClaimStatus>> {
+) -> (BatchWriter, Vec<Batched<ClaimStatus>>) {
     crate::metrics::batch("complete", batch.len());
     let mut keys = Vec::with_capacity(batch.len());
     let mut tokens = Vec::with_capacity(batch.len());
@@ -867,11 +874,12 @@ async fn complete_many(
         .bind(lasts)
         .bind(names)
         .bind(values);
-    let held = match written(query, &pool, timeout).await {
+    let (writer, held) = written(query, &pool, timeout, writer).await;
+    let held = match held {
         Ok(held) => held,
-        Err(failed) => return vec![failed; batch.len()],
+        Err(failed) => return (writer, vec![failed; batch.len()]),
     };
-    batch
+    let completed = batch
         .iter()
         .map(|(lease, _)| {
             Batched::Done(if held.get(&lease.key) == Some(&lease.token) {
@@ -880,8 +888,23 @@ async fn complete_many(
                 ClaimStatus::Lost
             })
         })
-        .collect()
+        .collect();
+    (writer, completed)
 }
+
+/// The connection a batch flusher keeps from one batch to the next while batches keep coming:
+/// a pool checkout costs a round trip each way (sqlx pings a connection when it is taken and
+/// again when it is given back), which back-to-back batches skip. It goes back to the pool
+/// when the queue empties, after [`BATCHES_PER_CHECKOUT`] batches (so the pool's lifetime
+/// limits still apply under constant load), and is closed after any failure.
+#[derive(Default)]
+struct BatchWriter {
+    connection: Option<PoolConnection<Postgres>>,
+    batches: u32,
+}
+
+/// How many batches a flusher writes on one pool connection before giving it back.
+const BATCHES_PER_CHECKOUT: u32 = 256;
 
 /// Runs a batch statement returning `(scope_key, token)` rows: each key it wrote, with its
 /// token. Otherwise what each of the batch's operations does instead: a timeout is every
@@ -892,22 +915,48 @@ async fn written<T>(
     query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
     pool: &PgPool,
     timeout: Duration,
-) -> Result<HashMap<ScopeKey, i64>, Batched<T>> {
-    let rows = match tokio::time::timeout(timeout, query.fetch_all(pool)).await {
-        Ok(Ok(rows)) => rows,
+    mut writer: BatchWriter,
+) -> (BatchWriter, Result<HashMap<ScopeKey, i64>, Batched<T>>) {
+    let held = writer.connection.take();
+    let run = async {
+        let mut connection = match held {
+            Some(connection) => connection,
+            None => pool.acquire().await?,
+        };
+        match query.fetch_all(&mut *connection).await {
+            Ok(rows) => Ok((connection, rows)),
+            Err(error) => {
+                // The connection's state is unknown: don't hand it to anyone else.
+                connection.close_on_drop();
+                Err(error)
+            }
+        }
+    };
+    let rows = match tokio::time::timeout(timeout, run).await {
+        Ok(Ok((connection, rows))) => {
+            writer.batches += 1;
+            if writer.batches < BATCHES_PER_CHECKOUT {
+                writer.connection = Some(connection);
+            } else {
+                writer.batches = 0;
+            }
+            rows
+        }
         Ok(Err(error)) => {
             tracing::debug!(%error, "a batch of idempotency store operations failed; each goes alone");
-            return Err(Batched::Alone);
+            return (BatchWriter::default(), Err(Batched::Alone));
         }
-        Err(_) => return Err(Batched::TimedOut),
+        Err(_) => return (BatchWriter::default(), Err(Batched::TimedOut)),
     };
-    rows.iter()
+    let written = rows
+        .iter()
         .map(|row| {
             let key = <[u8; 32]>::try_from(row.try_get::<&[u8], _>(0).ok()?).ok()?;
             Some((ScopeKey::from_bytes(key), row.try_get::<i64, _>(1).ok()?))
         })
         .collect::<Option<_>>()
-        .ok_or(Batched::Alone)
+        .ok_or(Batched::Alone);
+    (writer, written)
 }
 
 fn fenced_statement<'a>(sql: &'static str, lease: &'a Lease) -> Statement<'a> {
@@ -1108,7 +1157,7 @@ impl Store for PostgresStore {
                     .completions
                     .run(
                         (claim.lease, record.clone()),
-                        move |batch| complete_many(pool.clone(), timeout, batch),
+                        move |writer, batch| complete_many(pool.clone(), timeout, writer, batch),
                         // Stored, whether or not anyone waits to hear it.
                         drop,
                     )

@@ -194,8 +194,8 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let mut records = self.records(&request.key);
         // One probe of the map, whatever the outcome.
-        let entry = records.entry(request.key);
-        let takeover = match &entry {
+        let slot = records.entry(request.key);
+        let takeover = match &slot {
             hash_map::Entry::Vacant(_) => false,
             hash_map::Entry::Occupied(held) => match held.get() {
                 entry if entry.expires_at <= now => false,
@@ -225,7 +225,7 @@ impl Store for MemoryStore {
             },
         };
         let token = self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1;
-        entry.insert_entry(Entry {
+        slot.insert_entry(Entry {
             fingerprint: request.fingerprint,
             token,
             // A claim in flight outlives its TTL until its lease ends.

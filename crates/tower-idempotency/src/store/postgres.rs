@@ -777,7 +777,7 @@ fn advisory_lock_key(request: &ClaimRequest) -> i64 {
 async fn claim_new_keys(
     pool: PgPool,
     timeout: Duration,
-    writer: BatchWriter,
+    mut writer: BatchWriter,
     batch: Vec<ClaimRequest>,
 ) -> (BatchWriter, Vec<Batched<Option<Lease>>>) {
     crate::metrics::batch("claim", batch.len());
@@ -809,8 +809,7 @@ async fn claim_new_keys(
         )
         .bind(sent.iter().map(|r| micros(r.lease)).collect::<Vec<_>>())
         .bind(sent.iter().map(|r| micros(r.ttl)).collect::<Vec<_>>());
-    let (writer, tokens) = written(query, &pool, timeout, writer).await;
-    let tokens = match tokens {
+    let tokens = match written(query, &pool, timeout, &mut writer).await {
         Ok(tokens) => tokens,
         Err(failed) => return (writer, vec![failed; batch.len()]),
     };
@@ -835,7 +834,7 @@ async fn claim_new_keys(
 async fn complete_many(
     pool: PgPool,
     timeout: Duration,
-    writer: BatchWriter,
+    mut writer: BatchWriter,
     batch: Vec<(Lease, Record)>,
 ) -> (BatchWriter, Vec<Batched<ClaimStatus>>) {
     crate::metrics::batch("complete", batch.len());
@@ -874,8 +873,7 @@ async fn complete_many(
         .bind(lasts)
         .bind(names)
         .bind(values);
-    let (writer, held) = written(query, &pool, timeout, writer).await;
-    let held = match held {
+    let held = match written(query, &pool, timeout, &mut writer).await {
         Ok(held) => held,
         Err(failed) => return (writer, vec![failed; batch.len()]),
     };
@@ -915,9 +913,13 @@ async fn written<T>(
     query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
     pool: &PgPool,
     timeout: Duration,
-    mut writer: BatchWriter,
-) -> (BatchWriter, Result<HashMap<ScopeKey, i64>, Batched<T>>) {
-    let held = writer.connection.take();
+    writer: &mut BatchWriter,
+) -> Result<HashMap<ScopeKey, i64>, Batched<T>> {
+    // Taken out, so that the writer starts afresh whatever goes wrong below.
+    let BatchWriter {
+        connection: held,
+        batches,
+    } = std::mem::take(writer);
     let run = async {
         let mut connection = match held {
             Some(connection) => connection,
@@ -934,29 +936,27 @@ async fn written<T>(
     };
     let rows = match tokio::time::timeout(timeout, run).await {
         Ok(Ok((connection, rows))) => {
-            writer.batches += 1;
-            if writer.batches < BATCHES_PER_CHECKOUT {
-                writer.connection = Some(connection);
-            } else {
-                writer.batches = 0;
+            if batches + 1 < BATCHES_PER_CHECKOUT {
+                *writer = BatchWriter {
+                    connection: Some(connection),
+                    batches: batches + 1,
+                };
             }
             rows
         }
         Ok(Err(error)) => {
             tracing::debug!(%error, "a batch of idempotency store operations failed; each goes alone");
-            return (BatchWriter::default(), Err(Batched::Alone));
+            return Err(Batched::Alone);
         }
-        Err(_) => return (BatchWriter::default(), Err(Batched::TimedOut)),
+        Err(_) => return Err(Batched::TimedOut),
     };
-    let written = rows
-        .iter()
+    rows.iter()
         .map(|row| {
             let key = <[u8; 32]>::try_from(row.try_get::<&[u8], _>(0).ok()?).ok()?;
             Some((ScopeKey::from_bytes(key), row.try_get::<i64, _>(1).ok()?))
         })
         .collect::<Option<_>>()
-        .ok_or(Batched::Alone);
-    (writer, written)
+        .ok_or(Batched::Alone)
 }
 
 fn fenced_statement<'a>(sql: &'static str, lease: &'a Lease) -> Statement<'a> {

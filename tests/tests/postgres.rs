@@ -64,6 +64,17 @@ mod postgres_only {
         (db, store)
     }
 
+    /// A claim of key `[key; 32]` for a request fingerprinted `[fingerprint; 32]`, with the
+    /// layer's default lease and a one-hour TTL.
+    fn claim_request(key: u8, fingerprint: u8) -> tower_idempotency::store::ClaimRequest {
+        tower_idempotency::store::ClaimRequest {
+            key: tower_idempotency::ScopeKey::from_bytes([key; 32]),
+            fingerprint: tower_idempotency::Fingerprint::from_bytes([fingerprint; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(3600),
+        }
+    }
+
     fn post(client: &reqwest::Client, server: &TestServer, key: &str) -> reqwest::RequestBuilder {
         client
             .post(server.url("/charges"))
@@ -210,17 +221,12 @@ mod postgres_only {
     async fn batched_claims_and_completions_keep_every_key_apart() {
         use http::{HeaderMap, HeaderValue};
         use tower_idempotency::{
-            Fingerprint, Record, ScopeKey,
-            store::{Begin, ClaimRequest, ClaimStatus, Store},
+            Record,
+            store::{Begin, ClaimStatus, Store},
         };
 
         let (_db, store) = migrated().await;
-        let request = |i: u8| ClaimRequest {
-            key: ScopeKey::from_bytes([i; 32]),
-            fingerprint: Fingerprint::from_bytes([i.wrapping_add(1); 32]),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(3600),
-        };
+        let request = |i: u8| claim_request(i, i.wrapping_add(1));
         let record = |i: u8| {
             let mut headers = HeaderMap::new();
             for h in 0..i % 4 {
@@ -304,8 +310,8 @@ mod postgres_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn claims_and_completions_batched_together_stay_apart() {
         use tower_idempotency::{
-            Fingerprint, Record, ScopeKey,
-            store::{Begin, ClaimRequest, ClaimStatus, Store},
+            Record,
+            store::{Begin, ClaimStatus, Store},
         };
 
         enum Done {
@@ -314,12 +320,7 @@ mod postgres_only {
         }
 
         let (_db, store) = migrated().await;
-        let request = |i: u8| ClaimRequest {
-            key: ScopeKey::from_bytes([i; 32]),
-            fingerprint: Fingerprint::from_bytes([i; 32]),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(3600),
-        };
+        let request = |i: u8| claim_request(i, i);
         let record = |i: u8| {
             Record::from_parts(
                 http::StatusCode::CREATED,
@@ -435,18 +436,10 @@ mod postgres_only {
     /// the batches queued behind it go out on a fresh one.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_whose_connection_dies_is_claimed_alone_and_batching_goes_on() {
-        use tower_idempotency::{
-            Fingerprint, ScopeKey,
-            store::{Begin, ClaimRequest, Store},
-        };
+        use tower_idempotency::store::{Begin, Store};
 
         let (db, store) = migrated().await;
-        let request = |i: u8| ClaimRequest {
-            key: ScopeKey::from_bytes([i; 32]),
-            fingerprint: Fingerprint::from_bytes([i; 32]),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(3600),
-        };
+        let request = |i: u8| claim_request(i, i);
         let claim = |i: u8| {
             let store = store.clone();
             tokio::spawn(async move { (i, store.begin(&request(i)).await) })

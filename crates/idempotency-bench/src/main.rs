@@ -148,8 +148,10 @@
 //! in its databases — the WAL records of the run database's own relations, read back after the
 //! window (a temporary replication slot keeps that WAL from being recycled meanwhile), with
 //! their share of full-page images and the relations that wrote most; the blocks per request
-//! found in `shared_buffers` or read from outside it (`pg_stat_database`, approximate); and what
-//! the machine's disks read (`/proc/diskstats`), which tells the OS page cache from the disk.
+//! found in `shared_buffers` or read from outside it (`pg_stat_database`, approximate); what
+//! the machine's disks read (`/proc/diskstats`), which tells the OS page cache from the disk;
+//! and the share of the record updates (completions, mostly) that were HOT, staying on their
+//! page without an index entry (`pg_stat_user_tables`, approximate).
 //!
 //! `--db-setting NAME=VALUE` (repeatable) sets a PostgreSQL setting on the run's databases only
 //! (`ALTER DATABASE ... SET`, so the servers' sessions start with it), to try a setting on the

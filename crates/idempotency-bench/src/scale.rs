@@ -548,6 +548,9 @@ pub(crate) struct Counters {
     lsn: String,
     blks_read: i64,
     blks_hit: i64,
+    /// Updates of the store's records, and of those the HOT ones (`pg_stat_user_tables`).
+    updates: i64,
+    hot_updates: i64,
     /// The machine's disk reads: count, bytes.
     disk: Option<(u64, u64)>,
 }
@@ -559,8 +562,12 @@ pub(crate) async fn snapshot(db: &BenchDb) -> Option<Counters> {
 
 async fn counters(db: &BenchDb) -> Result<Counters, sqlx::Error> {
     let row = sqlx::query(
-        "SELECT pg_current_wal_lsn()::text, blks_read, blks_hit
-         FROM pg_stat_database WHERE datname = current_database()",
+        "SELECT pg_current_wal_lsn()::text, blks_read, blks_hit, updates, hot_updates
+         FROM pg_stat_database,
+              (SELECT coalesce(sum(n_tup_upd), 0)::int8 AS updates,
+                      coalesce(sum(n_tup_hot_upd), 0)::int8 AS hot_updates
+               FROM pg_stat_user_tables WHERE schemaname = 'idempotency') AS records
+         WHERE datname = current_database()",
     )
     .fetch_one(db.control())
     .await?;
@@ -568,6 +575,8 @@ async fn counters(db: &BenchDb) -> Result<Counters, sqlx::Error> {
         lsn: row.try_get(0)?,
         blks_read: row.try_get(1)?,
         blks_hit: row.try_get(2)?,
+        updates: row.try_get(3)?,
+        hot_updates: row.try_get(4)?,
         disk: procfs::disk_reads(),
     })
 }
@@ -619,6 +628,11 @@ pub(crate) struct DbDelta {
     /// a second: approximate at both ends).
     pub(crate) blks_hit: u64,
     pub(crate) blks_read: u64,
+    /// Updates of the store's records (completions, renewals, takeovers), and how many of
+    /// them were HOT: the new version stayed on its page and no index entry was written
+    /// (`pg_stat_user_tables`, approximate like the blocks).
+    pub(crate) updates: u64,
+    pub(crate) hot_updates: u64,
     /// Reads the machine's disks completed, and bytes (`/proc/diskstats`): whether the blocks
     /// read from outside `shared_buffers` came from the OS page cache or the disk.
     pub(crate) disk: Option<(u64, u64)>,
@@ -693,6 +707,13 @@ impl DbDelta {
                     per_request(reads),
                 ));
             }
+            if self.updates > 0 {
+                out.push_str(&format!(
+                    ". Record updates HOT (`pg_stat_user_tables`, approximate): {:.0}% of {}",
+                    self.hot_updates as f64 * 100.0 / self.updates as f64,
+                    format_rate(self.updates as f64),
+                ));
+            }
         }
         out
     }
@@ -725,6 +746,8 @@ pub(crate) async fn finish(
             own_wal,
             blks_read: u64::try_from(end.blks_read - watch.start.blks_read).unwrap_or(0),
             blks_hit: u64::try_from(end.blks_hit - watch.start.blks_hit).unwrap_or(0),
+            updates: u64::try_from(end.updates - watch.start.updates).unwrap_or(0),
+            hot_updates: u64::try_from(end.hot_updates - watch.start.hot_updates).unwrap_or(0),
             disk: end
                 .disk
                 .zip(watch.start.disk)

@@ -187,6 +187,76 @@ mod postgres_only {
         assert_eq!(applied, 1);
     }
 
+    /// Records written while keys were stored whole (32 bytes of `bytea`) are found by the same
+    /// keys once the migration to 128-bit `uuid` keys has run: a completed one replays, an
+    /// in-flight one is still held, and the table takes new keys.
+    #[tokio::test]
+    async fn records_from_before_the_uuid_key_migration_are_found_after_it() {
+        use tower_idempotency::store::{Begin, Store};
+
+        init_tracing();
+        let db = TestDb::new().await;
+        let all = PostgresStore::migrator();
+        let mut before =
+            sqlx::migrate::Migrator::with_migrations(all.iter().take(2).cloned().collect());
+        before.create_schema("idempotency");
+        before.dangerous_set_table_name("idempotency._sqlx_migrations");
+        before.run(db.pool()).await.expect("the schema before");
+        // Keys whose every byte differs, so that only the right 16 of them find the record.
+        let request = |seed: u8| tower_idempotency::store::ClaimRequest {
+            key: tower_idempotency::ScopeKey::from_bytes(std::array::from_fn(|i| {
+                seed.wrapping_mul(32).wrapping_add(i as u8)
+            })),
+            ..claim_request(0, 7)
+        };
+        let (completed, in_flight) = (request(1), request(2));
+        sqlx::query(
+            "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at,
+                 completed_at, status, header_names, header_values, body)
+             VALUES ($1, $2, 1, now() + interval '1 hour', now(), 201, '{content-type}',
+                     ARRAY['application/json'::bytea], '{\"id\":1}')",
+        )
+        .bind(&completed.key.as_bytes()[..])
+        .bind(&completed.fingerprint.as_bytes()[..])
+        .execute(db.pool())
+        .await
+        .expect("a completed record");
+        sqlx::query(
+            "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
+             VALUES ($1, $2, 2, now() + interval '1 hour', now() + interval '30 s')",
+        )
+        .bind(&in_flight.key.as_bytes()[..])
+        .bind(&in_flight.fingerprint.as_bytes()[..])
+        .execute(db.pool())
+        .await
+        .expect("a claim in flight");
+
+        let store = PostgresStore::new(db.pool().clone());
+        store.migrate().await.expect("the uuid key migration");
+        match store.begin(&completed).await.expect("begin") {
+            Begin::Completed { record, .. } => {
+                assert_eq!(record.status(), StatusCode::CREATED);
+                assert_eq!(record.headers()["content-type"], "application/json");
+                assert_eq!(record.body().map(|b| &b[..]), Some(&b"{\"id\":1}"[..]));
+            }
+            other => panic!("the completed record is lost: {other:?}"),
+        }
+        assert!(
+            matches!(
+                store.begin(&in_flight).await.expect("begin"),
+                Begin::InFlight { .. }
+            ),
+            "the claim in flight is still held"
+        );
+        assert!(matches!(
+            store.begin(&request(3)).await.expect("begin"),
+            Begin::Acquired {
+                takeover: false,
+                ..
+            }
+        ));
+    }
+
     /// Neither the key nor the principal reaches the database in clear.
     #[tokio::test]
     async fn raw_keys_and_principals_are_not_stored() {
@@ -395,7 +465,8 @@ mod postgres_only {
         let mut blocker = db.pool().begin().await.expect("begin");
         sqlx::query(
             "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
-             VALUES ($1, $2, 0, now() + interval '1 hour', now() + interval '30 s')",
+             VALUES (encode(substring($1::bytea FROM 1 FOR 16), 'hex')::uuid, $2, 0,
+                     now() + interval '1 hour', now() + interval '30 s')",
         )
         .bind(key)
         .bind(&request.fingerprint.as_bytes()[..])
@@ -448,7 +519,8 @@ mod postgres_only {
         let mut blocker = db.pool().begin().await.expect("begin");
         sqlx::query(
             "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
-             VALUES ($1, $2, 0, now() + interval '1 hour', now() + interval '30 s')",
+             VALUES (encode(substring($1::bytea FROM 1 FOR 16), 'hex')::uuid, $2, 0,
+                     now() + interval '1 hour', now() + interval '30 s')",
         )
         .bind(&[0u8; 32][..])
         .bind(&[0u8; 32][..])
@@ -557,10 +629,10 @@ mod postgres_only {
         db.pool()
             .execute(
                 "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, status, header_names, header_values, body)
-                 SELECT sha256(i::text::bytea), sha256('f'), i, now() - interval '1 minute', 200, '{}'::text[], '{}'::bytea[], 'x'::bytea
+                 SELECT md5(i::text)::uuid, sha256('f'), i, now() - interval '1 minute', 200, '{}'::text[], '{}'::bytea[], 'x'::bytea
                  FROM generate_series(1, 2500) i
                  UNION ALL
-                 SELECT sha256(('live' || i)::bytea), sha256('f'), i, now() + interval '1 hour', 200, '{}'::text[], '{}'::bytea[], 'x'::bytea
+                 SELECT md5('live' || i)::uuid, sha256('f'), i, now() + interval '1 hour', 200, '{}'::text[], '{}'::bytea[], 'x'::bytea
                  FROM generate_series(1, 10) i",
             )
             .await
@@ -586,7 +658,7 @@ mod postgres_only {
         db.pool()
             .execute(
                 "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, status, header_names, header_values, body)
-                 SELECT sha256(i::text::bytea), sha256('f'), i, now() - interval '1 hour' + i * interval '1 second', 200, '{}'::text[], '{}'::bytea[], 'x'::bytea
+                 SELECT md5(i::text)::uuid, sha256('f'), i, now() - interval '1 hour' + i * interval '1 second', 200, '{}'::text[], '{}'::bytea[], 'x'::bytea
                  FROM generate_series(1, 2500) i",
             )
             .await
@@ -759,7 +831,7 @@ mod partitioned {
             .execute(
                 "CREATE TABLE idempotency.old (LIKE idempotency.partitioned_records INCLUDING ALL);
                  INSERT INTO idempotency.old (scope_key, fingerprint, token, expires_at, status, header_names, header_values, body)
-                 SELECT sha256(i::text::bytea), sha256('f'), i,
+                 SELECT md5(i::text)::uuid, sha256('f'), i,
                         to_timestamp(floor(extract(epoch FROM now()) / 3600) * 3600 - 7200 + i % 3600),
                         200, '{}'::text[], '{}'::bytea[], 'x'::bytea
                  FROM generate_series(1, 5000) i;",

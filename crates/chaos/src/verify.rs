@@ -111,8 +111,9 @@ impl Verdict {
     }
 }
 
-/// The records, reduced to what the checks compare.
-const RECORDS: &str = "SELECT scope_key, status, sha256(body) AS body_sha256, takeover,
+/// The records, reduced to what the checks compare (each key as its 16 bytes).
+const RECORDS: &str =
+    "SELECT uuid_send(scope_key) AS scope_key, status, sha256(body) AS body_sha256, takeover,
         status IS NULL AND lease_until < now() AS lapsed
     FROM idempotency.records";
 
@@ -160,7 +161,7 @@ pub(crate) async fn verify(pool: &PgPool, observed: &[Observed]) -> Result<Verdi
             });
     }
 
-    let mut records: HashMap<[u8; 32], RecordRow> = HashMap::new();
+    let mut records: HashMap<[u8; 16], RecordRow> = HashMap::new();
     // The store's partitioned mode keeps its records in a table of its own: read both.
     let partitioned: bool =
         sqlx::query_scalar("SELECT to_regclass('idempotency.partitioned_records') IS NOT NULL")
@@ -187,7 +188,7 @@ pub(crate) async fn verify(pool: &PgPool, observed: &[Observed]) -> Result<Verdi
             verdict.stuck_past_lease += 1;
         }
         let key: Vec<u8> = row.try_get("scope_key")?;
-        let Ok(key) = <[u8; 32]>::try_from(key) else {
+        let Ok(key) = <[u8; 16]>::try_from(key) else {
             verdict.orphan_records += 1;
             continue;
         };
@@ -238,7 +239,7 @@ fn check_charge(
     verdict: &mut Verdict,
     charge: &Observed,
     rows: &mut HashMap<String, Vec<ChargeRow>>,
-    records: &mut HashMap<[u8; 32], RecordRow>,
+    records: &mut HashMap<[u8; 16], RecordRow>,
 ) {
     let plan = &charge.plan;
     let what = format!("order {} (key {})", plan.order_id, plan.key);
@@ -255,7 +256,8 @@ fn check_charge(
             "/v1/charges",
             &key,
         );
-        records.remove(scope.as_bytes())
+        // The store keeps the first 128 bits of the scope key (a `uuid`).
+        records.remove(&scope.as_bytes()[..16])
     });
     let charge_rows = rows.remove(&plan.order_id).unwrap_or_default();
     let answers = &charge.answers;

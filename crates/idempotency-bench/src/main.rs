@@ -134,8 +134,8 @@
 //! cargo run --release -p idempotency-bench -- --scenarios many-instances --instances 4
 //! ```
 //!
-//! The full store takes the time and the disk: the fill writes about 50,000 records a second
-//! (progress on stderr) and 850 bytes of table and index per record. The full-store figures
+//! The full store takes the time and the disk: the fill writes about 130,000 records a second
+//! (progress on stderr) and 810 bytes of table and index per record. The full-store figures
 //! depend on how much of the table the OS keeps cached: the report gives the disk reads.
 //!
 //! Each kind of state gets a database of its own, prepared by SQL, never through HTTP, and the
@@ -162,8 +162,8 @@
 //!   `INSERT ... SELECT ... FROM generate_series` in chunks over two connections, with progress
 //!   on stderr, then `VACUUM ANALYZE` and `CHECKPOINT`; the report gives the fill's time and the
 //!   table's `pg_total_relation_size` (heap, indexes). The records look like the layer's own:
-//!   32-byte SHA-256 scope keys computed in SQL exactly as `ScopeKey::new` does (checked against
-//!   the crate after the fill), the fingerprint of the benchmark's charge body, status 201, two
+//!   SHA-256 scope keys computed in SQL exactly as `ScopeKey::new` does and stored as the store
+//!   stores them, their first 128 bits as a `uuid` (checked against the crate after the fill), the fingerprint of the benchmark's charge body, status 201, two
 //!   headers and a 190–400-byte JSON charge; they expire 1 to 24 hours from the fill. Record `n`
 //!   is key `fill-<n>` of account `acct_<n % 16>`, so every one of them can be replayed. The
 //!   replay scenarios pick among them: `*-replay-store` turns the layer's replay cache off and

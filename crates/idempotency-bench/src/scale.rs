@@ -4,7 +4,8 @@
 //!
 //! Records are written by one `INSERT ... SELECT ... FROM generate_series` per chunk, never
 //! through HTTP. They look like the layer's own: the scope key is the SHA-256 that
-//! `ScopeKey::new` computes (recomputed in SQL, and checked against the crate after the fill),
+//! `ScopeKey::new` computes, stored as the store does (its first 128 bits as a `uuid`;
+//! recomputed in SQL, and checked against the crate after the fill),
 //! the fingerprint is the one of the benchmark's small charge body, status `201`, two headers
 //! (`content-type`, `request-id`) and a charge as the JSON body (about 190 to 400 bytes).
 //! Record `n` is key `fill-<n>` of account `acct_<n % 16>`, so replays can pick any of them.
@@ -86,11 +87,11 @@ INSERT INTO {table}
     (scope_key, fingerprint, token, takeover, created_at, expires_at, lease_until,
      completed_at, status, header_names, header_values, body)
 SELECT
-    sha256(convert_to('tower-idempotency/scope/v1', 'UTF8') || decode('00', 'hex')
+    encode(substring(sha256(convert_to('tower-idempotency/scope/v1', 'UTF8') || decode('00', 'hex')
         || int8send(octet_length(account)::int8) || convert_to(account, 'UTF8')
         || int8send(4) || convert_to('POST', 'UTF8')
         || int8send(octet_length($5::text)::int8) || convert_to($5::text, 'UTF8')
-        || int8send(octet_length(key)::int8) || convert_to(key, 'UTF8')),
+        || int8send(octet_length(key)::int8) || convert_to(key, 'UTF8')) FROM 1 FOR 16), 'hex')::uuid,
     $3::bytea,
     nextval('idempotency.fencing_tokens'),
     false,
@@ -304,7 +305,7 @@ pub(crate) async fn record_sizes(db: &BenchDb) -> Result<String, BoxError> {
             "INSERT INTO idempotency.size_probe
                  (scope_key, fingerprint, token, expires_at, lease_until, completed_at, status,
                   header_names, header_values, body)
-             SELECT sha256(int8send(n)), sha256(int8send(-n)), n,
+             SELECT md5(int8send(n))::uuid, sha256(int8send(-n)), n,
                     now() + interval '1 day', NULL, now(), 200,
                     ARRAY['content-type', 'request-id', 'location'],
                     ARRAY[convert_to('application/json', 'UTF8'),
@@ -353,7 +354,8 @@ async fn verify_filled(db: &BenchDb, rows: u64) -> Result<(), BoxError> {
             .map_err(|e| format!("fill key: {e}"))?;
         let scope = ScopeKey::new(&principal, &Method::POST, CHARGES_PATH, &key);
         let stored: Option<Vec<u8>> = sqlx::query_scalar(
-            "SELECT fingerprint FROM idempotency.records WHERE scope_key = $1 AND status = 201",
+            "SELECT fingerprint FROM idempotency.records
+             WHERE scope_key = encode(substring($1 FROM 1 FOR 16), 'hex')::uuid AND status = 201",
         )
         .bind(scope.as_bytes().as_slice())
         .fetch_optional(db.control())

@@ -14,7 +14,7 @@ use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use sqlx::{
     AssertSqlSafe, PgPool, Postgres, Row, Transaction, migrate::Migrator, pool::PoolConnection,
-    postgres::PgRow,
+    postgres::PgRow, types::Uuid,
 };
 
 use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Lease, Store, batch::Batcher};
@@ -35,7 +35,9 @@ use crate::{record::Record, scope::ScopeKey, transaction::TxSlot};
 /// # Ok(()) }
 /// ```
 ///
-/// Each key is one row of `idempotency.records`, addressed by the SHA-256 of its scope. Claiming
+/// Each key is one row of `idempotency.records`, addressed by the SHA-256 of its scope (its first
+/// 128 bits, stored as a `uuid`: half the primary key of the whole hash, and still far from any
+/// collision). Claiming
 /// is one statement: it reads the key's row and, in the same statement, inserts a new key
 /// (`ON CONFLICT DO NOTHING`) or takes over an expired record or a lapsed lease with a conditional
 /// `UPDATE`, so two requests racing for a key are ordered by PostgreSQL and exactly one acquires
@@ -253,7 +255,7 @@ INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, leas
 SELECT c.key, c.fingerprint, nextval('idempotency.fencing_tokens'),
        now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
        now() + c.lease * interval '1 microsecond'
-FROM unnest($1::bytea[], $2::bytea[], $3::int8[], $4::int8[]) AS c(key, fingerprint, lease, ttl)
+FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[]) AS c(key, fingerprint, lease, ttl)
 ON CONFLICT (scope_key) DO NOTHING
 RETURNING scope_key, token
 "#;
@@ -269,7 +271,7 @@ SET status = c.status,
     body = c.body,
     lease_until = NULL,
     completed_at = now()
-FROM unnest($1::bytea[], $2::int8[], $3::int2[], $4::bytea[], $5::int4[], $6::int4[])
+FROM unnest($1::uuid[], $2::int8[], $3::int2[], $4::bytea[], $5::int4[], $6::int4[])
      AS c(key, token, status, body, first, last)
 WHERE r.scope_key = c.key AND r.token = c.token AND r.status IS NULL AND r.expires_at > now()
 RETURNING r.scope_key, r.token
@@ -640,7 +642,7 @@ impl PostgresStore {
             (false, false) => BEGIN_LEASE,
         };
         let statement = Statement::new(sql)
-            .with(Param::Bytes(request.key.as_bytes()))
+            .with(Param::Key(stored_key(&request.key)))
             .with(Param::Bytes(request.fingerprint.as_bytes()))
             .with(Param::Interval(request.lease))
             .with(Param::Interval(request.ttl));
@@ -764,6 +766,14 @@ impl PostgresStore {
     }
 }
 
+/// The key a record is stored under: the first 128 bits of its scope key, as a `uuid` (see
+/// the migration `20261123000001_uuid_scope_keys.sql` for why and why that is enough).
+fn stored_key(key: &ScopeKey) -> Uuid {
+    let mut prefix = [0; 16];
+    prefix.copy_from_slice(&key.as_bytes()[..16]);
+    Uuid::from_bytes(prefix)
+}
+
 /// The advisory lock of a key in transactional mode: the first 64 bits of its hash. Two keys
 /// sharing them (a chance of 2⁻⁶⁴ per pair) only make one of them wait its turn with a `409`.
 fn advisory_lock_key(request: &ClaimRequest) -> i64 {
@@ -781,27 +791,22 @@ async fn claim_new_keys(
     batch: Vec<ClaimRequest>,
 ) -> (BatchWriter, Vec<Batched<Option<Lease>>>) {
     crate::metrics::batch("claim", batch.len());
+    let keys: Vec<Uuid> = batch.iter().map(|r| stored_key(&r.key)).collect();
     let mut order: Vec<usize> = (0..batch.len()).collect();
-    order.sort_by_key(|&i| batch[i].key);
+    order.sort_by_key(|&i| keys[i]);
     // A key twice in one batch: the second one claims alone, after the first.
     let mut alone = vec![false; batch.len()];
     for pair in order.windows(2) {
-        if batch[pair[0]].key == batch[pair[1]].key {
+        if keys[pair[0]] == keys[pair[1]] {
             alone[pair[1]] = true;
         }
     }
-    let sent: Vec<&ClaimRequest> = order
-        .iter()
-        .filter(|&&i| !alone[i])
-        .map(|&i| &batch[i])
-        .collect();
+    let sent: Vec<usize> = order.into_iter().filter(|&i| !alone[i]).collect();
     let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+    let sent_keys: Vec<Uuid> = sent.iter().map(|&i| keys[i]).collect();
+    let sent: Vec<&ClaimRequest> = sent.into_iter().map(|i| &batch[i]).collect();
     let query = sqlx::query(CLAIM_NEW_KEYS)
-        .bind(
-            sent.iter()
-                .map(|r| &r.key.as_bytes()[..])
-                .collect::<Vec<_>>(),
-        )
+        .bind(sent_keys)
         .bind(
             sent.iter()
                 .map(|r| &r.fingerprint.as_bytes()[..])
@@ -815,12 +820,13 @@ async fn claim_new_keys(
     };
     let claimed = batch
         .iter()
+        .zip(keys)
         .zip(alone)
-        .map(|(request, alone)| {
+        .map(|((request, key), alone)| {
             if alone {
                 Batched::Alone
             } else {
-                Batched::Done(tokens.get(&request.key).map(|&token| Lease {
+                Batched::Done(tokens.get(&key).map(|&token| Lease {
                     key: request.key,
                     token,
                 }))
@@ -848,7 +854,7 @@ async fn complete_many(
     );
     let (mut names, mut values) = (Vec::new(), Vec::new());
     for (lease, record) in &batch {
-        keys.push(&lease.key.as_bytes()[..]);
+        keys.push(stored_key(&lease.key));
         tokens.push(lease.token);
         statuses.push(record.status().as_u16() as i16);
         bodies.push(record.body().map(|b| &b[..]));
@@ -880,7 +886,7 @@ async fn complete_many(
     let completed = batch
         .iter()
         .map(|(lease, _)| {
-            Batched::Done(if held.get(&lease.key) == Some(&lease.token) {
+            Batched::Done(if held.get(&stored_key(&lease.key)) == Some(&lease.token) {
                 ClaimStatus::Held
             } else {
                 ClaimStatus::Lost
@@ -914,7 +920,7 @@ async fn written<T>(
     pool: &PgPool,
     timeout: Duration,
     writer: &mut BatchWriter,
-) -> Result<HashMap<ScopeKey, i64>, Batched<T>> {
+) -> Result<HashMap<Uuid, i64>, Batched<T>> {
     // Taken out, so that the writer starts afresh whatever goes wrong below.
     let BatchWriter {
         connection: held,
@@ -952,8 +958,10 @@ async fn written<T>(
     };
     rows.iter()
         .map(|row| {
-            let key = <[u8; 32]>::try_from(row.try_get::<&[u8], _>(0).ok()?).ok()?;
-            Some((ScopeKey::from_bytes(key), row.try_get::<i64, _>(1).ok()?))
+            Some((
+                row.try_get::<Uuid, _>(0).ok()?,
+                row.try_get::<i64, _>(1).ok()?,
+            ))
         })
         .collect::<Option<_>>()
         .ok_or(Batched::Alone)
@@ -961,7 +969,7 @@ async fn written<T>(
 
 fn fenced_statement<'a>(sql: &'static str, lease: &'a Lease) -> Statement<'a> {
     Statement::new(sql)
-        .with(Param::Bytes(lease.key.as_bytes()))
+        .with(Param::Key(stored_key(&lease.key)))
         .with(Param::Int(lease.token))
 }
 
@@ -986,14 +994,16 @@ fn complete_statement<'a>(
 ///
 /// Run as a cached prepared statement with bound parameters (the default), or as one
 /// simple-protocol query with the parameters written in as literals
-/// ([`PostgresStore::without_prepared_statements`]). Every literal is a number or
-/// `decode('<hex>', 'hex')`, so no parameter can change the statement.
+/// ([`PostgresStore::without_prepared_statements`]). Every literal is a number, a `uuid`'s hex
+/// digits and hyphens in quotes, or `decode('<hex>', 'hex')`, so no parameter can change the
+/// statement.
 struct Statement<'a> {
     sql: &'static str,
     params: Vec<Param<'a>>,
 }
 
 enum Param<'a> {
+    Key(Uuid),
     Bytes(&'a [u8]),
     OptionalBytes(Option<&'a [u8]>),
     Int(i64),
@@ -1021,6 +1031,7 @@ impl<'a> Statement<'a> {
         self.params
             .into_iter()
             .fold(sqlx::query(self.sql), |query, param| match param {
+                Param::Key(key) => query.bind(key),
                 Param::Bytes(bytes) => query.bind(bytes),
                 Param::OptionalBytes(bytes) => query.bind(bytes),
                 Param::Int(n) => query.bind(n),
@@ -1045,6 +1056,7 @@ impl<'a> Statement<'a> {
         for (i, param) in self.params.iter().enumerate().rev() {
             let mut literal = String::new();
             match param {
+                Param::Key(key) => literal.push_str(&format!("'{key}'::uuid")),
                 Param::Bytes(b) => bytes(&mut literal, b),
                 Param::OptionalBytes(Some(b)) => bytes(&mut literal, b),
                 Param::OptionalBytes(None) => literal.push_str("NULL::bytea"),

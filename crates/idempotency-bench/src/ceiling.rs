@@ -11,15 +11,17 @@ use std::{
 };
 
 use bytes::Bytes;
+use http::Method;
 use http::{HeaderMap, HeaderValue, StatusCode, header::CONTENT_TYPE};
 use tokio::time::Instant;
 use tower_idempotency::{
-    Fingerprint, Record, ScopeKey,
+    Fingerprint, IdempotencyKey, Principal, Record, ScopeKey,
     store::{Begin, ClaimRequest, ClaimStatus, Store},
 };
 
 use crate::{
     BoxError,
+    app::CHARGES_PATH,
     stats::{Tally, Window},
 };
 
@@ -155,7 +157,8 @@ fn record() -> Record {
     )
 }
 
-/// Scoped keys unique to a run and a client.
+/// Scoped keys unique to a run and a client, made as the layer makes them (a SHA-256, so they
+/// land all over the store's index as real keys do).
 struct Keys {
     nonce: u64,
     client: usize,
@@ -163,12 +166,15 @@ struct Keys {
 
 impl Keys {
     fn request(&self, seq: u64) -> ClaimRequest {
-        let mut key = [0_u8; 32];
-        key[..8].copy_from_slice(&self.nonce.to_le_bytes());
-        key[8..16].copy_from_slice(&(self.client as u64).to_le_bytes());
-        key[16..24].copy_from_slice(&seq.to_le_bytes());
+        let key = IdempotencyKey::new(format!("ceiling-{:x}-{}-{seq}", self.nonce, self.client))
+            .expect("a valid key");
         ClaimRequest {
-            key: ScopeKey::from_bytes(key),
+            key: ScopeKey::new(
+                &Principal::new("acct_ceiling"),
+                &Method::POST,
+                CHARGES_PATH,
+                &key,
+            ),
             fingerprint: Fingerprint::from_bytes([7; 32]),
             // The layer's defaults.
             lease: Duration::from_secs(30),

@@ -152,6 +152,11 @@ impl ScopeKey {
     }
 
     /// Rebuilds a key from its 32 bytes, as a store reads it back.
+    ///
+    /// The bytes should be those of a key [`new`](Self::new) made: stores may rely on them
+    /// being a hash, uniformly spread, and keep only part of them (the PostgreSQL store keeps
+    /// the first 128 bits), so made-up keys that share their first 16 bytes would be one key
+    /// there.
     pub fn from_bytes(bytes: [u8; 32]) -> Self {
         Self(bytes)
     }

@@ -803,17 +803,23 @@ async fn claim_new_keys(
     }
     let sent: Vec<usize> = order.into_iter().filter(|&i| !alone[i]).collect();
     let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
-    let sent_keys: Vec<Uuid> = sent.iter().map(|&i| keys[i]).collect();
-    let sent: Vec<&ClaimRequest> = sent.into_iter().map(|i| &batch[i]).collect();
     let query = sqlx::query(CLAIM_NEW_KEYS)
-        .bind(sent_keys)
+        .bind(sent.iter().map(|&i| keys[i]).collect::<Vec<_>>())
         .bind(
             sent.iter()
-                .map(|r| &r.fingerprint.as_bytes()[..])
+                .map(|&i| &batch[i].fingerprint.as_bytes()[..])
                 .collect::<Vec<_>>(),
         )
-        .bind(sent.iter().map(|r| micros(r.lease)).collect::<Vec<_>>())
-        .bind(sent.iter().map(|r| micros(r.ttl)).collect::<Vec<_>>());
+        .bind(
+            sent.iter()
+                .map(|&i| micros(batch[i].lease))
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            sent.iter()
+                .map(|&i| micros(batch[i].ttl))
+                .collect::<Vec<_>>(),
+        );
     let tokens = match written(query, &pool, timeout, &mut writer).await {
         Ok(tokens) => tokens,
         Err(failed) => return (writer, vec![failed; batch.len()]),

@@ -144,6 +144,8 @@ impl<T, R> Drop for Stopped<'_, T, R> {
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    use tokio::task::JoinHandle;
+
     use super::*;
 
     /// How many operations wait, and whether a flusher runs.
@@ -157,6 +159,34 @@ mod tests {
         while state(batcher) != (0, true) {
             tokio::task::yield_now().await;
         }
+    }
+
+    /// Runs operation 0, waits until the flusher has taken it into its first batch (which
+    /// `flush` must hold until the test releases it), then queues operations `1..=rest`
+    /// behind it and waits until all of them have queued. Returns the tasks awaiting the first
+    /// operation's answer and, in order, the others'.
+    async fn queued_behind_first<R, F, Fut, S>(
+        batcher: &Arc<Batcher<u32, R>>,
+        flush: F,
+        rest: u32,
+    ) -> (JoinHandle<Option<R>>, JoinHandle<Vec<Option<R>>>)
+    where
+        R: Send + 'static,
+        F: Fn(S, Vec<u32>) -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = (S, Vec<R>)> + Send + 'static,
+        S: Default + Send + 'static,
+    {
+        let run = |n: u32| {
+            let (batcher, flush) = (Arc::clone(batcher), flush.clone());
+            async move { batcher.run(n, flush, drop).await }
+        };
+        let first = tokio::spawn(run(0));
+        until_taken(batcher).await;
+        let others = tokio::spawn(futures_util::future::join_all((1..=rest).map(run)));
+        while state(batcher).0 < rest as usize {
+            tokio::task::yield_now().await;
+        }
+        (first, others)
     }
 
     #[tokio::test]
@@ -193,24 +223,8 @@ mod tests {
                 }
             }
         };
-        let first = tokio::spawn({
-            let batcher = Arc::clone(&batcher);
-            let flush = flush.clone();
-            async move { batcher.run(0, flush, drop).await }
-        });
         // The first operation is taken by the flusher before the others queue.
-        until_taken(&batcher).await;
-        let rest: Vec<_> = (1..=5)
-            .map(|n| {
-                let batcher = Arc::clone(&batcher);
-                let flush = flush.clone();
-                async move { batcher.run(n, flush, drop).await }
-            })
-            .collect();
-        let rest = tokio::spawn(futures_util::future::join_all(rest));
-        while state(&batcher).0 < 5 {
-            tokio::task::yield_now().await;
-        }
+        let (first, rest) = queued_behind_first(&batcher, flush, 5).await;
         release.send(true).unwrap();
         assert_eq!(first.await.unwrap(), Some(100));
         assert_eq!(
@@ -232,21 +246,7 @@ mod tests {
                 (written + 1, batch.iter().map(|_| written).collect())
             }
         };
-        let first = tokio::spawn({
-            let (batcher, flush) = (Arc::clone(&batcher), flush.clone());
-            async move { batcher.run(0, flush, drop).await }
-        });
-        until_taken(&batcher).await;
-        let rest: Vec<_> = (1..=4)
-            .map(|n| {
-                let (batcher, flush) = (Arc::clone(&batcher), flush.clone());
-                async move { batcher.run(n, flush, drop).await }
-            })
-            .collect();
-        let rest = tokio::spawn(futures_util::future::join_all(rest));
-        while state(&batcher).0 < 4 {
-            tokio::task::yield_now().await;
-        }
+        let (first, rest) = queued_behind_first(&batcher, flush.clone(), 4).await;
         release.send(true).unwrap();
         assert_eq!(first.await.unwrap(), Some(0));
         assert_eq!(rest.await.unwrap(), [Some(1), Some(1), Some(2), Some(2)]);

@@ -75,6 +75,26 @@ mod postgres_only {
         }
     }
 
+    /// An open transaction that has inserted `request`'s key as a claim in flight: until it
+    /// ends, a batch claiming the same key waits on its row.
+    async fn held_uncommitted(
+        db: &TestDb,
+        request: &tower_idempotency::store::ClaimRequest,
+    ) -> sqlx::Transaction<'static, sqlx::Postgres> {
+        let mut blocker = db.pool().begin().await.expect("begin");
+        sqlx::query(
+            "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
+             VALUES (encode(substring($1::bytea FROM 1 FOR 16), 'hex')::uuid, $2, 0,
+                     now() + interval '1 hour', now() + interval '30 s')",
+        )
+        .bind(&request.key.as_bytes()[..])
+        .bind(&request.fingerprint.as_bytes()[..])
+        .execute(&mut *blocker)
+        .await
+        .expect("blocking insert");
+        blocker
+    }
+
     fn post(client: &reqwest::Client, server: &TestServer, key: &str) -> reqwest::RequestBuilder {
         client
             .post(server.url("/charges"))
@@ -448,31 +468,12 @@ mod postgres_only {
     /// waited) is released at once, not left in flight until its lease lapses.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_claim_batched_for_a_request_that_is_gone_is_released() {
-        use tower_idempotency::{
-            Fingerprint, ScopeKey,
-            store::{Begin, ClaimRequest, Store},
-        };
+        use tower_idempotency::store::{Begin, Store};
 
         let (db, store) = migrated().await;
-        let request = ClaimRequest {
-            key: ScopeKey::from_bytes([9; 32]),
-            fingerprint: Fingerprint::from_bytes([1; 32]),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(3600),
-        };
-        let key = &request.key.as_bytes()[..];
+        let request = claim_request(9, 1);
         // Another transaction inserts the same key and stays open: the batch waits on it.
-        let mut blocker = db.pool().begin().await.expect("begin");
-        sqlx::query(
-            "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
-             VALUES (encode(substring($1::bytea FROM 1 FOR 16), 'hex')::uuid, $2, 0,
-                     now() + interval '1 hour', now() + interval '30 s')",
-        )
-        .bind(key)
-        .bind(&request.fingerprint.as_bytes()[..])
-        .execute(&mut *blocker)
-        .await
-        .expect("blocking insert");
+        let blocker = held_uncommitted(&db, &request).await;
         let claiming = tokio::spawn({
             let (store, request) = (store.clone(), request.clone());
             async move { store.begin(&request).await }
@@ -516,17 +517,7 @@ mod postgres_only {
             tokio::spawn(async move { (i, store.begin(&request(i)).await) })
         };
         // Another transaction holds key 0's row uncommitted: the first batch waits on it.
-        let mut blocker = db.pool().begin().await.expect("begin");
-        sqlx::query(
-            "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
-             VALUES (encode(substring($1::bytea FROM 1 FOR 16), 'hex')::uuid, $2, 0,
-                     now() + interval '1 hour', now() + interval '30 s')",
-        )
-        .bind(&[0u8; 32][..])
-        .bind(&[0u8; 32][..])
-        .execute(&mut *blocker)
-        .await
-        .expect("blocking insert");
+        let blocker = held_uncommitted(&db, &request(0)).await;
         let mut claims = vec![claim(0)];
         wait_until(&db, "SELECT count(*) = 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%unnest%'").await;
         // Eight more queue behind that batch.

@@ -149,7 +149,9 @@ impl BenchDb {
             .fetch_one(&self.control)
             .await?;
         let settings: Vec<(String, String)> = sqlx::query_as(
-            "SELECT name, setting || coalesce(unit, '') FROM pg_settings WHERE name IN \
+            // `current_setting` shows a value in the unit it was set in (`128MB`); `setting` is
+            // in the setting's base unit (`16384` of `8kB`), which pasted beside it misleads.
+            "SELECT name, current_setting(name) FROM pg_settings WHERE name IN \
              ('synchronous_commit', 'fsync', 'shared_buffers', 'max_connections', \
               'autovacuum', 'wal_level', 'wal_compression', 'full_page_writes', \
               'checkpoint_timeout', 'max_wal_size') ORDER BY name",

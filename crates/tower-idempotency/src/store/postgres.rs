@@ -877,7 +877,7 @@ async fn complete_many(
     // would go on doing so as the table grows to millions of rows.
     let query = sqlx::query(COMPLETE_MANY)
         .persistent(false)
-        .bind(keys)
+        .bind(&keys[..])
         .bind(tokens)
         .bind(statuses)
         .bind(bodies)
@@ -891,8 +891,9 @@ async fn complete_many(
     };
     let completed = batch
         .iter()
-        .map(|(lease, _)| {
-            Batched::Done(if held.get(&stored_key(&lease.key)) == Some(&lease.token) {
+        .zip(&keys)
+        .map(|((lease, _), key)| {
+            Batched::Done(if held.get(key) == Some(&lease.token) {
                 ClaimStatus::Held
             } else {
                 ClaimStatus::Lost

@@ -207,195 +207,211 @@ where
     /// Body and fingerprint, then the claim. Unless the app chose [`Disconnect::Cancel`], the
     /// response future hands this future to a task of its own if it is dropped unfinished (the
     /// client hung up), so a handler is never stopped half-way.
-    async fn serve(self, parts: Parts, body: ReqBody) -> Served<ResBody, S::Error> {
-        let limit = self.config.max_body_bytes;
-        let timeout = self.config.body_timeout;
-        let body = pin!(body);
-        let mut buffering = pin!(body::buffer(body, limit));
-        // A small body has usually arrived with the head: only a body still on its way gets a
-        // timer (which costs a clock read and a count on the runtime handle shared by every
-        // worker thread).
-        let buffered = match poll_once(buffering.as_mut()).await {
-            Poll::Ready(buffered) => buffered,
-            Poll::Pending => match tokio::time::timeout(timeout, buffering).await {
-                Ok(buffered) => buffered,
-                Err(_) => {
-                    return Ok(reject(Rejection::new(
-                        RejectionKind::BodyTimeout,
-                        format!(
-                            "the request body did not arrive within {timeout:?}; nothing was \
+    ///
+    /// A function returning an `async` block rather than an `async fn`, whose arguments would be
+    /// stored twice in the future (see rust-lang/rust#62958), and this future is allocated for
+    /// every keyed request.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn would store its arguments twice"
+    )]
+    fn serve(self, parts: Parts, body: ReqBody) -> impl Future<Output = Served<ResBody, S::Error>> {
+        async move {
+            let limit = self.config.max_body_bytes;
+            let timeout = self.config.body_timeout;
+            let body = pin!(body);
+            let mut buffering = pin!(body::buffer(body, limit));
+            // A small body has usually arrived with the head: only a body still on its way gets a
+            // timer (which costs a clock read and a count on the runtime handle shared by every
+            // worker thread).
+            let buffered = match poll_once(buffering.as_mut()).await {
+                Poll::Ready(buffered) => buffered,
+                Poll::Pending => match tokio::time::timeout(timeout, buffering).await {
+                    Ok(buffered) => buffered,
+                    Err(_) => {
+                        return Ok(reject(Rejection::new(
+                            RejectionKind::BodyTimeout,
+                            format!(
+                                "the request body did not arrive within {timeout:?}; nothing was \
                              processed"
-                        ),
+                            ),
+                        )));
+                    }
+                },
+            };
+            let body = match buffered {
+                Buffered::Complete(body) => body,
+                Buffered::TooLarge { .. } => {
+                    return Ok(reject(Rejection::new(
+                        RejectionKind::BodyTooLarge,
+                        format!("the request body exceeds {limit} bytes; nothing was processed"),
                     )));
                 }
-            },
-        };
-        let body = match buffered {
-            Buffered::Complete(body) => body,
-            Buffered::TooLarge { .. } => {
-                return Ok(reject(Rejection::new(
-                    RejectionKind::BodyTooLarge,
-                    format!("the request body exceeds {limit} bytes; nothing was processed"),
-                )));
-            }
-            Buffered::Failed { error, .. } => {
-                tracing::debug!(error = %Chain(&*error), "request body could not be read");
-                return Ok(reject(Rejection::new(
-                    RejectionKind::BodyUnreadable,
-                    "the request body could not be read; nothing was processed",
-                )));
-            }
-        };
-        let fingerprint = Fingerprint::compute(
-            self.config.fingerprint,
-            &parts.method,
-            &parts.uri,
-            parts.headers.get(http::header::CONTENT_TYPE),
-            &body,
-        );
-
-        // Claim, then run, replay or refuse.
-        let begin = match claim(
-            &*self.store,
-            &self.cache,
-            &self.config,
-            self.scope_key,
-            fingerprint,
-        )
-        .await
-        {
-            Ok(begin) => begin,
-            Err(error) => return self.store_failed(&error, parts, body).await,
-        };
-        match begin {
-            Begin::Acquired { claim, takeover } => {
-                if takeover {
-                    tracing::warn!(
-                        "took over an idempotency key whose holder's lease lapsed; \
-                         its handler may have run in part"
-                    );
+                Buffered::Failed { error, .. } => {
+                    tracing::debug!(error = %Chain(&*error), "request body could not be read");
+                    return Ok(reject(Rejection::new(
+                        RejectionKind::BodyUnreadable,
+                        "the request body could not be read; nothing was processed",
+                    )));
                 }
-                self.run(claim, takeover, parts, body).await
-            }
-            Begin::Completed { record, .. } => Ok(replayed(&record)),
-            Begin::InFlight { .. } => {
-                outcome(Outcome::Conflict);
-                Ok(reject(Rejection::new(
-                    RejectionKind::InFlight,
-                    "a request with this Idempotency-Key is still being processed; \
+            };
+            let fingerprint = Fingerprint::compute(
+                self.config.fingerprint,
+                &parts.method,
+                &parts.uri,
+                parts.headers.get(http::header::CONTENT_TYPE),
+                &body,
+            );
+
+            // Claim, then run, replay or refuse.
+            let begin = match claim(
+                &*self.store,
+                &self.cache,
+                &self.config,
+                self.scope_key,
+                fingerprint,
+            )
+            .await
+            {
+                Ok(begin) => begin,
+                Err(error) => return self.store_failed(&error, parts, body).await,
+            };
+            match begin {
+                Begin::Acquired { claim, takeover } => {
+                    if takeover {
+                        tracing::warn!(
+                            "took over an idempotency key whose holder's lease lapsed; \
+                         its handler may have run in part"
+                        );
+                    }
+                    self.run(claim, takeover, parts, body).await
+                }
+                Begin::Completed { record, .. } => Ok(replayed(&record)),
+                Begin::InFlight { .. } => {
+                    outcome(Outcome::Conflict);
+                    Ok(reject(Rejection::new(
+                        RejectionKind::InFlight,
+                        "a request with this Idempotency-Key is still being processed; \
                      retry after the Retry-After delay to get its response",
-                )))
+                    )))
+                }
+                Begin::Mismatch => Ok(mismatch()),
             }
-            Begin::Mismatch => Ok(mismatch()),
         }
     }
 
     /// The handler, under a held claim kept alive by a heartbeat; then record or release.
-    async fn run(
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn would store its arguments twice (see `serve`)"
+    )]
+    fn run(
         self,
         claim: St::Claim,
         takeover: bool,
         mut parts: Parts,
         body: Bytes,
-    ) -> Served<ResBody, S::Error> {
-        let Keyed {
-            mut inner,
-            store,
-            config,
-            key,
-            scope_key,
-            ..
-        } = self;
-        store.attach(&claim, &mut parts.extensions);
-        let guard = ClaimGuard::new(Arc::clone(&store), claim);
-        parts.extensions.insert(IdempotencyContext {
-            key,
-            scope_key,
-            takeover,
-        });
-        let request = Request::from_parts(parts, RequestBody::buffered(body));
-        let max_response_bytes = config.max_response_bytes;
-        let handler = async move {
-            let response = inner.call(request).await?;
-            let (parts, body) = response.into_parts();
-            Ok((
-                parts,
-                body::buffer(Box::pin(body), max_response_bytes).await,
-            ))
-        };
-        let handled = with_heartbeat(
-            &*store,
-            guard.claim(),
-            config.lease,
-            AssertUnwindSafe(handler).catch_unwind(),
-        )
-        .await;
+    ) -> impl Future<Output = Served<ResBody, S::Error>> {
+        async move {
+            let Keyed {
+                mut inner,
+                store,
+                config,
+                key,
+                scope_key,
+                ..
+            } = self;
+            store.attach(&claim, &mut parts.extensions);
+            let guard = ClaimGuard::new(Arc::clone(&store), claim);
+            parts.extensions.insert(IdempotencyContext {
+                key,
+                scope_key,
+                takeover,
+            });
+            let request = Request::from_parts(parts, RequestBody::buffered(body));
+            let max_response_bytes = config.max_response_bytes;
+            let handler = async move {
+                let response = inner.call(request).await?;
+                let (parts, body) = response.into_parts();
+                Ok((
+                    parts,
+                    body::buffer(Box::pin(body), max_response_bytes).await,
+                ))
+            };
+            let handled = with_heartbeat(
+                &*store,
+                guard.claim(),
+                config.lease,
+                AssertUnwindSafe(handler).catch_unwind(),
+            )
+            .await;
 
-        let (mut parts, buffered) = match handled {
-            Ok(Ok(handled)) => handled,
-            Ok(Err(error)) => {
-                outcome(Outcome::Released);
-                guard.release().await;
-                return Err(error);
-            }
-            Err(panic) => {
-                tracing::error!(
-                    panic = panic_message(&*panic),
-                    "handler panicked; key released"
-                );
-                outcome(Outcome::Released);
-                guard.release().await;
-                return Ok(reject(Rejection::new(
-                    RejectionKind::HandlerPanicked,
-                    "the request failed on the server and was not completed; \
-                     it is safe to retry with the same Idempotency-Key",
-                )));
-            }
-        };
-
-        let retention = parts
-            .extensions
-            .remove::<Retention>()
-            .unwrap_or_else(|| config.retention.decide(parts.status));
-        let (kept_body, body) = match buffered {
-            Buffered::Complete(bytes) => (Some(bytes.clone()), ResponseBody::full(bytes)),
-            Buffered::TooLarge { prefix, rest } => {
-                tracing::warn!(
-                    limit = max_response_bytes,
-                    "response too large to store: delivered, but a retry gets its status only"
-                );
-                (None, ResponseBody::prefixed(prefix, rest))
-            }
-            Buffered::Failed { prefix, error } => {
-                tracing::warn!(error = %Chain(&*error), "response body failed while being stored");
-                (None, ResponseBody::failed(prefix, error))
-            }
-        };
-        match retention {
-            Retention::Keep => {
-                let record = Record::capture(&parts, kept_body);
-                if !guard.complete(record).await {
-                    // The handler's writes were to commit with the record, and may not have.
-                    outcome(Outcome::StoreError);
+            let (mut parts, buffered) = match handled {
+                Ok(Ok(handled)) => handled,
+                Ok(Err(error)) => {
+                    outcome(Outcome::Released);
+                    guard.release().await;
+                    return Err(error);
+                }
+                Err(panic) => {
+                    tracing::error!(
+                        panic = panic_message(&*panic),
+                        "handler panicked; key released"
+                    );
+                    outcome(Outcome::Released);
+                    guard.release().await;
                     return Ok(reject(Rejection::new(
-                        RejectionKind::StoreUnavailable,
-                        "the request could not be confirmed as committed; retry with the same \
-                         Idempotency-Key: if it was committed the retry gets its response, \
-                         otherwise it runs again",
+                        RejectionKind::HandlerPanicked,
+                        "the request failed on the server and was not completed; \
+                     it is safe to retry with the same Idempotency-Key",
                     )));
                 }
-                outcome(if takeover {
-                    Outcome::Takeover
-                } else {
-                    Outcome::Acquired
-                });
+            };
+
+            let retention = parts
+                .extensions
+                .remove::<Retention>()
+                .unwrap_or_else(|| config.retention.decide(parts.status));
+            let (kept_body, body) = match buffered {
+                Buffered::Complete(bytes) => (Some(bytes.clone()), ResponseBody::full(bytes)),
+                Buffered::TooLarge { prefix, rest } => {
+                    tracing::warn!(
+                        limit = max_response_bytes,
+                        "response too large to store: delivered, but a retry gets its status only"
+                    );
+                    (None, ResponseBody::prefixed(prefix, rest))
+                }
+                Buffered::Failed { prefix, error } => {
+                    tracing::warn!(error = %Chain(&*error), "response body failed while being stored");
+                    (None, ResponseBody::failed(prefix, error))
+                }
+            };
+            match retention {
+                Retention::Keep => {
+                    let record = Record::capture(&parts, kept_body);
+                    if !guard.complete(record).await {
+                        // The handler's writes were to commit with the record, and may not have.
+                        outcome(Outcome::StoreError);
+                        return Ok(reject(Rejection::new(
+                            RejectionKind::StoreUnavailable,
+                            "the request could not be confirmed as committed; retry with the same \
+                         Idempotency-Key: if it was committed the retry gets its response, \
+                         otherwise it runs again",
+                        )));
+                    }
+                    outcome(if takeover {
+                        Outcome::Takeover
+                    } else {
+                        Outcome::Acquired
+                    });
+                }
+                Retention::Release => {
+                    outcome(Outcome::Released);
+                    guard.release().await;
+                }
             }
-            Retention::Release => {
-                outcome(Outcome::Released);
-                guard.release().await;
-            }
+            Ok(Response::from_parts(parts, body))
         }
-        Ok(Response::from_parts(parts, body))
     }
 
     /// The store failed at claim time: `503`, or the handler without protection (fail-open).

@@ -38,7 +38,9 @@ struct Inner {
     tokens: AtomicI64,
 }
 
-type Records = HashMap<ScopeKey, Entry>;
+/// Keys are SHA-256 digests, so a fast hasher spreads them as well as SipHash does; seeded per
+/// process, it leaves a client no way to aim keys at one bucket.
+type Records = HashMap<ScopeKey, Entry, foldhash::fast::RandomState>;
 
 const SHARDS: usize = 64;
 

@@ -60,6 +60,9 @@ pub(crate) enum App {
     MemoryBare,
     /// The no-I/O handler behind `IdempotencyLayer::memory()`.
     Memory,
+    /// The no-I/O handler spending [`BUSY`] on the CPU first, no idempotency layer: what a
+    /// microsecond of work per request costs in this benchmark.
+    MemoryBareBusy,
 }
 
 impl App {
@@ -71,7 +74,7 @@ impl App {
             | Self::LeaseNoCache
             | Self::LeasePartitioned
             | Self::Transactional => true,
-            Self::MemoryBare | Self::Memory => false,
+            Self::MemoryBare | Self::Memory | Self::MemoryBareBusy => false,
         }
     }
 
@@ -85,6 +88,7 @@ impl App {
             Self::Transactional => "transactional",
             Self::MemoryBare => "memory-bare",
             Self::Memory => "memory",
+            Self::MemoryBareBusy => "memory-bare-busy",
         }
     }
 
@@ -94,7 +98,7 @@ impl App {
             Self::Lease | Self::LeaseNoCache => Some(PostgresStore::new(pool.clone())),
             Self::Transactional => Some(PostgresStore::new(pool.clone()).transactional()),
             Self::LeasePartitioned => Some(partitioned_store(pool)),
-            Self::Bare | Self::MemoryBare | Self::Memory => None,
+            Self::Bare | Self::MemoryBare | Self::Memory | Self::MemoryBareBusy => None,
         }
     }
 }
@@ -122,6 +126,7 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
             .layer(IdempotencyLayer::postgres(pool).transactional()),
         (App::MemoryBare, _) => no_io(),
         (App::Memory, _) => no_io().layer(IdempotencyLayer::memory()),
+        (App::MemoryBareBusy, _) => no_io().layer(middleware::from_fn(busy)),
         (
             App::Bare | App::Lease | App::LeaseNoCache | App::LeasePartitioned | App::Transactional,
             None,
@@ -236,6 +241,19 @@ fn created(id: i64, principal: &Principal, new: NewCharge) -> (StatusCode, Json<
             currency: new.currency,
         }),
     )
+}
+
+/// How long [`App::MemoryBareBusy`] keeps the CPU busy per request.
+pub(crate) const BUSY: Duration = Duration::from_micros(1);
+
+/// Spins for [`BUSY`], then hands the request on: CPU time and nothing else, no allocation, no
+/// I/O, no sleep.
+async fn busy(request: Request, next: Next) -> Response {
+    let started = std::time::Instant::now();
+    while started.elapsed() < BUSY {
+        std::hint::spin_loop();
+    }
+    next.run(request).await
 }
 
 /// A database error in the handler: `500`. The first one is logged; the load generator counts

@@ -58,6 +58,7 @@
 //! | `replay` | bare | the lease server answering retries of keys completed before the window |
 //! | `memory-bare` | — | a handler doing no I/O, no layer |
 //! | `memory` | memory-bare | the same, behind `IdempotencyLayer::memory()` |
+//! | `memory-bare-busy` | memory-bare | the no-I/O handler spending 1 µs of CPU per request first, no layer: what a microsecond of work costs here |
 //! | `store-ceiling` | bare | the store's `begin` + `complete` for new keys, through sqlx, no HTTP |
 //! | `store-lookup` | bare | the store's `begin` on completed keys (a replay's lookup), no HTTP |
 //! | `large-bodies` | — | 1 MiB JSON bodies through the lease layer at 64 connections |

@@ -230,6 +230,15 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         targets: &[Target::Throughput(0.8)],
     },
     Scenario {
+        name: "memory-bare-busy",
+        about: "the no-I/O handler spending 1 µs of CPU per request first, without the layer: \
+                what one microsecond of work per request costs here, to read the memory ratio by",
+        baseline: Some("memory-bare"),
+        runner: Runner::Http(Http::new(App::MemoryBareBusy, NEW_CHARGES)),
+        scale: false,
+        targets: &[],
+    },
+    Scenario {
         name: "store-ceiling",
         about: "the PostgreSQL store's begin + complete for a new key, through sqlx, no HTTP",
         baseline: Some("bare"),
@@ -494,6 +503,8 @@ mod tests {
         let names = |v: Vec<&Scenario>| v.iter().map(|s| s.name).collect::<Vec<_>>();
         let picked = select(&["memory".into(), "replay".into()]).unwrap();
         assert_eq!(names(picked), ["bare", "replay", "memory-bare", "memory"]);
+        let picked = select(&["memory-bare-busy".into(), "memory".into()]).unwrap();
+        assert_eq!(names(picked), ["memory-bare", "memory", "memory-bare-busy"]);
         assert!(select(&["nope".into()]).is_err());
     }
 

@@ -264,12 +264,17 @@ async fn rounds(
         }
         for i in order {
             let scenario = selected[i];
-            eprint!("round {}/{rounds}  {:<20}", round + 1, scenario.name);
-            let sample = measure(dbs, scenario, args, round).await.map_err(|e| {
-                eprintln!();
-                format!("scenario {}: {e}", scenario.name)
-            })?;
-            eprintln!("{}", progress(&sample));
+            let sample = measure(dbs, scenario, args, round)
+                .await
+                .map_err(|e| format!("scenario {}: {e}", scenario.name))?;
+            // One write per line, once measured, so that what the servers log meanwhile (sqlx's
+            // slow-statement warnings, say) lands between lines rather than inside one.
+            eprintln!(
+                "round {}/{rounds}  {:<20}{}",
+                round + 1,
+                scenario.name,
+                progress(&sample)
+            );
             for failure in &sample.failures {
                 eprintln!("  !!! {}: {failure}", scenario.name);
             }

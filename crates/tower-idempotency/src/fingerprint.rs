@@ -244,6 +244,11 @@ impl<'de> Visitor<'de> for Canonical<'_> {
         Ok(())
     }
 
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<(), E> {
+        write_unescaped(self.0, v);
+        Ok(())
+    }
+
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         let out = self.0;
         out.push(b'[');
@@ -274,7 +279,10 @@ impl<'de> Visitor<'de> for Canonical<'_> {
                 out.push(b',');
             }
             let at = out.len();
-            write_json(out, &*name.0);
+            match &name.0 {
+                Cow::Borrowed(name) => write_unescaped(out, name),
+                Cow::Owned(name) => write_json(out, name.as_str()),
+            }
             out.push(b':');
             map.next_value_seed(Canonical(&mut *out))?;
             members.push((name, at, out.len()));
@@ -329,6 +337,16 @@ impl<'de> Deserialize<'de> for Name<'de> {
 fn write_json<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) {
     // Serialising a number or `str` into a `Vec` cannot fail.
     let _ = value.serialize(&mut serde_json::Serializer::new(out));
+}
+
+/// Appends a string read straight from the input, quoted. Borrowed from the input, it held no
+/// escape, so none of what minimal escaping escapes (`"`, `\`, control characters, which JSON
+/// does not allow unescaped): it is its own canonical form, and is copied without a second scan.
+fn write_unescaped(out: &mut Vec<u8>, v: &str) {
+    out.reserve(v.len() + 2);
+    out.push(b'"');
+    out.extend_from_slice(v.as_bytes());
+    out.push(b'"');
 }
 
 /// A decoded form or query pair: name and value bytes.
@@ -473,6 +491,13 @@ mod tests {
     #[test]
     fn json_strings_are_escaped_minimally() {
         assert_eq!(canon(r#""caf\u00e9 \/ \u0041 \n""#), "\"café / A \\n\"");
+        // A string without escapes is copied from the input; one with them is decoded and
+        // escaped again: the two meet.
+        assert_eq!(
+            canon(r#"{"caf\u00e9":"\ud83d\ude00 \/"}"#),
+            canon(r#"{"café":"😀 /"}"#)
+        );
+        assert_eq!(canon(r#"{"café":"😀 /"}"#), r#"{"café":"😀 /"}"#);
     }
 
     #[test]
@@ -725,7 +750,7 @@ mod tests {
                             out.push(',');
                         }
                         rng.space(out);
-                        out.push_str(&serde_json::to_string(name).unwrap());
+                        string(name, rng, out);
                         rng.space(out);
                         out.push(':');
                         rewrite(member, rng, out);
@@ -733,9 +758,29 @@ mod tests {
                     rng.space(out);
                     out.push('}');
                 }
+                Value::String(text) => string(text, rng, out),
                 other => out.push_str(&other.to_string()),
             }
             rng.space(out);
+        }
+
+        /// `text` as a JSON string, each character written either as itself (escaped where it
+        /// must be) or as a `\u` escape: a string with no escape is read straight from the
+        /// input, one with any is decoded, and both must come out the same.
+        fn string(text: &str, rng: &mut Rng, out: &mut String) {
+            out.push('"');
+            for c in text.chars() {
+                if rng.below(4) == 0 {
+                    let mut units = [0u16; 2];
+                    for unit in c.encode_utf16(&mut units) {
+                        out.push_str(&format!("\\u{unit:04x}"));
+                    }
+                } else {
+                    let quoted = serde_json::to_string(&c).unwrap();
+                    out.push_str(&quoted[1..quoted.len() - 1]);
+                }
+            }
+            out.push('"');
         }
 
         /// Text that looks like JSON, to reach the canonicaliser's error paths and numbers.

@@ -244,7 +244,7 @@ fn created(id: i64, principal: &Principal, new: NewCharge) -> (StatusCode, Json<
 }
 
 /// How long [`App::MemoryBareBusy`] keeps the CPU busy per request.
-pub(crate) const BUSY: Duration = Duration::from_micros(1);
+const BUSY: Duration = Duration::from_micros(1);
 
 /// Spins for [`BUSY`], then hands the request on: CPU time and nothing else, no allocation, no
 /// I/O, no sleep.

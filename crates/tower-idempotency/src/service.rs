@@ -338,13 +338,10 @@ where
                     body::buffer(Box::pin(body), max_response_bytes).await,
                 ))
             };
-            let handled = with_heartbeat(
-                &*store,
-                guard.claim(),
-                config.lease,
-                AssertUnwindSafe(handler).catch_unwind(),
-            )
-            .await;
+            // Pinned here and lent to the heartbeat: an `async fn` taking the future by value
+            // would keep two copies of it in its state (rust-lang/rust#62958).
+            let handling = pin!(AssertUnwindSafe(handler).catch_unwind());
+            let handled = with_heartbeat(&*store, guard.claim(), config.lease, handling).await;
 
             let (mut parts, buffered) = match handled {
                 Ok(Ok(handled)) => handled,
@@ -487,9 +484,8 @@ async fn with_heartbeat<St: Store, F: Future>(
     store: &St,
     claim: &St::Claim,
     lease: Duration,
-    future: F,
+    mut future: Pin<&mut F>,
 ) -> F::Output {
-    let mut future = pin!(future);
     // A handler that answers without waiting needs no heartbeat: don't even start the timer.
     if let Poll::Ready(output) = poll_once(future.as_mut()).await {
         return output;

@@ -773,7 +773,8 @@ mod postgres_only {
                     }
                     Begin::Acquired { claim, .. } if i % 2 == 1 => {
                         // Gone, as it should be; let the key go again.
-                        store.release(&claim).await.expect("release");
+                        let released = store.release(&claim).await.expect("release");
+                        assert_eq!(released, ClaimStatus::Held, "key {i}");
                     }
                     other => panic!("key {i}: {other:?}"),
                 }

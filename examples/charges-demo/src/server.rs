@@ -287,7 +287,13 @@ impl fmt::Display for RunError {
         match self {
             Self::Config(_) => f.write_str("invalid settings"),
             Self::DatabaseUrl(_) => f.write_str("DATABASE_URL is not a valid PostgreSQL URL"),
-            Self::Connect(_) => f.write_str("cannot connect to PostgreSQL"),
+            Self::Connect(error) => {
+                f.write_str("cannot connect to PostgreSQL")?;
+                match connect_hint(error) {
+                    Some(hint) => write!(f, " ({hint})"),
+                    None => Ok(()),
+                }
+            }
             Self::Migrate(_) => f.write_str("applying the database migrations failed"),
             Self::Metrics(_) => f.write_str("installing the metrics recorder failed"),
             Self::Signal(_) => f.write_str("cannot install the shutdown signal handlers"),
@@ -310,19 +316,36 @@ impl std::error::Error for RunError {
     }
 }
 
-/// Displays an error with its sources: `outer: inner: innermost`.
+/// What to do about the failures a first run against a fresh PostgreSQL meets.
+fn connect_hint(error: &sqlx::Error) -> Option<&'static str> {
+    if let sqlx::Error::PoolTimedOut = error {
+        return Some("no connection within 5 s: is PostgreSQL running at that address?");
+    }
+    match error.as_database_error()?.code()?.as_ref() {
+        // invalid_catalog_name
+        "3D000" => Some("the database does not exist: create it first, e.g. `createdb charges`"),
+        // invalid_authorization_specification: no role of that name
+        "28000" => Some(
+            "PostgreSQL has no role of that name: put one in the URL \
+             (`postgres://USER@localhost/charges`) or create yours with \
+             `sudo -u postgres createuser --superuser $USER`",
+        ),
+        _ => None,
+    }
+}
+
+/// Displays an error with its sources, `outer: inner: innermost`, each message once (sqlx's
+/// errors repeat their source's message in their own).
 #[derive(Debug, Clone, Copy)]
 pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
 
 impl fmt::Display for ErrorChain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(error) = source {
-            write!(f, ": {error}")?;
-            source = error.source();
-        }
-        Ok(())
+        let mut messages: Vec<String> = std::iter::successors(Some(self.0), |error| error.source())
+            .map(ToString::to_string)
+            .collect();
+        messages.dedup_by(|inner, outer| outer.ends_with(inner.as_str()));
+        f.write_str(&messages.join(": "))
     }
 }
 

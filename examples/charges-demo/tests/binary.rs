@@ -366,16 +366,11 @@ async fn without_a_database_it_says_so_first_and_serves_from_memory() {
     );
 }
 
-#[tokio::test]
-async fn an_unreachable_database_fails_start_up() {
-    // Port 1 on loopback: nothing listens there, so the connection is refused at once.
+/// Runs the binary against `database_url`, expecting it to give up: its exit code, standard
+/// output and standard error.
+async fn failed_start(database_url: &str) -> (Option<i32>, String, String) {
     let mut child = Command::new(BINARY)
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--database-url",
-            "postgres://nobody:secret@127.0.0.1:1/charges",
-        ])
+        .args(["--listen", "127.0.0.1:0", "--database-url", database_url])
         .env_clear()
         .env("RUST_LOG", "info")
         .stdout(Stdio::piped())
@@ -387,7 +382,6 @@ async fn an_unreachable_database_fails_start_up() {
         .await
         .expect("it gave up in time")
         .expect("wait");
-    assert_eq!(status.code(), Some(1));
     let mut stdout = String::new();
     let mut stderr = String::new();
     child
@@ -404,10 +398,39 @@ async fn an_unreachable_database_fails_start_up() {
         .read_to_string(&mut stderr)
         .await
         .expect("read");
+    (status.code(), stdout, stderr)
+}
+
+#[tokio::test]
+async fn an_unreachable_database_fails_start_up() {
+    // Port 1 on loopback: nothing listens there, so the connection is refused at once.
+    let (code, stdout, stderr) = failed_start("postgres://nobody:secret@127.0.0.1:1/charges").await;
+    assert_eq!(code, Some(1));
     assert_eq!(stdout, "", "it never announced itself");
     assert!(stderr.contains("cannot connect to PostgreSQL"), "{stderr}");
+    assert!(stderr.contains("is PostgreSQL running"), "{stderr}");
     assert!(
         !stderr.contains("secret"),
         "no credentials in the logs: {stderr}"
+    );
+}
+
+/// A first run against a server without the demo's database says how to make one, and says
+/// PostgreSQL's message once (sqlx repeats it in its own).
+#[tokio::test]
+async fn a_missing_database_fails_start_up_saying_how_to_create_it() {
+    let db = TestDb::new().await;
+    // The test database's URL with another database name (before any `?host=` of a socket).
+    let url = db.url();
+    let (path, query) = url.split_once('?').unwrap_or((&url, ""));
+    let url = format!("{path}_missing?{query}");
+    let (code, stdout, stderr) = failed_start(&url).await;
+    assert_eq!(code, Some(1));
+    assert_eq!(stdout, "", "it never announced itself");
+    assert!(stderr.contains("createdb"), "{stderr}");
+    assert_eq!(
+        stderr.matches("does not exist").count(),
+        2,
+        "the hint's and PostgreSQL's, once: {stderr}"
     );
 }

@@ -319,7 +319,9 @@ impl std::error::Error for RunError {
 /// What to do about the failures a first run against a fresh PostgreSQL meets.
 fn connect_hint(error: &sqlx::Error) -> Option<&'static str> {
     if let sqlx::Error::PoolTimedOut = error {
-        return Some("no connection within 5 s: is PostgreSQL running at that address?");
+        return Some(
+            "no connection within the pool's acquire timeout: is PostgreSQL running at that address?",
+        );
     }
     match error.as_database_error()?.code()?.as_ref() {
         // invalid_catalog_name

@@ -2,12 +2,34 @@
 //! `metrics`): install any recorder (Prometheus, StatsD, OpenTelemetry...) and they appear.
 //!
 //! ```
-//! # #[cfg(feature = "metrics")] {
-//! // e.g. with metrics-exporter-prometheus:
-//! // let handle = PrometheusBuilder::new().install_recorder()?;
-//! // ...then serve handle.render() at /metrics.
-//! assert_eq!(tower_idempotency::metrics::REQUESTS, "idempotency_requests_total");
+//! # #[cfg(feature = "metrics")]
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use axum::{Router, body::Body, routing::post};
+//! use metrics_exporter_prometheus::PrometheusBuilder;
+//! use tower::ServiceExt;
+//! use tower_idempotency::{IdempotencyLayer, Scope};
+//!
+//! // Once, at start-up; serve `handle.render()` at `/metrics` (as the demo does).
+//! let handle = PrometheusBuilder::new().install_recorder().unwrap();
+//!
+//! let app = Router::new()
+//!     .route("/v1/charges", post(|| async { "charged" }))
+//!     .layer(IdempotencyLayer::memory().with_scope(Scope::single_tenant()));
+//! for _ in 0..2 {
+//!     let request = http::Request::post("/v1/charges")
+//!         .header("idempotency-key", "order-1")
+//!         .body(Body::empty())
+//!         .unwrap();
+//!     app.clone().oneshot(request).await.unwrap();
+//! }
+//!
+//! let text = handle.render();
+//! assert!(text.contains(r#"idempotency_requests_total{outcome="acquired"} 1"#));
+//! assert!(text.contains(r#"idempotency_requests_total{outcome="replayed"} 1"#));
 //! # }
+//! # #[cfg(not(feature = "metrics"))]
+//! # fn main() {}
 //! ```
 //!
 //! | metric | type | labels | an alert on it means |

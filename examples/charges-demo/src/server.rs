@@ -26,7 +26,10 @@ use std::{
 use axum::{Router, routing::get};
 use clap::Parser;
 use metrics_exporter_prometheus::PrometheusBuilder;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{
+    Connection,
+    postgres::{PgConnectOptions, PgConnection, PgPoolOptions},
+};
 use tokio::net::TcpListener;
 use tower_idempotency::{
     ConfigError,
@@ -124,6 +127,15 @@ pub async fn run(args: Args) -> Result<(), RunError> {
         database = %describe(&options),
         "using PostgreSQL for idempotency keys and the charges ledger"
     );
+    // One connection first, on its own: the pool retries a failed connection until its acquire
+    // timeout and then reports only that it timed out, where this reports why (refused, no such
+    // database or role) at once.
+    PgConnection::connect_with(&options)
+        .await
+        .map_err(RunError::Connect)?
+        .close()
+        .await
+        .map_err(RunError::Connect)?;
     let pool = PgPoolOptions::new()
         .max_connections(20)
         .acquire_timeout(Duration::from_secs(5))
@@ -246,12 +258,17 @@ impl ShutdownSignal {
     }
 }
 
-/// Where the database is, without credentials.
+/// Who connects to which database where, without the password.
 fn describe(options: &PgConnectOptions) -> String {
+    let user = options.get_username();
     let database = options.get_database().unwrap_or("(default database)");
     match options.get_socket() {
-        Some(socket) => format!("{}/{database}", socket.display()),
-        None => format!("{}:{}/{database}", options.get_host(), options.get_port()),
+        Some(socket) => format!("{user}@{}/{database}", socket.display()),
+        None => format!(
+            "{user}@{}:{}/{database}",
+            options.get_host(),
+            options.get_port()
+        ),
     }
 }
 
@@ -289,8 +306,13 @@ impl fmt::Display for RunError {
             Self::DatabaseUrl(_) => f.write_str("DATABASE_URL is not a valid PostgreSQL URL"),
             Self::Connect(error) => {
                 f.write_str("cannot connect to PostgreSQL")?;
-                match connect_hint(error) {
-                    Some(hint) => write!(f, " ({hint})"),
+                if let Some(hint) = connect_hint(error) {
+                    write!(f, " ({hint})")?;
+                }
+                // PostgreSQL's own words, without the source line of the server's C code that
+                // sqlx appends ("at line 948"), which reads as if it were a line of the user's.
+                match error.as_database_error() {
+                    Some(refusal) => write!(f, ": {}", refusal.message()),
                     None => Ok(()),
                 }
             }
@@ -307,6 +329,8 @@ impl std::error::Error for RunError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Config(error) => Some(error),
+            // A refusal from PostgreSQL is in this error's own message (see `Display`).
+            Self::Connect(error) if error.as_database_error().is_some() => None,
             Self::DatabaseUrl(error) | Self::Connect(error) => Some(error),
             Self::Migrate(error) | Self::Metrics(error) => Some(error.as_ref()),
             Self::Signal(error) | Self::Serve(error) | Self::Bind { source: error, .. } => {
@@ -318,17 +342,25 @@ impl std::error::Error for RunError {
 
 /// What to do about the failures a first run against a fresh PostgreSQL meets.
 fn connect_hint(error: &sqlx::Error) -> Option<&'static str> {
-    if let sqlx::Error::PoolTimedOut = error {
-        return Some(
-            "no connection within the pool's acquire timeout: is PostgreSQL running at that address?",
-        );
+    match error {
+        sqlx::Error::Io(io) if io.kind() == io::ErrorKind::ConnectionRefused => {
+            return Some("nothing answers at that address: is PostgreSQL running there?");
+        }
+        sqlx::Error::PoolTimedOut => {
+            return Some(
+                "no connection within the pool's acquire timeout: is PostgreSQL running at that \
+                 address?",
+            );
+        }
+        _ => {}
     }
     match error.as_database_error()?.code()?.as_ref() {
         // invalid_catalog_name
         "3D000" => Some("the database does not exist: create it first, e.g. `createdb charges`"),
         // invalid_authorization_specification: no role of that name
         "28000" => Some(
-            "PostgreSQL has no role of that name: put one in the URL \
+            "PostgreSQL has no role of that name (a URL without a user name logs in as \
+             $PGUSER, else as you): put an existing one in the URL \
              (`postgres://USER@localhost/charges`) or create yours with \
              `sudo -u postgres createuser --superuser $USER`",
         ),
@@ -386,11 +418,26 @@ mod tests {
     }
 
     #[test]
-    fn database_description_has_no_credentials() {
+    fn database_description_has_no_password() {
         let options =
             PgConnectOptions::from_str("postgres://demo:s3cret@db.example:5433/charges").unwrap();
         let text = describe(&options);
-        assert_eq!(text, "db.example:5433/charges");
+        assert_eq!(text, "demo@db.example:5433/charges");
         assert!(!text.contains("s3cret"));
+    }
+
+    /// As with libpq: `$PGUSER`, else the user running the process (not whoami's stub name,
+    /// "anonymous", which sqlx gets unless whoami's `std` feature is on).
+    #[test]
+    fn a_url_without_a_user_name_logs_in_as_the_operating_system_user() {
+        let expected = std::env::var("PGUSER").unwrap_or_else(|_| {
+            let id = std::process::Command::new("id")
+                .arg("-un")
+                .output()
+                .expect("run `id -un`");
+            String::from_utf8(id.stdout).unwrap().trim().to_owned()
+        });
+        let options = PgConnectOptions::from_str("postgres://localhost/charges").unwrap();
+        assert_eq!(options.get_username(), expected);
     }
 }

@@ -408,6 +408,8 @@ async fn an_unreachable_database_fails_start_up() {
     assert_eq!(code, Some(1));
     assert_eq!(stdout, "", "it never announced itself");
     assert!(stderr.contains("cannot connect to PostgreSQL"), "{stderr}");
+    // At once, from the refused connection, not after the pool's acquire timeout.
+    assert!(stderr.contains("Connection refused"), "{stderr}");
     assert!(stderr.contains("is PostgreSQL running"), "{stderr}");
     assert!(
         !stderr.contains("secret"),
@@ -432,5 +434,9 @@ async fn a_missing_database_fails_start_up_saying_how_to_create_it() {
         stderr.matches("does not exist").count(),
         2,
         "the hint's and PostgreSQL's, once: {stderr}"
+    );
+    assert!(
+        !stderr.contains(" at line "),
+        "no source line of PostgreSQL's C code: {stderr}"
     );
 }

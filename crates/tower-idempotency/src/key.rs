@@ -66,16 +66,24 @@ impl IdempotencyKey {
     pub fn parse(value: &HeaderValue) -> Result<Self, KeyError> {
         let raw = trim_ows(value.as_bytes());
         if raw.first() == Some(&b'"') {
-            let item: sfv::Item = sfv::Parser::new(raw)
-                .parse_item()
-                .map_err(|err| KeyError::Malformed(err.to_string()))?;
+            let item: sfv::Item = sfv::Parser::new(raw).parse_item().map_err(|err| {
+                if is_list(raw) {
+                    KeyError::Repeated
+                } else {
+                    KeyError::Malformed(err.to_string())
+                }
+            })?;
             match item.bare_item.as_string() {
                 Some(s) => Self::checked(s.as_str()),
                 None => Err(KeyError::Malformed("not a string".to_owned())),
             }
         } else {
             if let Some(&byte) = raw.iter().find(|b| !is_bare_key_byte(**b)) {
-                return Err(KeyError::InvalidCharacter(byte));
+                return Err(if is_list(raw) {
+                    KeyError::Repeated
+                } else {
+                    KeyError::InvalidCharacter(byte)
+                });
             }
             // Every byte is printable ASCII, so this cannot fail.
             let key = std::str::from_utf8(raw).map_err(|e| KeyError::Malformed(e.to_string()))?;
@@ -124,7 +132,7 @@ impl fmt::Debug for IdempotencyKey {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum KeyError {
-    /// The header was sent more than once.
+    /// The header was sent more than once, or carries a list of keys (`a, b`).
     Repeated,
     /// The key is empty.
     Empty,
@@ -139,7 +147,9 @@ pub enum KeyError {
 impl fmt::Display for KeyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Repeated => f.write_str("the Idempotency-Key header must be sent once"),
+            Self::Repeated => {
+                f.write_str("the Idempotency-Key header must be sent once, with one key")
+            }
             Self::Empty => f.write_str("the Idempotency-Key header is empty"),
             Self::TooLong(len) => write!(
                 f,
@@ -159,6 +169,15 @@ impl fmt::Display for KeyError {
 }
 
 impl std::error::Error for KeyError {}
+
+/// Whether a value that is no valid key is a list of several (`a, b` or `"a", "b"`), as a
+/// client sending the header twice gets it once a proxy has joined the two. A comma alone does
+/// not make a list: `a,b` is a valid bare key.
+fn is_list(raw: &[u8]) -> bool {
+    sfv::Parser::new(raw)
+        .parse_list()
+        .is_ok_and(|list: sfv::List| list.len() > 1)
+}
 
 fn is_bare_key_byte(byte: u8) -> bool {
     (b'!'..=b'~').contains(&byte) && byte != b'"'
@@ -222,6 +241,17 @@ mod tests {
     }
 
     #[test]
+    fn a_list_of_keys_is_a_repeated_header() {
+        // As a proxy joins two headers into one.
+        assert_eq!(parse("k1, k2"), Err(KeyError::Repeated));
+        assert_eq!(parse(r#""k1", "k2""#), Err(KeyError::Repeated));
+        assert_eq!(parse(r#""k1","k2""#), Err(KeyError::Repeated));
+        // A comma inside one key is just a character of it.
+        assert_eq!(parse("k1,k2").unwrap().as_str(), "k1,k2");
+        assert_eq!(parse(r#""k1, k2""#).unwrap().as_str(), "k1, k2");
+    }
+
+    #[test]
     fn rejects_spaces_and_quotes_in_bare_values() {
         assert_eq!(parse("a b"), Err(KeyError::InvalidCharacter(b' ')));
         assert_eq!(parse("a\"b"), Err(KeyError::InvalidCharacter(b'"')));
@@ -230,7 +260,7 @@ mod tests {
     #[test]
     fn rejects_unterminated_and_trailing_sf_strings() {
         assert!(matches!(parse("\"abc"), Err(KeyError::Malformed(_))));
-        assert!(matches!(parse("\"a\", \"b\""), Err(KeyError::Malformed(_))));
+        assert!(matches!(parse("\"a\" b"), Err(KeyError::Malformed(_))));
     }
 
     #[test]

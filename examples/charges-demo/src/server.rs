@@ -130,15 +130,19 @@ pub async fn run(args: Args) -> Result<(), RunError> {
     // One connection first, on its own: the pool retries a failed connection until its acquire
     // timeout and then reports only that it timed out, where this reports why (refused, no such
     // database or role) at once.
-    PgConnection::connect_with(&options)
-        .await
-        .map_err(RunError::Connect)?
-        .close()
-        .await
-        .map_err(RunError::Connect)?;
+    match tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options)).await {
+        // Closing a connection that worked cannot be a reason not to start.
+        Ok(connected) => drop(connected.map_err(RunError::Connect)?.close().await),
+        Err(_) => {
+            return Err(RunError::Connect(sqlx::Error::Io(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no answer within {CONNECT_TIMEOUT:?}"),
+            ))));
+        }
+    }
     let pool = PgPoolOptions::new()
         .max_connections(20)
-        .acquire_timeout(Duration::from_secs(5))
+        .acquire_timeout(CONNECT_TIMEOUT)
         .connect_with(options)
         .await
         .map_err(RunError::Connect)?;
@@ -258,6 +262,9 @@ impl ShutdownSignal {
     }
 }
 
+/// How long start-up waits for PostgreSQL to answer, and a request for a pooled connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Who connects to which database where, without the password.
 fn describe(options: &PgConnectOptions) -> String {
     let user = options.get_username();
@@ -343,7 +350,12 @@ impl std::error::Error for RunError {
 /// What to do about the failures a first run against a fresh PostgreSQL meets.
 fn connect_hint(error: &sqlx::Error) -> Option<&'static str> {
     match error {
-        sqlx::Error::Io(io) if io.kind() == io::ErrorKind::ConnectionRefused => {
+        sqlx::Error::Io(io)
+            if matches!(
+                io.kind(),
+                io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut
+            ) =>
+        {
             return Some("nothing answers at that address: is PostgreSQL running there?");
         }
         sqlx::Error::PoolTimedOut => {

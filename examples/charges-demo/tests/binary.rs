@@ -417,6 +417,27 @@ async fn an_unreachable_database_fails_start_up() {
     );
 }
 
+/// A server that accepts the connection and then says nothing (a wrong port, a stuck server):
+/// start-up gives up after its connect timeout instead of waiting for ever.
+#[tokio::test]
+async fn a_database_that_never_answers_fails_start_up() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut connections = Vec::new();
+        while let Ok((connection, _)) = silent.accept().await {
+            connections.push(connection);
+        }
+    });
+    let (code, stdout, stderr) = failed_start(&format!("postgres://demo@{addr}/charges")).await;
+    held.abort();
+    assert_eq!(code, Some(1));
+    assert_eq!(stdout, "", "it never announced itself");
+    assert!(stderr.contains("cannot connect to PostgreSQL"), "{stderr}");
+    assert!(stderr.contains("no answer within"), "{stderr}");
+    assert!(stderr.contains("is PostgreSQL running"), "{stderr}");
+}
+
 /// A first run against a server without the demo's database says how to make one, and says
 /// PostgreSQL's message once (sqlx repeats it in its own).
 #[tokio::test]

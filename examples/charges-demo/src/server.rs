@@ -356,26 +356,26 @@ fn connect_hint(error: &sqlx::Error) -> Option<&'static str> {
                 io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut
             ) =>
         {
-            return Some("nothing answers at that address: is PostgreSQL running there?");
+            Some("nothing answers at that address: is PostgreSQL running there?")
         }
-        sqlx::Error::PoolTimedOut => {
-            return Some(
-                "no connection within the pool's acquire timeout: is PostgreSQL running at that \
-                 address?",
-            );
-        }
-        _ => {}
-    }
-    match error.as_database_error()?.code()?.as_ref() {
-        // invalid_catalog_name
-        "3D000" => Some("the database does not exist: create it first, e.g. `createdb charges`"),
-        // invalid_authorization_specification: no role of that name
-        "28000" => Some(
-            "PostgreSQL has no role of that name (a URL without a user name logs in as \
-             $PGUSER, else as you): put an existing one in the URL \
-             (`postgres://USER@localhost/charges`) or create yours with \
-             `sudo -u postgres createuser --superuser $USER`",
+        sqlx::Error::PoolTimedOut => Some(
+            "no connection within the pool's acquire timeout: is PostgreSQL running at that \
+             address?",
         ),
+        sqlx::Error::Database(refusal) => match refusal.code()?.as_ref() {
+            // invalid_catalog_name
+            "3D000" => {
+                Some("the database does not exist: create it first, e.g. `createdb charges`")
+            }
+            // invalid_authorization_specification: no role of that name
+            "28000" => Some(
+                "PostgreSQL has no role of that name (a URL without a user name logs in as \
+                 $PGUSER, else as you): put an existing one in the URL \
+                 (`postgres://USER@localhost/charges`) or create yours with \
+                 `sudo -u postgres createuser --superuser $USER`",
+            ),
+            _ => None,
+        },
         _ => None,
     }
 }

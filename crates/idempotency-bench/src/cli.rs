@@ -68,8 +68,9 @@ pub(crate) struct BenchArgs {
     pub(crate) pool_size: NonZeroUsize,
 
     /// Servers' pools skip sqlx's connection check before each checkout
-    /// (`PgPoolOptions::test_before_acquire(false)`, a round trip saved per store call), as the
-    /// README suggests for production; the default keeps sqlx's default (checks on).
+    /// (`PgPoolOptions::test_before_acquire(false)`, a round trip saved per checkout), to measure
+    /// what the check costs; the default keeps sqlx's default (checks on), which the README
+    /// recommends keeping.
     #[arg(long)]
     pub(crate) no_pool_checks: bool,
 

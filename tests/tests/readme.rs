@@ -1,7 +1,8 @@
-//! The README's quick start, compiled and run as it is written: [`quick_start`]'s body is the
-//! README's block line for line (the first test fails if the two drift apart), and the second
-//! serves it over real HTTP against its own PostgreSQL database: a charge, its retry replayed,
-//! a request without a key refused, and the expiry loop running.
+//! The README's Rust blocks, compiled and run as they are written. Each block's lines stand in
+//! this file between two marker comments, exactly as in the README (the first test fails if the
+//! two drift apart): the quick start, served over real HTTP against its own PostgreSQL database
+//! (a charge, its retry replayed, a request without a key refused, the expiry loop running); the
+//! layers around it; and transactional mode's handler, whose charge commits with its record.
 
 use std::{
     convert::Infallible,
@@ -12,15 +13,16 @@ use std::{
 };
 
 use axum::{
-    Router,
+    Form, Json, Router,
     extract::Request,
     http::{HeaderMap, StatusCode},
     middleware::Next,
     response::{IntoResponse, Response},
 };
 use idempotency_tests::{db::TestDb, init_tracing, server::TestServer};
-use sqlx::PgPool;
-use tower_idempotency::Principal;
+use serde::{Deserialize, Serialize};
+use sqlx::{PgPool, postgres::PgPoolOptions};
+use tower_idempotency::{IdempotentTx, Principal};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -81,27 +83,39 @@ fn lines_between<'a>(text: &'a str, begin: &str, end: &str) -> Vec<&'a str> {
         .collect()
 }
 
+/// The README's blocks: the heading each one follows, and the marker of this file's copy.
+const BLOCKS: [(&str, &str); 4] = [
+    ("# tower-idempotency", "README at a glance"),
+    ("## Quick start", "README quick start"),
+    ("### Among other layers", "README among other layers"),
+    (
+        "## Lease mode or transactional mode",
+        "README transactional mode",
+    ),
+];
+
 #[test]
-fn the_quick_start_here_is_the_readmes() {
-    let readme = include_str!("../../README.md");
-    let section = readme
-        .split_once("## Quick start")
-        .expect("the README has a Quick start section")
-        .1;
-    let block = lines_between(section, "```rust", "```");
-    assert!(
-        block.len() > 5,
-        "the README's quick start has no rust block"
-    );
-    let here = lines_between(
-        include_str!("readme.rs"),
-        "// README quick start: begin",
-        "// README quick start: end",
-    );
-    assert_eq!(
-        here, block,
-        "tests/tests/readme.rs must hold the README's quick start as it is written"
-    );
+fn the_readmes_rust_blocks_are_the_ones_here() {
+    // Headings are found at the start of a line, the first one included.
+    let readme = format!("\n{}", include_str!("../../README.md"));
+    let here = include_str!("readme.rs");
+    for (heading, marker) in BLOCKS {
+        let section = readme
+            .split_once(&format!("\n{heading}\n"))
+            .unwrap_or_else(|| panic!("the README has no `{heading}`"))
+            .1;
+        let block = lines_between(section, "```rust", "```");
+        assert!(!block.is_empty(), "no rust block under `{heading}`");
+        let copy = lines_between(
+            here,
+            &format!("// {marker}: begin"),
+            &format!("// {marker}: end"),
+        );
+        assert_eq!(
+            copy, block,
+            "tests/tests/readme.rs must hold the README's block under `{heading}` as written"
+        );
+    }
 }
 
 #[tokio::test]
@@ -153,4 +167,129 @@ async fn the_quick_start_charges_once_and_replays_the_retry() {
         .await
         .expect("the quick start's migration created the records table");
     assert_eq!(stored, 1);
+}
+
+/// The README's opening lines.
+#[rustfmt::skip]
+fn at_a_glance(pool: PgPool) -> Router {
+    use axum::routing::post;
+    use tower_idempotency::IdempotencyLayer;
+    let create_charge = || async { StatusCode::CREATED };
+    // README at a glance: begin
+    let app = Router::new()
+        .route("/v1/charges", post(create_charge))
+        .layer(IdempotencyLayer::postgres(pool).required());
+    // README at a glance: end
+    app
+}
+
+/// The README's "Among other layers": which layers go outside the idempotency layer.
+#[rustfmt::skip]
+fn among_other_layers(pool: PgPool) -> Router {
+    use std::time::Duration;
+    use axum::{middleware, routing::post};
+    use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer};
+    use tower_idempotency::IdempotencyLayer;
+    let create_charge = || async { StatusCode::CREATED };
+    // README among other layers: begin
+    let app = Router::new()
+        .route("/v1/charges", post(create_charge))
+        .layer(IdempotencyLayer::postgres(pool).required())
+        .layer(middleware::from_fn(authenticate))
+        .layer(CompressionLayer::new())
+        .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, Duration::from_secs(10)));
+    // README among other layers: end
+    app
+}
+
+#[tokio::test]
+async fn the_short_blocks_build() {
+    let pool = PgPoolOptions::new()
+        .connect_lazy("postgres://127.0.0.1/unused")
+        .expect("a lazy pool");
+    let _app: Router = at_a_glance(pool.clone());
+    let _app: Router = among_other_layers(pool);
+}
+
+#[derive(Deserialize)]
+struct NewCharge {
+    amount: i64,
+    currency: String,
+}
+
+#[derive(Serialize, sqlx::FromRow)]
+struct Charge {
+    id: i64,
+    amount: i64,
+    currency: String,
+}
+
+/// The app's error type: a database error is a `500`.
+struct ApiError(sqlx::Error);
+
+impl From<sqlx::Error> for ApiError {
+    fn from(error: sqlx::Error) -> Self {
+        Self(error)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (StatusCode::INTERNAL_SERVER_ERROR, self.0.to_string()).into_response()
+    }
+}
+
+#[rustfmt::skip]
+// README transactional mode: begin
+async fn create_charge(mut tx: IdempotentTx, Form(charge): Form<NewCharge>) -> Result<Json<Charge>, ApiError> {
+    let charge = sqlx::query_as("INSERT INTO charges (amount, currency) VALUES ($1, $2) RETURNING *")
+        .bind(charge.amount).bind(&charge.currency)
+        .fetch_one(&mut *tx).await?;    // commits with the stored response, or not at all
+    Ok(Json(charge))
+}
+// README transactional mode: end
+
+#[tokio::test]
+async fn the_transactional_handler_commits_its_charge_with_the_record() {
+    init_tracing();
+    let db = TestDb::new().await;
+    sqlx::query(
+        "CREATE TABLE charges (id bigserial PRIMARY KEY, amount bigint NOT NULL, currency text NOT NULL)",
+    )
+    .execute(db.pool())
+    .await
+    .expect("charges table");
+    let layer = tower_idempotency::IdempotencyLayer::postgres(db.pool().clone())
+        .transactional()
+        .required();
+    layer.store().migrate().await.expect("migrate");
+    let app = Router::new()
+        .route("/v1/charges", axum::routing::post(create_charge))
+        .layer(layer)
+        .layer(axum::middleware::from_fn(authenticate));
+    let server = TestServer::start(app).await;
+    let client = reqwest::Client::new();
+    let charge = || {
+        client
+            .post(server.url("/v1/charges"))
+            .bearer_auth("acct_1")
+            .header("idempotency-key", "order-7")
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body("amount=4999&currency=usd")
+    };
+
+    let first = charge().send().await.expect("first request");
+    assert_eq!(first.status(), StatusCode::OK);
+    let first: serde_json::Value = first.json().await.expect("a charge");
+    assert_eq!(first["amount"], 4999);
+    let retry = charge().send().await.expect("retry");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    let retry: serde_json::Value = retry.json().await.expect("the same charge");
+    assert_eq!(retry, first);
+
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
+        .fetch_one(db.pool())
+        .await
+        .expect("count");
+    assert_eq!(rows, 1, "one charge, committed with its record");
 }

@@ -1,8 +1,8 @@
 //! The README's Rust blocks, compiled and run as they are written. Each block's lines stand in
 //! this file between two marker comments, exactly as in the README (the first test fails if the
 //! two drift apart): the quick start, served over real HTTP against its own PostgreSQL database
-//! (a charge, its retry replayed, a request without a key refused, the expiry loop running); the
-//! layers around it; and transactional mode's handler, whose charge commits with its record.
+//! (a charge, its retry replayed, a request without a key refused); the opening lines and the
+//! layers around it, built; and transactional mode's handler, whose charge commits with its record.
 
 use std::{
     convert::Infallible,

@@ -1,8 +1,9 @@
 //! The protocol every store must keep, as scenarios over real HTTP.
 //!
 //! Each scenario is generic over a [`Backend`]; [`store_suite!`](crate::store_suite) turns them
-//! into tests for one backend. A third-party store passes this suite by implementing `Backend`
-//! for it and invoking the macro.
+//! into tests for one backend. A store in this repository passes it by implementing `Backend`
+//! for it and invoking the macro; a store outside it runs the store-level checks this crate is
+//! not published with, `tower_idempotency::store::conformance`.
 
 use std::{future::Future, time::Duration};
 

@@ -103,6 +103,16 @@ mod postgres_only {
             .body(r#"{"amount":100}"#)
     }
 
+    /// The store protocol's checks, as a third-party store runs them (`store::conformance`),
+    /// on PostgreSQL's clock: leases of one second lapse for real.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keeps_the_store_protocol() {
+        let (_db, store) = migrated().await;
+        let short = Duration::from_secs(1);
+        tower_idempotency::store::conformance::check(&store, short).await;
+        tower_idempotency::store::conformance::check_expired_deletion(&store, short).await;
+    }
+
     /// Four app instances, each with its own pool, race 200 requests over 20 keys: every key
     /// runs once, every 201 for a key carries the same body.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -901,6 +911,15 @@ mod partitioned {
         use super::*;
 
         idempotency_tests::store_suite!(InTransactionalMode<Partitioned>);
+    }
+
+    /// The store protocol's checks in partitioned mode. Its expiry drops whole partitions,
+    /// not records one by one, so `check_expired_deletion` does not apply (the upkeep test
+    /// below covers it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keeps_the_store_protocol() {
+        let fixture = <Partitioned as PostgresFixture>::start().await;
+        tower_idempotency::store::conformance::check(&fixture.store, Duration::from_secs(1)).await;
     }
 
     async fn partitions(db: &TestDb) -> Vec<String> {

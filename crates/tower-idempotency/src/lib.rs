@@ -60,6 +60,8 @@
 //!   commit together.
 //! * `axum`: [`IdempotencyContext`] and [`IdempotentTx`] as axum extractors.
 //! * `metrics`: counters and histograms through the `metrics` facade ([`metrics`]).
+//! * `conformance`: the store protocol's rules as checks for a third-party [`Store`](store::Store)'s
+//!   tests ([`store::conformance`]).
 //!
 //! [Tower]: https://docs.rs/tower
 //! [Axum]: https://docs.rs/axum

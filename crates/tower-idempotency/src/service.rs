@@ -718,7 +718,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
 
 /// Displays an error with its sources: `outer: inner: innermost`, skipping a source that only
 /// repeats what its parent said (sqlx's database errors display their source's message).
-struct Chain<'a>(&'a (dyn StdError + 'static));
+pub(crate) struct Chain<'a>(pub(crate) &'a (dyn StdError + 'static));
 
 impl fmt::Display for Chain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -432,6 +432,16 @@ mod tests {
         assert!(again.token > claim.token);
     }
 
+    /// The checks every store is held to; `tokio::time` is the memory store's clock, so they
+    /// run in no real time.
+    #[cfg(feature = "conformance")]
+    #[tokio::test(start_paused = true)]
+    async fn keeps_the_store_protocol() {
+        let store = MemoryStore::new();
+        crate::store::conformance::check(&store, Duration::from_secs(1)).await;
+        crate::store::conformance::check_expired_deletion(&store, Duration::from_secs(1)).await;
+    }
+
     #[tokio::test(start_paused = true)]
     async fn delete_expired_works_in_batches() {
         let store = MemoryStore::new();

@@ -46,8 +46,8 @@
 //! over can no longer write: it gets [`ClaimStatus::Lost`].
 //!
 //! A third-party store (Redis, DynamoDB...) implements [`Store`] (and [`ExpiredDeletion`] if
-//! records do not expire by themselves) and passes the shared test suite in the repository's
-//! `tests/` crate.
+//! records do not expire by themselves), and its tests run the checks of [`conformance`]
+//! (feature `conformance`), the rules [`MemoryStore`] and [`PostgresStore`] are held to.
 
 use std::{future::Future, time::Duration};
 
@@ -55,6 +55,8 @@ use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
 #[cfg(feature = "postgres")]
 mod batch;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;

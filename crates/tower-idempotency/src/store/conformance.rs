@@ -1,0 +1,612 @@
+//! Checks that a [`Store`] keeps the protocol: for authors of third-party stores.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_idempotency::store::{MemoryStore, conformance};
+//!
+//! // In your store's tests, with your store in place of `MemoryStore`:
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! let store = MemoryStore::new();
+//! conformance::check(&store, Duration::from_secs(1)).await;
+//! conformance::check_expired_deletion(&store, Duration::from_secs(1)).await;
+//! # }
+//! ```
+//!
+//! [`check`] runs every rule of the [protocol](super#the-protocol) against the store and panics,
+//! naming the rule and what the store answered, at the first one it breaks:
+//!
+//! * a new key is acquired; a duplicate is in flight; another payload is a mismatch, while in
+//!   flight, after its lease lapsed and once completed;
+//! * a completed key replays its record exactly: status, headers in order (repeated and
+//!   non-UTF-8 values too), body bytes (empty, binary, or not kept at all);
+//! * a released key is free for any payload, and the released claim can no longer write;
+//! * a lapsed lease is taken over (`takeover: true`) and the stale holder is fenced out of
+//!   [`renew`](Store::renew), [`complete`](Store::complete) and [`release`](Store::release);
+//!   a renewed lease does not lapse;
+//! * a completed claim cannot be completed again, released or renewed: the record stays;
+//! * a record past its TTL is new, whatever its payload;
+//! * 64 concurrent [`begin`](Store::begin)s of one key acquire it exactly once, whether they
+//!   carry the same payload or not, and never disturb other keys.
+//!
+//! [`check_expired_deletion`] adds the rules of [`ExpiredDeletion`]: batches are bounded,
+//! expired records go, live ones (and claims whose lease outlives their TTL) stay.
+//!
+//! # Time
+//!
+//! Leases and TTLs must run out for some rules to be seen, so the checks wait. `short` is the
+//! lease and TTL those checks give: the shortest span your store tells apart reliably (one
+//! second suits stores whose clock is a database's `now()`; less makes the checks faster and
+//! more sensitive to a loaded machine). The checks wait with `tokio::time`, so a store whose
+//! clock is `tokio::time` too, as [`MemoryStore`](super::MemoryStore)'s is, runs them in no
+//! real time under `tokio::time::pause`. Otherwise [`check`] takes about eight times `short`,
+//! [`check_expired_deletion`] four.
+//!
+//! The checks use keys of their own, random per run, so they can share a store (and its
+//! database) with anything else, but they must have it to themselves for
+//! [`check_expired_deletion`]'s counts: it deletes every expired record it finds.
+//!
+//! They check the lease protocol. A store whose claims are transactions, as
+//! [`PostgresStore`](super::PostgresStore)'s transactional mode is, frees a key when its
+//! transaction ends rather than when a lease lapses; the repository's HTTP suite covers it.
+
+use std::{
+    hash::{BuildHasher, RandomState},
+    sync::atomic::{AtomicU64, Ordering},
+    time::{Duration, SystemTime},
+};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use sha2::{Digest, Sha256};
+
+use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Store};
+use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey, service::Chain};
+
+/// A lease and TTL long enough never to run out during a check.
+const LONG: Duration = Duration::from_secs(3600);
+
+/// How many requests race for one key.
+const RACERS: usize = 64;
+
+/// Runs every rule of the store protocol against `store`; panics at the first one broken.
+///
+/// `short` is the lease and TTL of the checks that wait for one to run out (see
+/// [Time](self#time)).
+///
+/// # Panics
+///
+/// When the store breaks a rule or fails, with the rule and the store's answer.
+pub async fn check<St: Store + Clone>(store: &St, short: Duration) {
+    let keys = Keys::new();
+    a_new_key_is_acquired_and_its_duplicates_refused(store, &keys).await;
+    a_completed_key_replays_its_record_exactly(store, &keys).await;
+    a_released_key_is_free_and_its_claim_fenced_out(store, &keys).await;
+    a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out(store, &keys, short).await;
+    a_renewed_lease_does_not_lapse(store, &keys, short).await;
+    a_completed_claim_is_final(store, &keys).await;
+    an_expired_record_is_new(store, &keys, short).await;
+    racing_requests_acquire_a_key_once(store, &keys).await;
+}
+
+/// Runs the rules of [`ExpiredDeletion`] against `store`; panics at the first one broken.
+///
+/// Leaves the store without expired records. Run it on a store that no other test is writing
+/// expired records to meanwhile.
+///
+/// # Panics
+///
+/// When the store breaks a rule or fails, with the rule and the store's answer.
+pub async fn check_expired_deletion<St: ExpiredDeletion + Clone>(store: &St, short: Duration) {
+    const RULE: &str = "expired records are deleted in bounded batches, live ones kept";
+    const EXPIRING: usize = 7;
+    const BATCH: u32 = 3;
+    let keys = Keys::new();
+    let mut expiring = Vec::new();
+    // Long enough a TTL that a record is completed well before it expires.
+    let ttl = short * 3;
+    for i in 0..EXPIRING {
+        let request = keys.request(1, short, ttl);
+        let claim = acquire(RULE, store, &request).await;
+        // Completed records and claims left in flight both expire.
+        if i % 2 == 0 {
+            held(RULE, "complete", store.complete(&claim, &record()).await);
+        }
+        expiring.push(request);
+    }
+    let live = keys.request(1, LONG, LONG);
+    let claim = acquire(RULE, store, &live).await;
+    held(RULE, "complete", store.complete(&claim, &record()).await);
+    let outliving = keys.request(1, LONG, short);
+    acquire(RULE, store, &outliving).await;
+
+    tokio::time::sleep(ttl + short).await;
+    let mut deleted = 0;
+    let mut batches = 0;
+    loop {
+        let n = ok(RULE, "delete_expired", store.delete_expired(BATCH).await);
+        assert!(
+            n <= u64::from(BATCH),
+            "{RULE}: delete_expired({BATCH}) deleted {n} records"
+        );
+        deleted += n;
+        batches += 1;
+        if n < u64::from(BATCH) {
+            break;
+        }
+        assert!(
+            batches < 10_000,
+            "{RULE}: delete_expired({BATCH}) still returned full batches after {batches} calls"
+        );
+    }
+    assert!(
+        deleted >= EXPIRING as u64,
+        "{RULE}: {EXPIRING} records expired, but delete_expired deleted {deleted}"
+    );
+    assert!(
+        matches!(
+            ok(RULE, "begin", store.begin(&live).await),
+            Begin::Completed { .. }
+        ),
+        "{RULE}: a record within its TTL was deleted"
+    );
+    let answer = ok(RULE, "begin", store.begin(&outliving).await);
+    assert!(
+        matches!(answer, Begin::InFlight { .. }),
+        "{RULE}: a claim whose lease outlives its TTL must stay in flight, got {}",
+        describe(&answer)
+    );
+    for request in &expiring {
+        let answer = ok(RULE, "begin", store.begin(request).await);
+        assert!(
+            matches!(
+                answer,
+                Begin::Acquired {
+                    takeover: false,
+                    ..
+                }
+            ),
+            "{RULE}: a deleted record's key must be new, got {}",
+            describe(&answer)
+        );
+    }
+}
+
+async fn a_new_key_is_acquired_and_its_duplicates_refused<St: Store>(store: &St, keys: &Keys) {
+    const RULE: &str =
+        "a new key is acquired, its duplicate is in flight, another payload a mismatch";
+    let request = keys.request(1, LONG, LONG);
+    let answer = ok(RULE, "begin", store.begin(&request).await);
+    assert!(
+        matches!(
+            answer,
+            Begin::Acquired {
+                takeover: false,
+                ..
+            }
+        ),
+        "{RULE}: a new key must be acquired without takeover, got {}",
+        describe(&answer)
+    );
+    let answer = ok(RULE, "begin", store.begin(&request).await);
+    match answer {
+        Begin::InFlight {
+            lease_remaining: Some(remaining),
+        } => assert!(
+            remaining <= request.lease,
+            "{RULE}: the lease has {remaining:?} left, more than the {:?} it was given",
+            request.lease
+        ),
+        Begin::InFlight {
+            lease_remaining: None,
+        } => {}
+        other => panic!(
+            "{RULE}: a duplicate of a claim in flight must be in flight, got {}",
+            describe(&other)
+        ),
+    }
+    another_payload_is_a_mismatch(RULE, store, &request, "in flight").await;
+}
+
+async fn a_completed_key_replays_its_record_exactly<St: Store>(store: &St, keys: &Keys) {
+    const RULE: &str = "a completed key replays its record exactly";
+    for (i, kept) in records().into_iter().enumerate() {
+        let request = keys.request(1, LONG, LONG);
+        let claim = acquire(RULE, store, &request).await;
+        held(RULE, "complete", store.complete(&claim, &kept).await);
+        for _ in 0..2 {
+            match ok(RULE, "begin", store.begin(&request).await) {
+                Begin::Completed { record, expires_in } => {
+                    assert_eq!(record, kept, "{RULE}: record {i} came back changed");
+                    let order = |r: &Record| {
+                        r.headers()
+                            .iter()
+                            .map(|(n, v)| (n.clone(), v.clone()))
+                            .collect::<Vec<_>>()
+                    };
+                    assert_eq!(
+                        order(&record),
+                        order(&kept),
+                        "{RULE}: record {i}'s headers came back in another order"
+                    );
+                    if let Some(expires_in) = expires_in {
+                        assert!(
+                            expires_in <= request.ttl,
+                            "{RULE}: the record expires in {expires_in:?}, beyond its TTL of {:?}",
+                            request.ttl
+                        );
+                    }
+                }
+                other => panic!(
+                    "{RULE}: a completed key must replay, got {}",
+                    describe(&other)
+                ),
+            }
+        }
+        another_payload_is_a_mismatch(RULE, store, &request, "completed").await;
+    }
+}
+
+async fn a_released_key_is_free_and_its_claim_fenced_out<St: Store>(store: &St, keys: &Keys) {
+    const RULE: &str = "a released key is free for any payload and its claim fenced out";
+    let request = keys.request(1, LONG, LONG);
+    let released = acquire(RULE, store, &request).await;
+    held(RULE, "release", store.release(&released).await);
+    let other = with_fingerprint(&request, 2);
+    let answer = ok(RULE, "begin", store.begin(&other).await);
+    let Begin::Acquired {
+        claim: next,
+        takeover: false,
+    } = answer
+    else {
+        panic!(
+            "{RULE}: a released key must be new to another payload, got {}",
+            describe(&answer)
+        );
+    };
+    fenced_out(RULE, store, &released).await;
+    held(RULE, "complete", store.complete(&next, &record()).await);
+    replays_the_record(RULE, store, &other).await;
+}
+
+async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out<St: Store>(
+    store: &St,
+    keys: &Keys,
+    short: Duration,
+) {
+    const RULE: &str = "a lapsed lease is taken over and the stale holder fenced out";
+    let request = keys.request(1, short, LONG);
+    let stale = acquire(RULE, store, &request).await;
+    tokio::time::sleep(short).await;
+    // Until the store sees the lease as lapsed, a duplicate is in flight.
+    let (fresh, takeover) = poll(RULE, short, || async {
+        match ok(RULE, "begin", store.begin(&request).await) {
+            Begin::Acquired { claim, takeover } => Some((claim, takeover)),
+            Begin::InFlight { .. } => None,
+            other => panic!(
+                "{RULE}: a claim in flight must be in flight or taken over, got {}",
+                describe(&other)
+            ),
+        }
+    })
+    .await;
+    assert!(
+        takeover,
+        "{RULE}: acquiring a key whose holder's lease lapsed must say `takeover: true`"
+    );
+    another_payload_is_a_mismatch(RULE, store, &request, "taken over").await;
+    fenced_out(RULE, store, &stale).await;
+    held(RULE, "complete", store.complete(&fresh, &record()).await);
+    replays_the_record(RULE, store, &request).await;
+
+    // Another payload may not take over a lapsed lease: the key is still that request's.
+    let request = keys.request(1, short, LONG);
+    acquire(RULE, store, &request).await;
+    tokio::time::sleep(short * 2).await;
+    another_payload_is_a_mismatch(RULE, store, &request, "whose lease lapsed").await;
+}
+
+async fn a_renewed_lease_does_not_lapse<St: Store>(store: &St, keys: &Keys, short: Duration) {
+    const RULE: &str = "a renewed lease does not lapse";
+    let request = keys.request(1, short, LONG);
+    let claim = acquire(RULE, store, &request).await;
+    held(RULE, "renew", store.renew(&claim, LONG).await);
+    tokio::time::sleep(short * 2).await;
+    let answer = ok(RULE, "begin", store.begin(&request).await);
+    assert!(
+        matches!(answer, Begin::InFlight { .. }),
+        "{RULE}: a claim renewed for {LONG:?} must be in flight after its first lease, got {}",
+        describe(&answer)
+    );
+    held(RULE, "release", store.release(&claim).await);
+}
+
+async fn a_completed_claim_is_final<St: Store>(store: &St, keys: &Keys) {
+    const RULE: &str = "a completed claim cannot be completed again, released or renewed";
+    let request = keys.request(1, LONG, LONG);
+    let claim = acquire(RULE, store, &request).await;
+    held(RULE, "complete", store.complete(&claim, &record()).await);
+    let other = Record::from_parts(StatusCode::INTERNAL_SERVER_ERROR, HeaderMap::new(), None);
+    lost(RULE, "complete", store.complete(&claim, &other).await);
+    lost(RULE, "release", store.release(&claim).await);
+    lost(RULE, "renew", store.renew(&claim, LONG).await);
+    replays_the_record(RULE, store, &request).await;
+}
+
+async fn an_expired_record_is_new<St: Store>(store: &St, keys: &Keys, short: Duration) {
+    const RULE: &str = "a record past its TTL is new, whatever its payload";
+    // Long enough a TTL that the record is completed well before it expires.
+    let ttl = short * 3;
+    let request = keys.request(1, short, ttl);
+    let claim = acquire(RULE, store, &request).await;
+    held(RULE, "complete", store.complete(&claim, &record()).await);
+    tokio::time::sleep(ttl).await;
+    let other = with_fingerprint(&request, 2);
+    let takeover = poll(RULE, short, || async {
+        match ok(RULE, "begin", store.begin(&other).await) {
+            Begin::Acquired { takeover, .. } => Some(takeover),
+            Begin::Mismatch => None,
+            answer => panic!(
+                "{RULE}: another payload for a completed key must be a mismatch until it \
+                 expires, then new; got {}",
+                describe(&answer)
+            ),
+        }
+    })
+    .await;
+    assert!(
+        !takeover,
+        "{RULE}: an expired record's key must be new, not a takeover"
+    );
+}
+
+async fn racing_requests_acquire_a_key_once<St: Store + Clone>(store: &St, keys: &Keys) {
+    const RULE: &str = "racing requests acquire a key exactly once";
+    for mixed in [false, true] {
+        let request = keys.request(1, LONG, LONG);
+        let bystander = keys.request(1, LONG, LONG);
+        let bystander_claim = acquire(RULE, store, &bystander).await;
+        let racers: Vec<_> = (0..RACERS)
+            .map(|i| {
+                let request = if mixed && i % 2 == 1 {
+                    with_fingerprint(&request, 2)
+                } else {
+                    request.clone()
+                };
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let answer = store.begin(&request).await;
+                    (request.fingerprint, answer)
+                })
+            })
+            .collect();
+        let mut winner = None;
+        let mut answers = Vec::new();
+        for racer in racers {
+            let (fingerprint, answer) = racer.await.expect("a racing begin panicked");
+            let answer = ok(RULE, "begin", answer);
+            if let Begin::Acquired { .. } = answer {
+                assert!(
+                    winner.is_none(),
+                    "{RULE}: {RACERS} racing begins acquired one key twice"
+                );
+                winner = Some(fingerprint);
+            }
+            answers.push((fingerprint, answer));
+        }
+        let winner = winner
+            .unwrap_or_else(|| panic!("{RULE}: none of {RACERS} racing begins acquired a new key"));
+        for (fingerprint, answer) in &answers {
+            match answer {
+                Begin::Acquired { .. } => {}
+                Begin::InFlight { .. } if *fingerprint == winner => {}
+                Begin::Mismatch if *fingerprint != winner => {}
+                other => panic!(
+                    "{RULE}: a loser must be in flight (same payload as the winner) or a \
+                     mismatch (another payload), got {}",
+                    describe(other)
+                ),
+            }
+        }
+        held(
+            RULE,
+            "complete",
+            store.complete(&bystander_claim, &record()).await,
+        );
+    }
+}
+
+/// Checks that `request` with another payload is refused while the key is `state`.
+async fn another_payload_is_a_mismatch<St: Store>(
+    rule: &str,
+    store: &St,
+    request: &ClaimRequest,
+    state: &str,
+) {
+    let answer = ok(
+        rule,
+        "begin",
+        store.begin(&with_fingerprint(request, 2)).await,
+    );
+    assert!(
+        matches!(answer, Begin::Mismatch),
+        "{rule}: another payload for a key {state} must be a mismatch, got {}",
+        describe(&answer)
+    );
+}
+
+/// Checks that `request`'s key replays [`record`].
+async fn replays_the_record<St: Store>(rule: &str, store: &St, request: &ClaimRequest) {
+    let answer = ok(rule, "begin", store.begin(request).await);
+    assert!(
+        matches!(&answer, Begin::Completed { record: r, .. } if *r == record()),
+        "{rule}: the record completed last must replay, got {}",
+        describe(&answer)
+    );
+}
+
+/// Checks that `claim`, taken over or released, can no longer write.
+async fn fenced_out<St: Store>(rule: &str, store: &St, claim: &St::Claim) {
+    lost(rule, "renew", store.renew(claim, LONG).await);
+    lost(rule, "complete", store.complete(claim, &record()).await);
+    lost(rule, "release", store.release(claim).await);
+}
+
+/// Calls `attempt` until it answers, every tenth of `short`, for at most twenty `short`s and
+/// ten seconds.
+async fn poll<T, F: Future<Output = Option<T>>>(
+    rule: &str,
+    short: Duration,
+    mut attempt: impl FnMut() -> F,
+) -> T {
+    let deadline = tokio::time::Instant::now() + short * 20 + Duration::from_secs(10);
+    loop {
+        if let Some(answer) = attempt().await {
+            return answer;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{rule}: the store never saw a lease or TTL of {short:?} run out"
+        );
+        tokio::time::sleep(short / 10).await;
+    }
+}
+
+/// Fresh random keys, so that runs sharing a store never meet.
+struct Keys {
+    seed: u64,
+    next: AtomicU64,
+}
+
+impl Keys {
+    fn new() -> Self {
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        Self {
+            seed: RandomState::new().hash_one(now),
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// A claim of a new key for the payload `fingerprint`.
+    fn request(&self, fingerprint: u8, lease: Duration, ttl: Duration) -> ClaimRequest {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut hasher = Sha256::new();
+        hasher.update(self.seed.to_le_bytes());
+        hasher.update(n.to_le_bytes());
+        ClaimRequest {
+            key: ScopeKey::from_bytes(hasher.finalize().into()),
+            fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
+            lease,
+            ttl,
+        }
+    }
+}
+
+fn with_fingerprint(request: &ClaimRequest, fingerprint: u8) -> ClaimRequest {
+    ClaimRequest {
+        fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
+        ..request.clone()
+    }
+}
+
+/// The plain record most checks keep.
+fn record() -> Record {
+    Record::from_parts(
+        StatusCode::CREATED,
+        HeaderMap::new(),
+        Some(Bytes::from_static(b"{\"id\":\"ch_1\"}")),
+    )
+}
+
+/// Records that exercise every part a store must keep exactly.
+fn records() -> Vec<Record> {
+    let mut headers = HeaderMap::new();
+    let mut add = |name: &'static str, value: &[u8]| {
+        headers.append(
+            HeaderName::from_static(name),
+            HeaderValue::from_bytes(value).expect("a valid header value"),
+        );
+    };
+    add("content-type", b"application/json");
+    add("link", b"</v1/charges?page=2>; rel=\"next\"");
+    add("location", b"/v1/charges/ch_1");
+    add("link", b"</v1/charges?page=1>; rel=\"prev\"");
+    add("x-binary", &[0x80, 0xfe, b'a', 0xff]);
+    add("etag", b"\"33a64df5\"");
+    add("link", b"</v1/charges>; rel=\"index\"");
+    add("x-empty", b"");
+    let binary: Vec<u8> = (0..=255).cycle().take(70_000).collect();
+    vec![
+        Record::from_parts(StatusCode::OK, headers.clone(), Some(record_body())),
+        Record::from_parts(StatusCode::PAYMENT_REQUIRED, headers, Some(binary.into())),
+        Record::from_parts(StatusCode::NO_CONTENT, HeaderMap::new(), Some(Bytes::new())),
+        // A body too large to keep: the record says so, and must not come back with one.
+        Record::from_parts(StatusCode::OK, HeaderMap::new(), None),
+        Record::from_parts(
+            StatusCode::SEE_OTHER,
+            HeaderMap::new(),
+            Some("\0\r\n".into()),
+        ),
+    ]
+}
+
+fn record_body() -> Bytes {
+    Bytes::from_static("{\"id\":\"ch_1\",\"description\":\"caf\u{e9} \u{1f600}\"}".as_bytes())
+}
+
+async fn acquire<St: Store>(rule: &str, store: &St, request: &ClaimRequest) -> St::Claim {
+    match ok(rule, "begin", store.begin(request).await) {
+        Begin::Acquired { claim, .. } => claim,
+        other => panic!(
+            "{rule}: a new key must be acquired, got {}",
+            describe(&other)
+        ),
+    }
+}
+
+fn ok<T, E: std::error::Error + 'static>(rule: &str, operation: &str, result: Result<T, E>) -> T {
+    result.unwrap_or_else(|error| panic!("{rule}: {operation} failed: {}", Chain(&error)))
+}
+
+fn held<E: std::error::Error + 'static>(
+    rule: &str,
+    operation: &str,
+    result: Result<ClaimStatus, E>,
+) {
+    let status = ok(rule, operation, result);
+    assert_eq!(
+        status,
+        ClaimStatus::Held,
+        "{rule}: {operation} of a held claim must take effect"
+    );
+}
+
+fn lost<E: std::error::Error + 'static>(
+    rule: &str,
+    operation: &str,
+    result: Result<ClaimStatus, E>,
+) {
+    let status = ok(rule, operation, result);
+    assert_eq!(
+        status,
+        ClaimStatus::Lost,
+        "{rule}: {operation} of a claim no longer held must write nothing"
+    );
+}
+
+/// An answer, without its claim (a store's claim type need not be `Debug`).
+fn describe<C>(answer: &Begin<C>) -> String {
+    match answer {
+        Begin::Acquired { takeover, .. } => format!("Acquired {{ takeover: {takeover} }}"),
+        Begin::InFlight { lease_remaining } => {
+            format!("InFlight {{ lease_remaining: {lease_remaining:?} }}")
+        }
+        Begin::Completed { record, expires_in } => format!(
+            "Completed {{ status: {}, expires_in: {expires_in:?} }}",
+            record.status()
+        ),
+        Begin::Mismatch => "Mismatch".to_owned(),
+    }
+}

@@ -32,6 +32,11 @@
 //! [`check_expired_deletion`] adds the rules of [`ExpiredDeletion`]: batches are bounded,
 //! expired records go, live ones (and claims whose lease outlives their TTL) stay.
 //!
+//! Both run inside a tokio runtime; a multi-threaded one (`#[tokio::test(flavor =
+//! "multi_thread")]`) makes the racing claims race on threads, not just interleave.
+//! [`examples/redis-store`](https://github.com/tower-idempotency/tower-idempotency/tree/main/examples/redis-store)
+//! in the repository is a whole third-party store tested this way.
+//!
 //! # Time
 //!
 //! Leases and TTLs must run out for some rules to be seen, so the checks wait. `short` is the

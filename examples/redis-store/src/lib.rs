@@ -36,7 +36,10 @@
 //!
 //! [`ExpiredDeletion`]: tower_idempotency::store::ExpiredDeletion
 
-use std::{fmt, time::Duration};
+use std::{
+    fmt::{self, Write as _},
+    time::Duration,
+};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -163,7 +166,7 @@ impl RedisStore {
         name.push_str(&self.prefix);
         name.push(':');
         for byte in key.as_bytes() {
-            name.push_str(&format!("{byte:02x}"));
+            write!(name, "{byte:02x}").expect("writing to a String cannot fail");
         }
         name
     }

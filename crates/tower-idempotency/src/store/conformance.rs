@@ -102,7 +102,7 @@ pub async fn check<St: Store + Clone>(store: &St, short: Duration) {
 /// # Panics
 ///
 /// When the store breaks a rule or fails, with the rule and the store's answer.
-pub async fn check_expired_deletion<St: ExpiredDeletion + Clone>(store: &St, short: Duration) {
+pub async fn check_expired_deletion<St: ExpiredDeletion>(store: &St, short: Duration) {
     const RULE: &str = "expired records are deleted in bounded batches, live ones kept";
     const EXPIRING: usize = 7;
     const BATCH: u32 = 3;
@@ -111,7 +111,7 @@ pub async fn check_expired_deletion<St: ExpiredDeletion + Clone>(store: &St, sho
     // Long enough a TTL that a record is completed well before it expires.
     let ttl = short * 3;
     for i in 0..EXPIRING {
-        let request = keys.request(1, short, ttl);
+        let request = keys.request(short, ttl);
         let claim = acquire(RULE, store, &request).await;
         // Completed records and claims left in flight both expire.
         if i % 2 == 0 {
@@ -119,10 +119,10 @@ pub async fn check_expired_deletion<St: ExpiredDeletion + Clone>(store: &St, sho
         }
         expiring.push(request);
     }
-    let live = keys.request(1, LONG, LONG);
+    let live = keys.request(LONG, LONG);
     let claim = acquire(RULE, store, &live).await;
     held(RULE, "complete", store.complete(&claim, &record()).await);
-    let outliving = keys.request(1, LONG, short);
+    let outliving = keys.request(LONG, short);
     acquire(RULE, store, &outliving).await;
 
     tokio::time::sleep(ttl + short).await;
@@ -180,7 +180,7 @@ pub async fn check_expired_deletion<St: ExpiredDeletion + Clone>(store: &St, sho
 async fn a_new_key_is_acquired_and_its_duplicates_refused<St: Store>(store: &St, keys: &Keys) {
     const RULE: &str =
         "a new key is acquired, its duplicate is in flight, another payload a mismatch";
-    let request = keys.request(1, LONG, LONG);
+    let request = keys.request(LONG, LONG);
     let answer = ok(RULE, "begin", store.begin(&request).await);
     assert!(
         matches!(
@@ -216,7 +216,7 @@ async fn a_new_key_is_acquired_and_its_duplicates_refused<St: Store>(store: &St,
 async fn a_completed_key_replays_its_record_exactly<St: Store>(store: &St, keys: &Keys) {
     const RULE: &str = "a completed key replays its record exactly";
     for (i, kept) in records().into_iter().enumerate() {
-        let request = keys.request(1, LONG, LONG);
+        let request = keys.request(LONG, LONG);
         let claim = acquire(RULE, store, &request).await;
         held(RULE, "complete", store.complete(&claim, &kept).await);
         for _ in 0..2 {
@@ -254,10 +254,10 @@ async fn a_completed_key_replays_its_record_exactly<St: Store>(store: &St, keys:
 
 async fn a_released_key_is_free_and_its_claim_fenced_out<St: Store>(store: &St, keys: &Keys) {
     const RULE: &str = "a released key is free for any payload and its claim fenced out";
-    let request = keys.request(1, LONG, LONG);
+    let request = keys.request(LONG, LONG);
     let released = acquire(RULE, store, &request).await;
     held(RULE, "release", store.release(&released).await);
-    let other = with_fingerprint(&request, 2);
+    let other = other_payload(&request);
     let answer = ok(RULE, "begin", store.begin(&other).await);
     let Begin::Acquired {
         claim: next,
@@ -280,7 +280,7 @@ async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out<St: Store>
     short: Duration,
 ) {
     const RULE: &str = "a lapsed lease is taken over and the stale holder fenced out";
-    let request = keys.request(1, short, LONG);
+    let request = keys.request(short, LONG);
     let stale = acquire(RULE, store, &request).await;
     tokio::time::sleep(short).await;
     // Until the store sees the lease as lapsed, a duplicate is in flight.
@@ -305,7 +305,7 @@ async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out<St: Store>
     replays_the_record(RULE, store, &request).await;
 
     // Another payload may not take over a lapsed lease: the key is still that request's.
-    let request = keys.request(1, short, LONG);
+    let request = keys.request(short, LONG);
     acquire(RULE, store, &request).await;
     tokio::time::sleep(short * 2).await;
     another_payload_is_a_mismatch(RULE, store, &request, "whose lease lapsed").await;
@@ -313,7 +313,7 @@ async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out<St: Store>
 
 async fn a_renewed_lease_does_not_lapse<St: Store>(store: &St, keys: &Keys, short: Duration) {
     const RULE: &str = "a renewed lease does not lapse";
-    let request = keys.request(1, short, LONG);
+    let request = keys.request(short, LONG);
     let claim = acquire(RULE, store, &request).await;
     held(RULE, "renew", store.renew(&claim, LONG).await);
     tokio::time::sleep(short * 2).await;
@@ -328,7 +328,7 @@ async fn a_renewed_lease_does_not_lapse<St: Store>(store: &St, keys: &Keys, shor
 
 async fn a_completed_claim_is_final<St: Store>(store: &St, keys: &Keys) {
     const RULE: &str = "a completed claim cannot be completed again, released or renewed";
-    let request = keys.request(1, LONG, LONG);
+    let request = keys.request(LONG, LONG);
     let claim = acquire(RULE, store, &request).await;
     held(RULE, "complete", store.complete(&claim, &record()).await);
     let other = Record::from_parts(StatusCode::INTERNAL_SERVER_ERROR, HeaderMap::new(), None);
@@ -342,11 +342,11 @@ async fn an_expired_record_is_new<St: Store>(store: &St, keys: &Keys, short: Dur
     const RULE: &str = "a record past its TTL is new, whatever its payload";
     // Long enough a TTL that the record is completed well before it expires.
     let ttl = short * 3;
-    let request = keys.request(1, short, ttl);
+    let request = keys.request(short, ttl);
     let claim = acquire(RULE, store, &request).await;
     held(RULE, "complete", store.complete(&claim, &record()).await);
     tokio::time::sleep(ttl).await;
-    let other = with_fingerprint(&request, 2);
+    let other = other_payload(&request);
     let takeover = poll(RULE, short, || async {
         match ok(RULE, "begin", store.begin(&other).await) {
             Begin::Acquired { takeover, .. } => Some(takeover),
@@ -368,13 +368,13 @@ async fn an_expired_record_is_new<St: Store>(store: &St, keys: &Keys, short: Dur
 async fn racing_requests_acquire_a_key_once<St: Store + Clone>(store: &St, keys: &Keys) {
     const RULE: &str = "racing requests acquire a key exactly once";
     for mixed in [false, true] {
-        let request = keys.request(1, LONG, LONG);
-        let bystander = keys.request(1, LONG, LONG);
+        let request = keys.request(LONG, LONG);
+        let bystander = keys.request(LONG, LONG);
         let bystander_claim = acquire(RULE, store, &bystander).await;
         let racers: Vec<_> = (0..RACERS)
             .map(|i| {
                 let request = if mixed && i % 2 == 1 {
-                    with_fingerprint(&request, 2)
+                    other_payload(&request)
                 } else {
                     request.clone()
                 };
@@ -428,11 +428,7 @@ async fn another_payload_is_a_mismatch<St: Store>(
     request: &ClaimRequest,
     state: &str,
 ) {
-    let answer = ok(
-        rule,
-        "begin",
-        store.begin(&with_fingerprint(request, 2)).await,
-    );
+    let answer = ok(rule, "begin", store.begin(&other_payload(request)).await);
     assert!(
         matches!(answer, Begin::Mismatch),
         "{rule}: another payload for a key {state} must be a mismatch, got {}",
@@ -457,7 +453,7 @@ async fn fenced_out<St: Store>(rule: &str, store: &St, claim: &St::Claim) {
     lost(rule, "release", store.release(claim).await);
 }
 
-/// Calls `attempt` until it answers, every tenth of `short`, for at most twenty `short`s and
+/// Calls `attempt` until it answers, every tenth of `short`, for at most twenty `short`s plus
 /// ten seconds.
 async fn poll<T, F: Future<Output = Option<T>>>(
     rule: &str,
@@ -494,24 +490,25 @@ impl Keys {
         }
     }
 
-    /// A claim of a new key for the payload `fingerprint`.
-    fn request(&self, fingerprint: u8, lease: Duration, ttl: Duration) -> ClaimRequest {
+    /// A claim of a new key.
+    fn request(&self, lease: Duration, ttl: Duration) -> ClaimRequest {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         let mut hasher = Sha256::new();
         hasher.update(self.seed.to_le_bytes());
         hasher.update(n.to_le_bytes());
         ClaimRequest {
             key: ScopeKey::from_bytes(hasher.finalize().into()),
-            fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
+            fingerprint: Fingerprint::from_bytes([1; 32]),
             lease,
             ttl,
         }
     }
 }
 
-fn with_fingerprint(request: &ClaimRequest, fingerprint: u8) -> ClaimRequest {
+/// The same claim for a request with another payload.
+fn other_payload(request: &ClaimRequest) -> ClaimRequest {
     ClaimRequest {
-        fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
+        fingerprint: Fingerprint::from_bytes([2; 32]),
         ..request.clone()
     }
 }

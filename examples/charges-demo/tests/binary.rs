@@ -1,5 +1,6 @@
 //! The built binary, as a person runs it: options, the `listening on` line, the curl scenarios
-//! over real HTTP against PostgreSQL, and graceful shutdown on SIGTERM.
+//! and Stripe's Python library over real HTTP against PostgreSQL, and graceful shutdown on
+//! SIGTERM.
 
 use std::{
     net::SocketAddr,
@@ -207,6 +208,87 @@ async fn curl_scenarios_pass_against_the_binary_on_postgres() {
 
     // The scenarios left their charges in PostgreSQL: 1 + 1 + 1 + 1 (the declined one).
     assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 4);
+
+    server.sigterm();
+    assert_eq!(server.exit_code().await, Some(0));
+}
+
+/// The Python that runs `examples/stripe-python`: `$STRIPE_PYTHON` if set (`.ci/run` makes one
+/// with the pinned `stripe`), else `python3`; `None` if it cannot import `stripe`.
+fn stripe_python() -> Option<String> {
+    let python = std::env::var("STRIPE_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    std::process::Command::new(&python)
+        .args(["-c", "import stripe"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+        .then_some(python)
+}
+
+/// Stripe's own Python library, with its own timeouts, keys and retries, against the binary on
+/// PostgreSQL: `examples/stripe-python/charges.py`, whose scenarios check what the library saw.
+#[tokio::test]
+async fn stripe_python_scenarios_pass_against_the_binary_on_postgres() {
+    let Some(python) = stripe_python() else {
+        let why = "Python with Stripe's library is not available (set STRIPE_PYTHON, or \
+                   `pip install -r examples/stripe-python/requirements.txt`)";
+        assert!(std::env::var_os("CI").is_none(), "under CI: {why}");
+        eprintln!("SKIPPED: {why}");
+        return;
+    };
+    let db = TestDb::new().await;
+    let url = db.url();
+    // Longer than the script's 0.5 s client timeout: the first response is really lost, and
+    // the double click's requests overlap.
+    let server = Server::start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        &url,
+        "--processing-delay-ms",
+        "1000",
+    ])
+    .await;
+
+    let script: PathBuf = [
+        env!("CARGO_MANIFEST_DIR"),
+        "..",
+        "stripe-python",
+        "charges.py",
+    ]
+    .iter()
+    .collect();
+    let run = Command::new(&python)
+        .arg(&script)
+        .arg(server.url(""))
+        .env("PYTHONUNBUFFERED", "1")
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(180), run)
+        .await
+        .expect("the scenarios finished in time")
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    assert!(
+        output.status.success(),
+        "charges.py failed:\n{stdout}\n{stderr}"
+    );
+    assert_eq!(stdout.matches("\nPASS: ").count(), 7, "{stdout}");
+    assert!(stdout.contains("all 7 scenarios passed"), "{stdout}");
+    assert!(
+        stdout.contains("the library timed out, retried with the same key"),
+        "the first response was lost and the library's own retry got it: {stdout}"
+    );
+
+    // What the library saw is what happened: one charge per payment (the lost response, the
+    // double click, the changed amount, the declined card, the corrected request), and three
+    // under keys the library chose. The changed amount and the bad key charged nothing.
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 8);
 
     server.sigterm();
     assert_eq!(server.exit_code().await, Some(0));

@@ -57,3 +57,69 @@ async fn cached_replays_expire_with_their_records() {
     assert_ne!(again.body, first.body);
     assert_eq!(h.probe.executions(), 2);
 }
+
+/// A bounded memory store: no more than 4 KiB of records.
+struct Bounded(MemoryStore);
+
+impl Backend for Bounded {
+    type Store = MemoryStore;
+
+    async fn start() -> Self {
+        Self(MemoryStore::with_max_bytes(4096))
+    }
+
+    fn store(&self) -> MemoryStore {
+        self.0.clone()
+    }
+
+    async fn lapse_leases(&self) {
+        advance(Duration::from_secs(31)).await;
+    }
+
+    async fn expire_records(&self) {
+        advance(Duration::from_secs(24 * 3600 + 1)).await;
+    }
+}
+
+/// A full store refuses new keys with `503` and runs nothing for them, while what it holds is
+/// replayed as before; once its records expire, it takes new keys again by itself.
+#[tokio::test(flavor = "current_thread")]
+async fn a_full_memory_store_refuses_new_keys_and_keeps_replaying() {
+    use idempotency_tests::suite::{Harness, Reply};
+
+    idempotency_tests::init_tracing();
+    let h = Harness::<Bounded>::with(|layer| layer.with_replay_cache(0)).await;
+    let charge = |key: String| h.post("/charges", Some(&key)).body(r#"{"amount":100}"#);
+    let mut kept = Vec::new();
+    let refused = loop {
+        let reply = Reply::of(charge(format!("k-{}", kept.len()))).await;
+        if reply.status != http::StatusCode::CREATED {
+            break reply;
+        }
+        kept.push(reply);
+        assert!(kept.len() < 100, "4 KiB of records never filled");
+    };
+    assert!(kept.len() >= 2, "4 KiB holds a few records: {}", kept.len());
+    refused.assert_problem(503, "StoreUnavailable");
+    assert_eq!(refused.headers["retry-after"], "1");
+    assert_eq!(
+        h.probe.executions(),
+        kept.len(),
+        "the refused key ran nothing"
+    );
+
+    // Every kept response is still replayed, from the store (the replay cache is off).
+    for (i, first) in kept.iter().enumerate() {
+        let retry = Reply::of(charge(format!("k-{i}"))).await;
+        assert!(retry.replayed());
+        assert_eq!(retry.body, first.body);
+    }
+    assert_eq!(h.probe.executions(), kept.len());
+
+    // The records expire; the next new key makes room by deleting them, and runs.
+    h.backend.expire_records().await;
+    let after = Reply::of(charge(format!("k-{}", kept.len()))).await;
+    assert_eq!(after.status, http::StatusCode::CREATED);
+    assert!(!after.replayed());
+    assert_eq!(h.probe.executions(), kept.len() + 1);
+}

@@ -1,9 +1,9 @@
 use std::{
     collections::{HashMap, hash_map},
-    convert::Infallible,
+    fmt,
     sync::{
         Arc, Mutex, MutexGuard,
-        atomic::{AtomicI64, Ordering},
+        atomic::{AtomicI64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -18,16 +18,55 @@ use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 /// Keys live in this process only: two instances of an app behind a load balancer do not see
 /// each other's keys, and a restart forgets them all. Use [`PostgresStore`](super::PostgresStore)
 /// when either matters. Expired records are removed when their key is claimed again or by
-/// [`continuously_delete_expired`](super::continuously_delete_expired); memory grows with the
-/// number of keys claimed within one TTL. Each completed record is kept packed in one
-/// allocation (status, headers and body), so a store holding many of them neither fragments the
-/// heap nor keeps the response's own buffers alive.
+/// [`continuously_delete_expired`](super::continuously_delete_expired). Each completed record
+/// is kept packed in one allocation (status, headers and body), so a store holding many of them
+/// neither fragments the heap nor keeps the response's own buffers alive.
+///
+/// Memory grows with the keys claimed within one TTL, and a client can claim as many keys as it
+/// likes. [`MemoryStore::new`] sets no bound; [`MemoryStore::with_max_bytes`] refuses new keys
+/// once its records hold that much, which the layer answers with `503` and `Retry-After` (its
+/// [`StoreFailure`](crate::StoreFailure) policy), rather than let the process run out of memory
+/// or forget a kept response early (a retry would then run again):
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::with_max_bytes(256 << 20));
+/// ```
 ///
 /// Time is `tokio::time`, so tests can drive leases and expiry with `tokio::time::pause`.
 #[derive(Clone, Debug, Default)]
 pub struct MemoryStore {
     inner: Arc<Inner>,
 }
+
+/// Why a [`MemoryStore`] refused a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MemoryStoreError {
+    /// The store's records hold its limit ([`MemoryStore::with_max_bytes`]), even after its
+    /// expired records were deleted: the claim of a new key is refused until records expire or
+    /// claims are released. Retries of kept records are still replayed, and claims already
+    /// made still complete.
+    Full {
+        /// The store's limit, in bytes.
+        limit: usize,
+    },
+}
+
+impl fmt::Display for MemoryStoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Full { limit } => write!(
+                f,
+                "the memory store is full: its records hold its limit of {limit} bytes, so new \
+                 keys are refused until records expire"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for MemoryStoreError {}
 
 /// The records, split by key over [`SHARDS`] maps with a lock each: requests for different keys
 /// rarely wait on each other, and a map that grows rehashes one shard at a time, so no request
@@ -36,7 +75,23 @@ pub struct MemoryStore {
 struct Inner {
     shards: Box<[Mutex<Records>]>,
     tokens: AtomicI64,
+    /// Set by [`MemoryStore::with_max_bytes`]; without it nothing is counted.
+    budget: Option<Budget>,
 }
+
+/// What a bounded store counts. `used` changes under the lock of the shard whose records it
+/// counts, so it is exact once no call is running; between two shards' calls, a claim may pass
+/// the limit by one record.
+#[derive(Debug)]
+struct Budget {
+    limit: usize,
+    used: AtomicUsize,
+    /// When a full store last deleted its expired records (at most once per [`SWEEP_EVERY`]).
+    swept: Mutex<Option<Instant>>,
+}
+
+/// How often a full store may walk all its records for expired ones before refusing a claim.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// Keys are SHA-256 digests, so a fast hasher spreads them as well as SipHash does; seeded per
 /// process, it leaves a client no way to aim keys at one bucket.
@@ -49,6 +104,7 @@ impl Default for Inner {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             tokens: AtomicI64::new(0),
+            budget: None,
         }
     }
 }
@@ -59,6 +115,21 @@ struct Entry {
     token: i64,
     expires_at: Instant,
     state: State,
+}
+
+/// What a record costs a bounded store besides its kept response: its key and entry in the map,
+/// and the map's own overhead per slot, roughly.
+const ENTRY_BYTES: usize = size_of::<(ScopeKey, Entry)>() + 16;
+
+impl Entry {
+    /// The bytes this entry counts against a bounded store's limit.
+    fn bytes(&self) -> usize {
+        ENTRY_BYTES
+            + match &self.state {
+                State::InFlight { .. } => 0,
+                State::Completed(packed) => packed.bytes.len(),
+            }
+    }
 }
 
 #[derive(Debug)]
@@ -139,9 +210,33 @@ fn take(bytes: &[u8]) -> Option<(&[u8], &[u8])> {
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store, unbounded: it holds every record until it expires.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty store that holds at most about `limit` bytes of records: each costs its kept
+    /// response (headers and body) and about 160 bytes for its key and state.
+    ///
+    /// When a new key would take the store past `limit`, the store first deletes its expired
+    /// records (at most once a second; run
+    /// [`continuously_delete_expired`](super::continuously_delete_expired) to keep ahead of
+    /// them), and if that is not enough it refuses the claim with [`MemoryStoreError::Full`].
+    /// Nothing already stored is evicted to make room: a kept response is replayed until it
+    /// expires, and a claim already made completes (its response may take the store past
+    /// `limit`, by at most the responses in flight, each bounded by the layer's
+    /// `max_response_bytes`).
+    pub fn with_max_bytes(limit: usize) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                budget: Some(Budget {
+                    limit,
+                    used: AtomicUsize::new(0),
+                    swept: Mutex::new(None),
+                }),
+                ..Inner::default()
+            }),
+        }
     }
 
     /// The number of records held, expired ones not yet deleted included.
@@ -190,10 +285,56 @@ impl MemoryStore {
 
 impl Store for MemoryStore {
     type Claim = Lease;
-    type Error = Infallible;
+    type Error = MemoryStoreError;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, Infallible> {
+    async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, MemoryStoreError> {
         let now = Instant::now();
+        match self.try_begin(request, now) {
+            // Full: make room from the expired records, if that was not just tried, and again.
+            Err(MemoryStoreError::Full { .. }) if self.delete_expired_when_full(now) => {
+                self.try_begin(request, now)
+            }
+            outcome => outcome,
+        }
+    }
+
+    async fn renew(&self, claim: &Lease, lease: Duration) -> Result<ClaimStatus, MemoryStoreError> {
+        Ok(self.with_held(claim, |mut held| {
+            let entry = held.get_mut();
+            let lease_until = Instant::now() + lease;
+            entry.expires_at = entry.expires_at.max(lease_until);
+            entry.state = State::InFlight { lease_until };
+        }))
+    }
+
+    async fn complete(
+        &self,
+        claim: &Lease,
+        record: &Record,
+    ) -> Result<ClaimStatus, MemoryStoreError> {
+        // Packed outside the lock.
+        let packed = Packed::pack(record);
+        Ok(self.with_held(claim, |mut held| {
+            self.count(packed.bytes.len(), 0);
+            held.get_mut().state = State::Completed(packed);
+        }))
+    }
+
+    async fn release(&self, claim: &Lease) -> Result<ClaimStatus, MemoryStoreError> {
+        Ok(self.with_held(claim, |held| {
+            let (_, entry) = held.remove_entry();
+            self.count(0, entry.bytes());
+        }))
+    }
+}
+
+impl MemoryStore {
+    /// [`Store::begin`] at `now`, with one probe of the map whatever the outcome.
+    fn try_begin(
+        &self,
+        request: &ClaimRequest,
+        now: Instant,
+    ) -> Result<Begin<Lease>, MemoryStoreError> {
         let mut records = self.records(&request.key);
         // One probe of the map, whatever the outcome.
         let slot = records.entry(request.key);
@@ -226,6 +367,20 @@ impl Store for MemoryStore {
                 Entry { .. } => true,
             },
         };
+        // A new key is what grows the store; an expired record or a lapsed claim it replaces
+        // gives back what it held.
+        let replaced = match &slot {
+            hash_map::Entry::Vacant(_) => 0,
+            hash_map::Entry::Occupied(held) => held.get().bytes(),
+        };
+        if let Some(budget) = &self.inner.budget
+            && replaced == 0
+            && budget.used.load(Ordering::Relaxed) + ENTRY_BYTES > budget.limit
+        {
+            return Err(MemoryStoreError::Full {
+                limit: budget.limit,
+            });
+        }
         let token = self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1;
         slot.insert_entry(Entry {
             fingerprint: request.fingerprint,
@@ -236,6 +391,7 @@ impl Store for MemoryStore {
                 lease_until: now + request.lease,
             },
         });
+        self.count(ENTRY_BYTES, replaced);
         Ok(Begin::Acquired {
             claim: Lease {
                 key: request.key,
@@ -245,45 +401,62 @@ impl Store for MemoryStore {
         })
     }
 
-    async fn renew(&self, claim: &Lease, lease: Duration) -> Result<ClaimStatus, Infallible> {
-        Ok(self.with_held(claim, |mut held| {
-            let entry = held.get_mut();
-            let lease_until = Instant::now() + lease;
-            entry.expires_at = entry.expires_at.max(lease_until);
-            entry.state = State::InFlight { lease_until };
-        }))
+    /// Counts `added` bytes in and `removed` out of a bounded store's records. Called under
+    /// the lock of the shard that changed.
+    fn count(&self, added: usize, removed: usize) {
+        if let Some(budget) = &self.inner.budget {
+            if added > removed {
+                budget.used.fetch_add(added - removed, Ordering::Relaxed);
+            } else {
+                budget.used.fetch_sub(removed - added, Ordering::Relaxed);
+            }
+        }
     }
 
-    async fn complete(&self, claim: &Lease, record: &Record) -> Result<ClaimStatus, Infallible> {
-        // Packed outside the lock.
-        let packed = Packed::pack(record);
-        Ok(self.with_held(claim, |mut held| {
-            held.get_mut().state = State::Completed(packed);
-        }))
+    /// Deletes every expired record, unless a full store did so within [`SWEEP_EVERY`] (or is
+    /// doing so now); whether it did. Holds one shard's lock at a time.
+    fn delete_expired_when_full(&self, now: Instant) -> bool {
+        let Some(budget) = &self.inner.budget else {
+            return false;
+        };
+        let Ok(mut swept) = budget.swept.try_lock() else {
+            return false;
+        };
+        if swept.is_some_and(|at| now < at + SWEEP_EVERY) {
+            return false;
+        }
+        *swept = Some(now);
+        for shard in 0..SHARDS {
+            self.delete_expired_from(shard, now, usize::MAX);
+        }
+        true
     }
 
-    async fn release(&self, claim: &Lease) -> Result<ClaimStatus, Infallible> {
-        Ok(self.with_held(claim, |held| {
-            held.remove();
-        }))
+    /// Deletes up to `max` records of `shard` expired at `now`; how many it deleted.
+    fn delete_expired_from(&self, shard: usize, now: Instant, max: usize) -> usize {
+        let mut records = self.shard(shard);
+        // Removes only what it yields, so it stops at `max`.
+        let (count, bytes) = records
+            .extract_if(|_, entry| entry.expires_at <= now)
+            .take(max)
+            .fold((0, 0), |(count, bytes), (_, entry)| {
+                (count + 1, bytes + entry.bytes())
+            });
+        self.count(0, bytes);
+        count
     }
 }
 
 impl ExpiredDeletion for MemoryStore {
     /// Deletes up to `batch` expired records, holding one shard's lock at a time.
-    async fn delete_expired(&self, batch: u32) -> Result<u64, Infallible> {
+    async fn delete_expired(&self, batch: u32) -> Result<u64, MemoryStoreError> {
         let now = Instant::now();
         let mut left = batch as usize;
         for shard in 0..SHARDS {
             if left == 0 {
                 break;
             }
-            // Removes only what it yields, so it stops at the batch's end.
-            left -= self
-                .shard(shard)
-                .extract_if(|_, entry| entry.expires_at <= now)
-                .take(left)
-                .count();
+            left -= self.delete_expired_from(shard, now, left);
         }
         Ok((batch as usize - left) as u64)
     }
@@ -432,14 +605,89 @@ mod tests {
         assert!(again.token > claim.token);
     }
 
+    fn keyed(key: u8) -> ClaimRequest {
+        ClaimRequest {
+            key: ScopeKey::from_bytes([key; 32]),
+            ..request(1)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_bounded_store_refuses_new_keys_when_full_and_drops_nothing_it_holds() {
+        // Room for three claims in flight; a kept response costs its bytes besides.
+        let limit = 3 * ENTRY_BYTES;
+        let full = Err(MemoryStoreError::Full { limit });
+        let store = MemoryStore::with_max_bytes(limit);
+        let (a, _) = acquire(&store, &keyed(1)).await;
+        let (b, _) = acquire(&store, &keyed(2)).await;
+        let (c, _) = acquire(&store, &keyed(3)).await;
+        assert_eq!(store.begin(&keyed(4)).await, full);
+
+        // What it holds goes on as before: a held claim completes (past the limit), its record
+        // replays, a claim in flight is a conflict, another payload a mismatch, and a lapsed
+        // claim is taken over in place.
+        assert_eq!(store.complete(&a, &record()).await, Ok(ClaimStatus::Held));
+        assert!(matches!(
+            store.begin(&keyed(1)).await,
+            Ok(Begin::Completed { .. })
+        ));
+        assert!(matches!(
+            store.begin(&keyed(2)).await,
+            Ok(Begin::InFlight { .. })
+        ));
+        assert_eq!(
+            store
+                .begin(&ClaimRequest {
+                    fingerprint: Fingerprint::from_bytes([9; 32]),
+                    ..keyed(2)
+                })
+                .await,
+            Ok(Begin::Mismatch)
+        );
+        tokio::time::advance(Duration::from_secs(31)).await;
+        let (b2, takeover) = acquire(&store, &keyed(2)).await;
+        assert!(takeover);
+        assert_eq!(store.release(&b).await, Ok(ClaimStatus::Lost));
+
+        // A released claim gives its room back, but the kept response ("done") still counts.
+        assert_eq!(store.release(&c).await, Ok(ClaimStatus::Held));
+        assert_eq!(store.begin(&keyed(4)).await, full);
+        assert_eq!(store.release(&b2).await, Ok(ClaimStatus::Held));
+        let (d, _) = acquire(&store, &keyed(4)).await;
+        assert_eq!(store.begin(&keyed(5)).await, full);
+
+        // Once records expire, a full store deletes them itself to make room (at most once a
+        // second, so a flood of new keys does not walk the store on every request).
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        acquire(&store, &keyed(5)).await;
+        assert_eq!(
+            store.len(),
+            1,
+            "the expired records of keys 1 and 4 were deleted"
+        );
+        acquire(&store, &keyed(6)).await;
+        acquire(&store, &keyed(7)).await;
+        assert_eq!(store.begin(&keyed(8)).await, full);
+        assert_eq!(store.complete(&d, &record()).await, Ok(ClaimStatus::Lost));
+
+        // Everything counted is given back: drained, the store takes three claims again.
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert_eq!(store.delete_expired(100).await, Ok(3));
+        for key in 10..13 {
+            acquire(&store, &keyed(key)).await;
+        }
+        assert_eq!(store.begin(&keyed(13)).await, full);
+    }
+
     /// The checks every store is held to; `tokio::time` is the memory store's clock, so they
     /// run in no real time.
     #[cfg(feature = "conformance")]
     #[tokio::test(start_paused = true)]
     async fn keeps_the_store_protocol() {
-        let store = MemoryStore::new();
-        crate::store::conformance::check(&store, Duration::from_secs(1)).await;
-        crate::store::conformance::check_expired_deletion(&store, Duration::from_secs(1)).await;
+        for store in [MemoryStore::new(), MemoryStore::with_max_bytes(1 << 30)] {
+            crate::store::conformance::check(&store, Duration::from_secs(1)).await;
+            crate::store::conformance::check_expired_deletion(&store, Duration::from_secs(1)).await;
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -61,7 +61,7 @@ mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
 
-pub use memory::MemoryStore;
+pub use memory::{MemoryStore, MemoryStoreError};
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::PgTransaction;
 #[cfg(feature = "postgres")]
@@ -298,8 +298,9 @@ mod tests {
 
     impl std::error::Error for Down {}
 
-    fn infallible<T>(result: Result<T, std::convert::Infallible>) -> Result<T, Down> {
-        Ok(result.unwrap_or_else(|never| match never {}))
+    /// The inner store's answer; it is unbounded, so it never refuses.
+    fn infallible<T>(result: Result<T, MemoryStoreError>) -> Result<T, Down> {
+        Ok(result.expect("an unbounded memory store never refuses"))
     }
 
     impl Store for Flaky {
@@ -381,7 +382,7 @@ mod tests {
 
     impl Store for Backlog {
         type Claim = Lease;
-        type Error = std::convert::Infallible;
+        type Error = MemoryStoreError;
 
         async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, Self::Error> {
             self.inner.begin(request).await

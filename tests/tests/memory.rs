@@ -5,7 +5,8 @@ use std::time::Duration;
 use idempotency_tests::suite::Backend;
 use tower_idempotency::store::MemoryStore;
 
-struct Memory(MemoryStore);
+/// A memory store holding at most `MAX_BYTES` of records (`0`: unbounded, `MemoryStore::new`).
+struct Memory<const MAX_BYTES: usize>(MemoryStore);
 
 /// Moves the (tokio) clock: the memory store reads `tokio::time::Instant`. Runs on the
 /// current-thread runtime, where the clock can be paused.
@@ -15,11 +16,14 @@ async fn advance(by: Duration) {
     tokio::time::resume();
 }
 
-impl Backend for Memory {
+impl<const MAX_BYTES: usize> Backend for Memory<MAX_BYTES> {
     type Store = MemoryStore;
 
     async fn start() -> Self {
-        Self(MemoryStore::new())
+        Self(match MAX_BYTES {
+            0 => MemoryStore::new(),
+            limit => MemoryStore::with_max_bytes(limit),
+        })
     }
 
     fn store(&self) -> MemoryStore {
@@ -35,7 +39,9 @@ impl Backend for Memory {
     }
 }
 
-idempotency_tests::store_suite!(Memory);
+type Unbounded = Memory<0>;
+
+idempotency_tests::store_suite!(Unbounded);
 
 /// A copy kept for replays expires with its record: the same key then runs again.
 #[tokio::test(flavor = "current_thread")]
@@ -43,7 +49,7 @@ async fn cached_replays_expire_with_their_records() {
     use idempotency_tests::suite::{Harness, Reply};
 
     idempotency_tests::init_tracing();
-    let h = Harness::<Memory>::start().await;
+    let h = Harness::<Unbounded>::start().await;
     let post = || h.post("/charges", Some("k-cached")).body("{}");
     let first = Reply::of(post()).await;
     assert!(
@@ -58,29 +64,6 @@ async fn cached_replays_expire_with_their_records() {
     assert_eq!(h.probe.executions(), 2);
 }
 
-/// A bounded memory store: no more than 4 KiB of records.
-struct Bounded(MemoryStore);
-
-impl Backend for Bounded {
-    type Store = MemoryStore;
-
-    async fn start() -> Self {
-        Self(MemoryStore::with_max_bytes(4096))
-    }
-
-    fn store(&self) -> MemoryStore {
-        self.0.clone()
-    }
-
-    async fn lapse_leases(&self) {
-        advance(Duration::from_secs(31)).await;
-    }
-
-    async fn expire_records(&self) {
-        advance(Duration::from_secs(24 * 3600 + 1)).await;
-    }
-}
-
 /// A full store refuses new keys with `503` and runs nothing for them, while what it holds is
 /// replayed as before; once its records expire, it takes new keys again by itself.
 #[tokio::test(flavor = "current_thread")]
@@ -88,7 +71,8 @@ async fn a_full_memory_store_refuses_new_keys_and_keeps_replaying() {
     use idempotency_tests::suite::{Harness, Reply};
 
     idempotency_tests::init_tracing();
-    let h = Harness::<Bounded>::with(|layer| layer.with_replay_cache(0)).await;
+    // No more than 4 KiB of records.
+    let h = Harness::<Memory<4096>>::with(|layer| layer.with_replay_cache(0)).await;
     let charge = |key: String| h.post("/charges", Some(&key)).body(r#"{"amount":100}"#);
     let mut kept = Vec::new();
     let refused = loop {

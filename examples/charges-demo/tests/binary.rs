@@ -151,6 +151,30 @@ fn client() -> reqwest::Client {
         .expect("client")
 }
 
+/// Runs a scenario script, echoes what it printed, and checks that it passed all `scenarios`
+/// (a `PASS:` line each and the closing `all N scenarios passed`); returns its standard output.
+async fn run_scenarios(mut script: Command, scenarios: usize) -> String {
+    let run = script.stdin(Stdio::null()).kill_on_drop(true).output();
+    let output = tokio::time::timeout(Duration::from_secs(180), run)
+        .await
+        .expect("the scenarios finished in time")
+        .expect("run the script");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    assert!(
+        output.status.success(),
+        "the script failed:\n{stdout}\n{stderr}"
+    );
+    assert_eq!(stdout.matches("\nPASS: ").count(), scenarios, "{stdout}");
+    assert!(
+        stdout.contains(&format!("all {scenarios} scenarios passed")),
+        "{stdout}"
+    );
+    stdout
+}
+
 fn curl_installed() -> bool {
     std::process::Command::new("curl")
         .arg("--version")
@@ -185,26 +209,9 @@ async fn curl_scenarios_pass_against_the_binary_on_postgres() {
     let script: PathBuf = [env!("CARGO_MANIFEST_DIR"), "..", "curl", "run-all.sh"]
         .iter()
         .collect();
-    let run = Command::new("bash")
-        .arg(&script)
-        .env("BASE_URL", server.url(""))
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .output();
-    let output = tokio::time::timeout(Duration::from_secs(180), run)
-        .await
-        .expect("the scenarios finished in time")
-        .expect("run bash");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    println!("{stdout}");
-    eprintln!("{stderr}");
-    assert!(
-        output.status.success(),
-        "run-all.sh failed:\n{stdout}\n{stderr}"
-    );
-    assert_eq!(stdout.matches("\nPASS: ").count(), 4, "{stdout}");
-    assert!(stdout.contains("all 4 scenarios passed"), "{stdout}");
+    let mut bash = Command::new("bash");
+    bash.arg(&script).env("BASE_URL", server.url(""));
+    run_scenarios(bash, 4).await;
 
     // The scenarios left their charges in PostgreSQL: 1 + 1 + 1 + 1 (the declined one).
     assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 4);
@@ -259,27 +266,12 @@ async fn stripe_python_scenarios_pass_against_the_binary_on_postgres() {
     ]
     .iter()
     .collect();
-    let run = Command::new(&python)
+    let mut python = Command::new(python);
+    python
         .arg(&script)
         .arg(server.url(""))
-        .env("PYTHONUNBUFFERED", "1")
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .output();
-    let output = tokio::time::timeout(Duration::from_secs(180), run)
-        .await
-        .expect("the scenarios finished in time")
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    println!("{stdout}");
-    eprintln!("{stderr}");
-    assert!(
-        output.status.success(),
-        "charges.py failed:\n{stdout}\n{stderr}"
-    );
-    assert_eq!(stdout.matches("\nPASS: ").count(), 7, "{stdout}");
-    assert!(stdout.contains("all 7 scenarios passed"), "{stdout}");
+        .env("PYTHONUNBUFFERED", "1");
+    let stdout = run_scenarios(python, 7).await;
     assert!(
         stdout.contains("the library timed out, retried with the same key"),
         "the first response was lost and the library's own retry got it: {stdout}"

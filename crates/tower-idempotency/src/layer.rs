@@ -103,12 +103,17 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_store_failure`](Self::with_store_failure) | fail closed: `503`, `Retry-After: 1` |
     /// | [`with_retention`](Self::with_retention) | [`RetentionPolicy::final_outcomes`] |
     /// | [`with_disconnect`](Self::with_disconnect) | [`Disconnect::RunToCompletion`] |
-    /// | [`with_replay_cache`](Self::with_replay_cache) | 16 MiB of replayed records kept in process |
+    /// | [`with_replay_cache`](Self::with_replay_cache) | 16 MiB of replayed records kept in process; none for a store that is itself in process ([`Store::in_process`]) |
     pub fn new(store: St) -> Self {
+        let cache = if store.in_process() {
+            0
+        } else {
+            DEFAULT_REPLAY_CACHE_BYTES
+        };
         Self {
             store: Arc::new(store),
             config: Arc::new(Config::default()),
-            cache: Arc::new(ReplayCache::new(DEFAULT_REPLAY_CACHE_BYTES)),
+            cache: Arc::new(ReplayCache::new(cache)),
         }
     }
 
@@ -238,8 +243,9 @@ impl<St: Store> IdempotencyLayer<St> {
         self
     }
 
-    /// How many bytes of completed records to keep in this process for replays (default 16 MiB;
-    /// `0` turns the cache off). A record is copied the first time the store answers a retry
+    /// How many bytes of completed records to keep in this process for replays (default 16 MiB,
+    /// or none when the store [keeps its records in process](Store::in_process), as
+    /// [`MemoryStore`] does; `0` turns the cache off). A record is copied the first time the store answers a retry
     /// with it, and answers further retries reaching this instance without a store round trip.
     /// Completed records never change, and each copy expires with its record, so a cached
     /// replay is the same as the store's.
@@ -360,6 +366,29 @@ mod tests {
             layer().with_body_timeout(Duration::ZERO).unwrap_err(),
             ConfigError::Zero("body_timeout")
         );
+    }
+
+    #[test]
+    fn a_memory_store_gets_no_replay_cache_unless_asked() {
+        let (key, fingerprint) = (
+            crate::ScopeKey::from_bytes([1; 32]),
+            crate::Fingerprint::from_bytes([2; 32]),
+        );
+        let record = crate::Record::from_parts(http::StatusCode::OK, Default::default(), None);
+        let caches = |layer: IdempotencyLayer<MemoryStore>| {
+            layer
+                .cache
+                .insert(key, fingerprint, &record, Duration::from_secs(60));
+            layer.cache.get(&key, &fingerprint).is_some()
+        };
+        // Its records are in process already: a cache would be a second copy of them.
+        assert!(!caches(IdempotencyLayer::memory()));
+        assert!(!caches(IdempotencyLayer::new(MemoryStore::with_max_bytes(
+            1 << 20
+        ))));
+        assert!(caches(
+            IdempotencyLayer::memory().with_replay_cache(1 << 20)
+        ));
     }
 
     #[test]

@@ -3,7 +3,7 @@ use std::{
     fmt,
     sync::{
         Arc, Mutex, MutexGuard,
-        atomic::{AtomicI64, AtomicUsize, Ordering},
+        atomic::{AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -73,8 +73,7 @@ impl std::error::Error for MemoryStoreError {}
 /// waits behind a rehash of the whole store.
 #[derive(Debug)]
 struct Inner {
-    shards: Box<[Mutex<Records>]>,
-    tokens: AtomicI64,
+    shards: Box<[Shard]>,
     /// Set by [`MemoryStore::with_max_bytes`]; without it nothing is counted.
     budget: Option<Budget>,
 }
@@ -93,17 +92,31 @@ struct Budget {
 /// How often a full store may walk all its records for expired ones before refusing a claim.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
+/// A shard, on cache lines of its own: two threads working on neighbouring shards never contend
+/// for one line (a lock word, or a map's length, shared with the shard beside it).
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct Shard(Mutex<Records>);
+
+/// One shard's records, and the last fencing token it handed out. A key always lives in the same
+/// shard, so a count per shard gives every claim of a key a larger token than the key had before,
+/// without a counter that every claim of every thread would write to.
+#[derive(Debug, Default)]
+struct Records {
+    map: Map,
+    last_token: i64,
+}
+
 /// Keys are SHA-256 digests, so a fast hasher spreads them as well as SipHash does; seeded per
 /// process, it leaves a client no way to aim keys at one bucket.
-type Records = HashMap<ScopeKey, Entry, foldhash::fast::RandomState>;
+type Map = HashMap<ScopeKey, Entry, foldhash::fast::RandomState>;
 
 const SHARDS: usize = 64;
 
 impl Default for Inner {
     fn default() -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            tokens: AtomicI64::new(0),
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             budget: None,
         }
     }
@@ -241,7 +254,7 @@ impl MemoryStore {
 
     /// The number of records held, expired ones not yet deleted included.
     pub fn len(&self) -> usize {
-        (0..SHARDS).map(|shard| self.shard(shard).len()).sum()
+        (0..SHARDS).map(|shard| self.shard(shard).map.len()).sum()
     }
 
     /// Whether no records are held.
@@ -259,6 +272,7 @@ impl MemoryStore {
         // Every critical section leaves the map consistent, so a panic elsewhere while the
         // lock was held does not make it unusable.
         self.inner.shards[shard]
+            .0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -270,7 +284,7 @@ impl MemoryStore {
         f: impl FnOnce(hash_map::OccupiedEntry<'_, ScopeKey, Entry>),
     ) -> ClaimStatus {
         let mut records = self.records(&lease.key);
-        match records.entry(lease.key) {
+        match records.map.entry(lease.key) {
             hash_map::Entry::Occupied(entry)
                 if entry.get().token == lease.token
                     && matches!(entry.get().state, State::InFlight { .. }) =>
@@ -326,6 +340,13 @@ impl Store for MemoryStore {
             self.count(0, entry.bytes());
         }))
     }
+
+    /// `true`: a replay is read from this process's memory, so the layer's replay cache would
+    /// only hold a second copy (and, for a [bounded](MemoryStore::with_max_bytes) store, memory
+    /// beyond its limit).
+    fn in_process(&self) -> bool {
+        true
+    }
 }
 
 impl MemoryStore {
@@ -335,9 +356,10 @@ impl MemoryStore {
         request: &ClaimRequest,
         now: Instant,
     ) -> Result<Begin<Lease>, MemoryStoreError> {
-        let mut records = self.records(&request.key);
+        let mut shard = self.records(&request.key);
+        let records = &mut *shard;
         // One probe of the map, whatever the outcome.
-        let slot = records.entry(request.key);
+        let slot = records.map.entry(request.key);
         let takeover = match &slot {
             hash_map::Entry::Vacant(_) => false,
             hash_map::Entry::Occupied(held) => match held.get() {
@@ -350,7 +372,7 @@ impl MemoryStore {
                 } => {
                     // A handle out of the lock; rebuilt into a record after it is released.
                     let (packed, expires_in) = (packed.clone(), *expires_at - now);
-                    drop(records);
+                    drop(shard);
                     return Ok(Begin::Completed {
                         record: packed.unpack(),
                         expires_in: Some(expires_in),
@@ -381,7 +403,8 @@ impl MemoryStore {
                 limit: budget.limit,
             });
         }
-        let token = self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1;
+        records.last_token += 1;
+        let token = records.last_token;
         slot.insert_entry(Entry {
             fingerprint: request.fingerprint,
             token,
@@ -437,6 +460,7 @@ impl MemoryStore {
         let mut records = self.shard(shard);
         // Removes only what it yields, so it stops at `max`.
         let (count, bytes) = records
+            .map
             .extract_if(|_, entry| entry.expires_at <= now)
             .take(max)
             .fold((0, 0), |(count, bytes), (_, entry)| {

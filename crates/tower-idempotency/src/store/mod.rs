@@ -194,6 +194,15 @@ pub trait Store: Send + Sync + 'static {
         let _ = claim;
         false
     }
+
+    /// Whether the store keeps its records in this process, so that answering a retry from it
+    /// costs no more than the layer's replay cache would: the layer then keeps no second copy of
+    /// replayed records unless the app asks for one
+    /// ([`with_replay_cache`](crate::IdempotencyLayer::with_replay_cache)). The default,
+    /// `false`, is right for every store behind a network round trip.
+    fn in_process(&self) -> bool {
+        false
+    }
 }
 
 /// Deleting records past their TTL, for stores whose records do not expire by themselves.

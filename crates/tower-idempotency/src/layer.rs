@@ -245,10 +245,10 @@ impl<St: Store> IdempotencyLayer<St> {
 
     /// How many bytes of completed records to keep in this process for replays (default 16 MiB,
     /// or none when the store [keeps its records in process](Store::in_process), as
-    /// [`MemoryStore`] does; `0` turns the cache off). A record is copied the first time the store answers a retry
-    /// with it, and answers further retries reaching this instance without a store round trip.
-    /// Completed records never change, and each copy expires with its record, so a cached
-    /// replay is the same as the store's.
+    /// [`MemoryStore`] does; `0` turns the cache off). A record is copied the first time the
+    /// store answers a retry with it, and answers further retries reaching this instance without
+    /// a store round trip. Completed records never change, and each copy expires with its
+    /// record, so a cached replay is the same as the store's.
     pub fn with_replay_cache(mut self, max_bytes: usize) -> Self {
         self.cache = Arc::new(ReplayCache::new(max_bytes));
         self

@@ -70,6 +70,21 @@ impl Server {
         }
     }
 
+    /// Starts the binary on PostgreSQL at `url`, each charge taking `delay_ms` in the handler
+    /// (so that duplicates overlap it, or a signal finds it in flight).
+    async fn on_postgres(url: &str, delay_ms: u64) -> Self {
+        let delay = delay_ms.to_string();
+        Self::start(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            url,
+            "--processing-delay-ms",
+            &delay,
+        ])
+        .await
+    }
+
     fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
@@ -175,9 +190,10 @@ async fn run_scenarios(mut script: Command, scenarios: usize) -> String {
     stdout
 }
 
-fn curl_installed() -> bool {
-    std::process::Command::new("curl")
-        .arg("--version")
+/// Whether `program` runs with `args` and succeeds (silenced): a probe for a tool a test needs.
+fn succeeds(program: &str, args: &[&str]) -> bool {
+    std::process::Command::new(program)
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
@@ -186,7 +202,7 @@ fn curl_installed() -> bool {
 
 #[tokio::test]
 async fn curl_scenarios_pass_against_the_binary_on_postgres() {
-    if !curl_installed() {
+    if !succeeds("curl", &["--version"]) {
         eprintln!(
             "SKIPPED: curl is not installed, so examples/curl/run-all.sh cannot run; install \
              curl to run this test"
@@ -196,15 +212,7 @@ async fn curl_scenarios_pass_against_the_binary_on_postgres() {
     let db = TestDb::new().await;
     let url = db.url();
     // The double click needs the first request to be in flight while the duplicates arrive.
-    let server = Server::start(&[
-        "--listen",
-        "127.0.0.1:0",
-        "--database-url",
-        &url,
-        "--processing-delay-ms",
-        "1500",
-    ])
-    .await;
+    let server = Server::on_postgres(&url, 1500).await;
 
     let script: PathBuf = [env!("CARGO_MANIFEST_DIR"), "..", "curl", "run-all.sh"]
         .iter()
@@ -224,13 +232,7 @@ async fn curl_scenarios_pass_against_the_binary_on_postgres() {
 /// with the pinned `stripe`), else `python3`; `None` if it cannot import `stripe`.
 fn stripe_python() -> Option<String> {
     let python = std::env::var("STRIPE_PYTHON").unwrap_or_else(|_| "python3".to_owned());
-    std::process::Command::new(&python)
-        .args(["-c", "import stripe"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-        .then_some(python)
+    succeeds(&python, &["-c", "import stripe"]).then_some(python)
 }
 
 /// Stripe's own Python library, with its own timeouts, keys and retries, against the binary on
@@ -248,15 +250,7 @@ async fn stripe_python_scenarios_pass_against_the_binary_on_postgres() {
     let url = db.url();
     // Longer than the script's 0.5 s client timeout: the first response is really lost, and
     // the double click's requests overlap.
-    let server = Server::start(&[
-        "--listen",
-        "127.0.0.1:0",
-        "--database-url",
-        &url,
-        "--processing-delay-ms",
-        "1000",
-    ])
-    .await;
+    let server = Server::on_postgres(&url, 1000).await;
 
     let script: PathBuf = [
         env!("CARGO_MANIFEST_DIR"),
@@ -290,15 +284,7 @@ async fn stripe_python_scenarios_pass_against_the_binary_on_postgres() {
 async fn sigterm_lets_the_in_flight_charge_finish() {
     let db = TestDb::new().await;
     let url = db.url();
-    let server = Server::start(&[
-        "--listen",
-        "127.0.0.1:0",
-        "--database-url",
-        &url,
-        "--processing-delay-ms",
-        "3000",
-    ])
-    .await;
+    let server = Server::on_postgres(&url, 3000).await;
 
     let request = client()
         .post(server.url("/v1/charges"))
@@ -365,15 +351,7 @@ async fn a_crash_mid_charge_leaves_nothing_and_the_retry_charges_once() {
             .send()
     };
     // A processing delay far longer than the test: the first charge never finishes.
-    let server = Server::start(&[
-        "--listen",
-        "127.0.0.1:0",
-        "--database-url",
-        &url,
-        "--processing-delay-ms",
-        "600000",
-    ])
-    .await;
+    let server = Server::on_postgres(&url, 600_000).await;
     let lost = tokio::spawn(charge(&server));
     wait_for_open_transactions(&db, 1).await;
     server.crash().await;

@@ -109,7 +109,11 @@
 //!   PostgreSQL backends of the run's database (local servers only) and the benchmark process
 //!   (the load generator, or the store client), with how busy that kept the machine's cores.
 //!   On a machine where everything shares a few cores, CPU per request is what sets the
-//!   throughput, and this table says whose it is.
+//!   throughput, and this table says whose it is. Its last two columns count the **context
+//!   switches** per request of the server's and the benchmark's threads (each time one went to
+//!   sleep or was preempted): on a VM each costs microseconds of kernel time, waking it and its
+//!   peer included, so a layer that makes requests wait more often (for a batch, a lock, a
+//!   client that has gone idle) pays there as well as in its own code.
 //!
 //! The load generator shares the machine with the server and PostgreSQL. That is deliberate
 //! (the ratios are what matters, and every scenario pays for the generator alike), but the

@@ -1,4 +1,5 @@
-//! What Linux's `/proc` tells about processes and the machine: peak resident memory, CPU time.
+//! What Linux's `/proc` tells about processes and the machine: peak resident memory, CPU time,
+//! context switches.
 
 use std::{fs, io, path::Path, time::Duration};
 
@@ -36,6 +37,45 @@ pub(crate) fn cpu_time(pid: u32) -> io::Result<Duration> {
         )));
     }
     Ok(total)
+}
+
+/// The context switches process `pid` has made so far, all its threads together: each time one
+/// of them went to sleep (waiting for I/O, a lock or work) or was preempted, from each thread's
+/// `voluntary_ctxt_switches` and `nonvoluntary_ctxt_switches`. Like [`cpu_time`], threads that
+/// already exited are not counted.
+pub(crate) fn context_switches(pid: u32) -> io::Result<u64> {
+    let mut total = 0;
+    let mut threads = 0;
+    for task in fs::read_dir(format!("/proc/{pid}/task"))? {
+        let task = task?.path();
+        if let Ok(switches) = thread_context_switches(&task) {
+            total += switches;
+            threads += 1;
+        }
+    }
+    if threads == 0 {
+        return Err(io::Error::other(format!(
+            "no readable threads in /proc/{pid}"
+        )));
+    }
+    Ok(total)
+}
+
+fn thread_context_switches(task: &Path) -> io::Result<u64> {
+    let status = fs::read_to_string(task.join("status"))?;
+    let count = |field: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(field))
+            .and_then(|value| value.trim().parse::<u64>().ok())
+    };
+    match (
+        count("voluntary_ctxt_switches:"),
+        count("nonvoluntary_ctxt_switches:"),
+    ) {
+        (Some(voluntary), Some(involuntary)) => Ok(voluntary + involuntary),
+        _ => Err(io::Error::other("no context switch counts in status")),
+    }
 }
 
 fn thread_cpu_time(task: &Path) -> io::Result<Duration> {
@@ -145,6 +185,13 @@ mod tests {
         let pid = std::process::id();
         assert!(peak_rss(pid).unwrap() > 0);
         assert!(cpu_time(pid).is_ok());
+        // A thread that sleeps is switched out, and counted; the process's count includes it.
+        let this_thread = Path::new("/proc/thread-self");
+        let before = thread_context_switches(this_thread).unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+        let after = thread_context_switches(this_thread).unwrap();
+        assert!(after > before);
+        assert!(context_switches(pid).unwrap() >= after);
         assert!(exists(pid));
         assert!(!is_postgres(pid));
         assert!(Machine::detect().cores >= 1);

@@ -49,6 +49,11 @@ pub(crate) struct Cpu {
     pub(crate) postgres: Option<Duration>,
     /// The benchmark process: the load generator, or the store client of the store scenarios.
     pub(crate) client: Option<Duration>,
+    /// Context switches of the server process's threads: each time one went to sleep or was
+    /// preempted (and so had to be woken or rescheduled), on a VM often a few microseconds each.
+    pub(crate) server_switches: Option<u64>,
+    /// The same for the benchmark process.
+    pub(crate) client_switches: Option<u64>,
 }
 
 impl Sample {
@@ -100,6 +105,12 @@ impl Sample {
         (self.tally.ok > 0).then(|| cpu.as_secs_f64() * 1e6 / self.tally.ok as f64)
     }
 
+    /// `count` events per successful request.
+    fn count_per_request(&self, count: Option<u64>) -> Option<f64> {
+        let count = count?;
+        (self.tally.ok > 0).then(|| count as f64 / self.tally.ok as f64)
+    }
+
     /// The CPU time of every process measured (PostgreSQL is not, when the scenario does not
     /// use it or the server is not local).
     fn total_cpu(&self) -> Option<Duration> {
@@ -107,6 +118,7 @@ impl Sample {
             server,
             postgres,
             client,
+            ..
         } = self.cpu;
         [server, postgres, client]
             .into_iter()
@@ -137,6 +149,10 @@ impl Sample {
                 "server": micros(self.cpu.server),
                 "postgres": micros(self.cpu.postgres),
                 "client": micros(self.cpu.client),
+            },
+            "context_switches": {
+                "server": self.cpu.server_switches,
+                "client": self.cpu.client_switches,
             },
             "details": self.details,
             "failures": self.failures,
@@ -372,8 +388,9 @@ impl Results {
     pub(crate) fn cpu_table(&self) -> String {
         let mut out = String::new();
         out.push_str(
-            "| scenario | server | PostgreSQL backends | client (load generator) | total | machine busy |\n\
-             |---|--:|--:|--:|--:|--:|\n",
+            "| scenario | server | PostgreSQL backends | client (load generator) | total | machine busy \
+             | context switches: server | client |\n\
+             |---|--:|--:|--:|--:|--:|--:|--:|\n",
         );
         for (scenario, samples) in &self.scenarios {
             if samples.is_empty() {
@@ -388,14 +405,20 @@ impl Results {
                 Some(total.as_secs_f64() / (s.window.as_secs_f64() * self.cores as f64))
             }))
             .map_or("—".to_owned(), |share| format!("{:.0}%", share * 100.0));
+            let switches = |pick: fn(&Sample) -> Option<u64>| {
+                median(samples.iter().filter_map(|s| s.count_per_request(pick(s))))
+                    .map_or("—".to_owned(), |n| format!("{n:.2}"))
+            };
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {busy} |",
+                "| {} | {} | {} | {} | {} | {busy} | {} | {} |",
                 scenario.name,
                 per_request(|s| s.cpu.server),
                 per_request(|s| s.cpu.postgres),
                 per_request(|s| s.cpu.client),
                 per_request(Sample::total_cpu),
+                switches(|s| s.cpu.server_switches),
+                switches(|s| s.cpu.client_switches),
             );
         }
         out

@@ -647,6 +647,8 @@ struct CpuSnapshot {
     server: Option<Duration>,
     backends: Vec<(u32, Duration)>,
     client: Option<Duration>,
+    server_switches: Option<u64>,
+    client_switches: Option<u64>,
 }
 
 impl CpuSnapshot {
@@ -665,6 +667,15 @@ impl CpuSnapshot {
                 .filter_map(|&pid| Some((pid, procfs::cpu_time(pid).ok()?)))
                 .collect(),
             client: procfs::cpu_time(client).ok(),
+            server_switches: (!servers.is_empty())
+                .then(|| {
+                    servers
+                        .iter()
+                        .map(|&pid| procfs::context_switches(pid).ok())
+                        .sum::<Option<u64>>()
+                })
+                .flatten(),
+            client_switches: procfs::context_switches(client).ok(),
         }
     }
 
@@ -681,10 +692,13 @@ impl CpuSnapshot {
                 })
                 .sum()
         });
+        let count = |after: Option<u64>, before: Option<u64>| Some(after?.saturating_sub(before?));
         Cpu {
             server: diff(self.server, before.server),
             postgres,
             client: diff(self.client, before.client),
+            server_switches: count(self.server_switches, before.server_switches),
+            client_switches: count(self.client_switches, before.client_switches),
         }
     }
 }

@@ -1,5 +1,5 @@
 use std::{
-    collections::{HashMap, hash_map},
+    collections::{HashMap, VecDeque, hash_map},
     fmt,
     sync::{
         Arc, Mutex, MutexGuard,
@@ -17,10 +17,14 @@ use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 ///
 /// Keys live in this process only: two instances of an app behind a load balancer do not see
 /// each other's keys, and a restart forgets them all. Use [`PostgresStore`](super::PostgresStore)
-/// when either matters. Expired records are removed when their key is claimed again or by
-/// [`continuously_delete_expired`](super::continuously_delete_expired). Each completed record
-/// is kept packed in one allocation (status, headers and body), so a store holding many of them
-/// neither fragments the heap nor keeps the response's own buffers alive.
+/// when either matters. Expired records are deleted by the store itself: each request for a key
+/// first deletes up to two expired records of the key's shard, oldest claim first, so a store
+/// that keeps taking requests holds about one TTL's worth of keys with no task running beside
+/// it. A store that stops taking requests keeps what it holds until they come again (or
+/// [`continuously_delete_expired`](super::continuously_delete_expired) runs); an expired record
+/// is never replayed either way. Each completed record is kept packed in one allocation (status,
+/// headers and body), so a store holding many of them neither fragments the heap nor keeps the
+/// response's own buffers alive.
 ///
 /// Memory grows with the keys claimed within one TTL, and a client can claim as many keys as it
 /// likes. [`MemoryStore::new`] sets no bound; [`MemoryStore::with_max_bytes`] refuses new keys
@@ -98,13 +102,64 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 #[repr(align(128))]
 struct Shard(Mutex<Records>);
 
-/// One shard's records, and the last fencing token it handed out. A key always lives in the same
-/// shard, so a count per shard gives every claim of a key a larger token than the key had before,
-/// without a counter that every claim of every thread would write to.
+/// One shard's records, the order they expire in, and the last fencing token it handed out. A
+/// key always lives in the same shard, so a count per shard gives every claim of a key a larger
+/// token than the key had before, without a counter that every claim of every thread would write
+/// to.
 #[derive(Debug, Default)]
 struct Records {
     map: Map,
+    /// Every claim made in this shard, oldest first, with the time its record expires. A claim's
+    /// record may since have been released, deleted, claimed again (its token tells) or renewed
+    /// past that time; it is looked at when its time comes.
+    ///
+    /// Claims with one TTL arrive in the order they expire. When layers with different TTLs share
+    /// a store, a record behind one that expires later waits for it: it is still expired to every
+    /// request, it only stays in memory for up to the difference.
+    expiry: VecDeque<Expiry>,
     last_token: i64,
+}
+
+/// A claim in [`Records::expiry`].
+#[derive(Debug)]
+struct Expiry {
+    at: Instant,
+    key: ScopeKey,
+    token: i64,
+}
+
+/// How many expired records each claim deletes (when there are any): more than one, so that the
+/// store shrinks back after a burst of claims has expired, not only stops growing.
+const EXPIRE_PER_CLAIM: usize = 2;
+
+impl Records {
+    /// Deletes up to `max` records expired at `now`, oldest claim first; the bytes they held.
+    fn expire_oldest(&mut self, now: Instant, max: usize) -> usize {
+        let mut freed = 0;
+        for _ in 0..max {
+            if self.expiry.front().is_none_or(|oldest| oldest.at > now) {
+                break;
+            }
+            let Some(oldest) = self.expiry.pop_front() else {
+                break;
+            };
+            let hash_map::Entry::Occupied(entry) = self.map.entry(oldest.key) else {
+                continue;
+            };
+            if entry.get().token != oldest.token {
+                // Claimed again since: that claim is further back in the queue.
+                continue;
+            }
+            if entry.get().expires_at <= now {
+                freed += entry.remove().bytes();
+            } else {
+                // Renewed past its TTL (a lease longer than the TTL): look again then.
+                let at = entry.get().expires_at;
+                self.expiry.push_back(Expiry { at, ..oldest });
+            }
+        }
+        freed
+    }
 }
 
 /// Keys are SHA-256 digests, so a fast hasher spreads them as well as SipHash does; seeded per
@@ -131,8 +186,8 @@ struct Entry {
 }
 
 /// What a record costs a bounded store besides its kept response: its key and entry in the map,
-/// and the map's own overhead per slot, roughly.
-const ENTRY_BYTES: usize = size_of::<(ScopeKey, Entry)>() + 16;
+/// the map's own overhead per slot, roughly, and its place in the expiry queue.
+const ENTRY_BYTES: usize = size_of::<(ScopeKey, Entry)>() + 16 + size_of::<Expiry>();
 
 impl Entry {
     /// The bytes this entry counts against a bounded store's limit.
@@ -358,6 +413,8 @@ impl MemoryStore {
     ) -> Result<Begin<Lease>, MemoryStoreError> {
         let mut shard = self.records(&request.key);
         let records = &mut *shard;
+        let freed = records.expire_oldest(now, EXPIRE_PER_CLAIM);
+        self.count(0, freed);
         // One probe of the map, whatever the outcome.
         let slot = records.map.entry(request.key);
         let takeover = match &slot {
@@ -405,14 +462,20 @@ impl MemoryStore {
         }
         records.last_token += 1;
         let token = records.last_token;
+        // A claim in flight outlives its TTL until its lease ends.
+        let expires_at = now + request.ttl.max(request.lease);
         slot.insert_entry(Entry {
             fingerprint: request.fingerprint,
             token,
-            // A claim in flight outlives its TTL until its lease ends.
-            expires_at: now + request.ttl.max(request.lease),
+            expires_at,
             state: State::InFlight {
                 lease_until: now + request.lease,
             },
+        });
+        records.expiry.push_back(Expiry {
+            at: expires_at,
+            key: request.key,
+            token,
         });
         self.count(ENTRY_BYTES, replaced);
         Ok(Begin::Acquired {
@@ -701,6 +764,82 @@ mod tests {
             acquire(&store, &keyed(key)).await;
         }
         assert_eq!(store.begin(&keyed(13)).await, full);
+    }
+
+    /// A claim of key `n` of period `period`, in shard `n` (0..64: one key per shard).
+    fn periodic(n: u8, period: u8, ttl: Duration) -> ClaimRequest {
+        let mut key = [0; 32];
+        key[0] = n;
+        key[1] = period;
+        ClaimRequest {
+            key: ScopeKey::from_bytes(key),
+            fingerprint: Fingerprint::from_bytes([1; 32]),
+            lease: Duration::from_secs(1),
+            ttl,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unbounded_store_holds_about_one_ttl_of_keys_without_a_reaper() {
+        let store = MemoryStore::new();
+        let ttl = Duration::from_secs(10);
+        let period = Duration::from_secs(5);
+        for p in 0..20 {
+            for n in 0..SHARDS as u8 {
+                let (claim, _) = acquire(&store, &periodic(n, p, ttl)).await;
+                if n % 2 == 0 {
+                    assert_eq!(
+                        store.complete(&claim, &record()).await,
+                        Ok(ClaimStatus::Held)
+                    );
+                }
+            }
+            // This period's keys and the last one's: the one before expired as this one's
+            // claims came, shard by shard.
+            let held = store.len();
+            assert!(
+                held <= 2 * SHARDS,
+                "period {p}: {held} records held, more than two periods' claims"
+            );
+            tokio::time::advance(period).await;
+        }
+        // Within their TTL, records are kept as before.
+        assert!(matches!(
+            store.begin(&periodic(0, 19, ttl)).await,
+            Ok(Begin::Completed { .. })
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_renewed_past_its_ttl_is_kept_until_its_new_expiry() {
+        let store = MemoryStore::new();
+        let ttl = Duration::from_secs(10);
+        let renewed = ClaimRequest {
+            lease: Duration::from_secs(12),
+            ..periodic(5, 0, ttl)
+        };
+        let (claim, _) = acquire(&store, &renewed).await;
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(
+            store.renew(&claim, Duration::from_secs(12)).await,
+            Ok(ClaimStatus::Held)
+        );
+        // Past the claim's first expiry (12 s), before its renewed one (22 s): a claim in the
+        // same shard finds it first in line, and must leave it.
+        tokio::time::advance(Duration::from_secs(5)).await;
+        acquire(&store, &periodic(5, 1, ttl)).await;
+        assert!(matches!(
+            store.begin(&renewed).await,
+            Ok(Begin::InFlight { .. })
+        ));
+        assert_eq!(
+            store.complete(&claim, &record()).await,
+            Ok(ClaimStatus::Held)
+        );
+        // Once both have expired, the next claim in the shard deletes them.
+        tokio::time::advance(Duration::from_secs(25)).await;
+        acquire(&store, &periodic(5, 2, ttl)).await;
+        assert_eq!(store.len(), 1);
     }
 
     /// The checks every store is held to; `tokio::time` is the memory store's clock, so they

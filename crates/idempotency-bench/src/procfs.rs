@@ -21,22 +21,7 @@ pub(crate) fn peak_rss(pid: u32) -> io::Result<u64> {
 /// `stat`'s user and system ticks. Threads that already exited are not counted, which is why
 /// callers take differences over a window in which the processes they watch keep their threads.
 pub(crate) fn cpu_time(pid: u32) -> io::Result<Duration> {
-    let mut total = Duration::ZERO;
-    let mut threads = 0;
-    for task in fs::read_dir(format!("/proc/{pid}/task"))? {
-        let task = task?.path();
-        // A thread may exit between listing and reading: skip it.
-        if let Ok(time) = thread_cpu_time(&task) {
-            total += time;
-            threads += 1;
-        }
-    }
-    if threads == 0 {
-        return Err(io::Error::other(format!(
-            "no readable threads in /proc/{pid}"
-        )));
-    }
-    Ok(total)
+    sum_over_threads(pid, thread_cpu_time)
 }
 
 /// The context switches process `pid` has made so far, all its threads together: each time one
@@ -44,21 +29,27 @@ pub(crate) fn cpu_time(pid: u32) -> io::Result<Duration> {
 /// `voluntary_ctxt_switches` and `nonvoluntary_ctxt_switches`. Like [`cpu_time`], threads that
 /// already exited are not counted.
 pub(crate) fn context_switches(pid: u32) -> io::Result<u64> {
-    let mut total = 0;
-    let mut threads = 0;
+    sum_over_threads(pid, thread_context_switches)
+}
+
+/// `read` of each thread of process `pid` (its `/proc/<pid>/task/<tid>` directory), summed. A
+/// thread that exits between the listing and its reading is skipped.
+fn sum_over_threads<T: std::iter::Sum<T>>(
+    pid: u32,
+    read: fn(&Path) -> io::Result<T>,
+) -> io::Result<T> {
+    let mut readings = Vec::new();
     for task in fs::read_dir(format!("/proc/{pid}/task"))? {
-        let task = task?.path();
-        if let Ok(switches) = thread_context_switches(&task) {
-            total += switches;
-            threads += 1;
+        if let Ok(reading) = read(&task?.path()) {
+            readings.push(reading);
         }
     }
-    if threads == 0 {
+    if readings.is_empty() {
         return Err(io::Error::other(format!(
             "no readable threads in /proc/{pid}"
         )));
     }
-    Ok(total)
+    Ok(readings.into_iter().sum())
 }
 
 fn thread_context_switches(task: &Path) -> io::Result<u64> {

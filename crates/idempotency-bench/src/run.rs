@@ -651,30 +651,24 @@ struct CpuSnapshot {
     client_switches: Option<u64>,
 }
 
+/// `read` of every process in `pids`, summed; `None` if there are none or one cannot be read.
+fn sum_over<T: std::iter::Sum<T>>(pids: &[u32], read: fn(u32) -> std::io::Result<T>) -> Option<T> {
+    if pids.is_empty() {
+        return None;
+    }
+    pids.iter().map(|&pid| read(pid).ok()).sum()
+}
+
 impl CpuSnapshot {
     fn take(servers: &[u32], backends: &[u32], client: u32) -> Self {
         Self {
-            server: (!servers.is_empty())
-                .then(|| {
-                    servers
-                        .iter()
-                        .map(|&pid| procfs::cpu_time(pid).ok())
-                        .sum::<Option<Duration>>()
-                })
-                .flatten(),
+            server: sum_over(servers, procfs::cpu_time),
             backends: backends
                 .iter()
                 .filter_map(|&pid| Some((pid, procfs::cpu_time(pid).ok()?)))
                 .collect(),
             client: procfs::cpu_time(client).ok(),
-            server_switches: (!servers.is_empty())
-                .then(|| {
-                    servers
-                        .iter()
-                        .map(|&pid| procfs::context_switches(pid).ok())
-                        .sum::<Option<u64>>()
-                })
-                .flatten(),
+            server_switches: sum_over(servers, procfs::context_switches),
             client_switches: procfs::context_switches(client).ok(),
         }
     }

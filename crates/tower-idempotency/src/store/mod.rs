@@ -208,7 +208,9 @@ pub trait Store: Send + Sync + 'static {
 /// Deleting records past their TTL, for stores whose records do not expire by themselves.
 ///
 /// Spawn [`continuously_delete_expired`] once per process (or per cluster, it is safe to run
-/// many), or call [`delete_expired`](Self::delete_expired) from your own scheduler.
+/// many), or call [`delete_expired`](Self::delete_expired) from your own scheduler. A
+/// [`MemoryStore`] also deletes expired records itself as requests come; for it, the loop only
+/// frees the memory of a store that has gone quiet.
 pub trait ExpiredDeletion: Store {
     /// Deletes at most `batch` expired records and returns how many were deleted.
     fn delete_expired(&self, batch: u32) -> impl Future<Output = Result<u64, Self::Error>> + Send;

@@ -70,8 +70,10 @@ mod axum_impl {
         fn into_response(self) -> Response {
             (
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "this handler needs an Idempotency-Key, but the request was not run under one; \
-                 make the key required (IdempotencyLayer::required) on this route",
+                "this handler needs an Idempotency-Key, but the request was not run under one: \
+                 put the route behind the IdempotencyLayer, make sure it covers this method \
+                 (IdempotencyLayer::with_methods; POST and PATCH by default) and make the key \
+                 required (IdempotencyLayer::required)",
             )
                 .into_response()
         }
@@ -103,3 +105,34 @@ mod axum_impl {
 
 #[cfg(feature = "axum")]
 pub use axum_impl::MissingIdempotencyContext;
+
+#[cfg(all(test, feature = "axum"))]
+mod tests {
+    use axum::{Router, body::Body, routing::put};
+    use http::{Request, StatusCode};
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    use super::IdempotencyContext;
+    use crate::{IdempotencyLayer, Principal};
+
+    /// A handler that needs the context, on a method the layer does not cover: the answer says
+    /// so, rather than only "make the key required" (which it is).
+    #[tokio::test]
+    async fn a_missing_context_names_the_method_coverage_too() {
+        let app = Router::new()
+            .route("/", put(|_: IdempotencyContext| async { "ran" }))
+            .layer(IdempotencyLayer::memory().required());
+        let mut request = Request::put("/")
+            .header("idempotency-key", "k1")
+            .body(Body::empty())
+            .unwrap();
+        request.extensions_mut().insert(Principal::new("acct"));
+        let response = app.oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let body = std::str::from_utf8(&body).unwrap();
+        assert!(body.contains("with_methods"), "{body}");
+        assert!(body.contains("IdempotencyLayer::required"), "{body}");
+    }
+}

@@ -32,12 +32,12 @@
 //! | same key, different method, path, query or body | `422` problem; the stored record is untouched |
 //! | key missing where [`required`](IdempotencyLayer::required) | `400` problem |
 //! | key malformed, empty, over 255 characters, repeated | `400` problem |
-//! | body over `max_body_bytes` | `413` problem, nothing run |
+//! | body over `max_body_bytes` (declared or streamed) | `413` problem, nothing run |
 //! | body slower than `body_timeout` | `408` problem, nothing run |
-//! | handler answers 400/401/403/422/429..., or 5xx | delivered, key released: a corrected retry runs ([`RetentionPolicy`]) |
+//! | handler answers 400/401/403/405/408/411/413/414/415/422/429/431, or 5xx | delivered, key released: a corrected retry runs ([`RetentionPolicy`]) |
 //! | handler panics | `500` problem, key released |
 //! | client disconnects mid-handler | the handler finishes and its response is stored for the retry |
-//! | holder crashes | its lease lapses (30 s) and the next retry takes the key over |
+//! | holder crashes | lease mode: its lease lapses (30 s) and the next retry takes the key over; [transactional mode](transaction): free at once, nothing happened |
 //! | store unreachable | `503` problem, `Retry-After` (or fail open, [`StoreFailure`]) |
 //!
 //! Every refusal is an RFC 9457 `application/problem+json` body ([`problem`]).

@@ -164,7 +164,8 @@ impl fmt::Debug for IdempotentTx {
 #[non_exhaustive]
 pub enum TxUnavailable {
     /// The request is not running under a transactional claim: the route is not behind
-    /// `IdempotencyLayer::postgres(pool).transactional()`, or the request had no key.
+    /// `IdempotencyLayer::postgres(pool).transactional()`, the layer does not cover the
+    /// request's method, or the request had no key.
     NotTransactional,
     /// The handler already took the transaction (extract it once per request).
     AlreadyTaken,
@@ -175,8 +176,9 @@ impl fmt::Display for TxUnavailable {
         f.write_str(match self {
             Self::NotTransactional => {
                 "this handler needs an idempotent transaction, but the request is not running \
-                 under one: put the route behind IdempotencyLayer::postgres(pool).transactional() \
-                 and make the key required"
+                 under one: put the route behind IdempotencyLayer::postgres(pool).transactional(), \
+                 make sure it covers this method (with_methods; POST and PATCH by default) and \
+                 make the key required"
             }
             Self::AlreadyTaken => "the idempotent transaction was already taken by this request",
         })

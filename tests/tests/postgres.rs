@@ -474,6 +474,97 @@ mod postgres_only {
         }
     }
 
+    /// The batched completion (`idempotency.complete_many`) finds each record by its primary
+    /// key, never by scanning the table, even when its plan was made while the table was
+    /// nearly empty and analyzed as such (when PostgreSQL would rather scan) and the table has
+    /// grown since: a scan per batch would make every batch cost the whole table. Counted by
+    /// PostgreSQL itself, in the transaction that ran the batch.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn batched_completions_look_records_up_by_key_however_small_the_table_was() {
+        let (db, _store) = migrated().await;
+        let insert_in_flight = "INSERT INTO idempotency.records
+                (scope_key, fingerprint, token, expires_at, lease_until)
+            SELECT gen_random_uuid(), decode(repeat('ab', 32), 'hex'), n,
+                   now() + interval '1 hour', now() + interval '30 seconds'
+            FROM generate_series($1::int8, $2::int8) AS n
+            RETURNING scope_key, token";
+        let complete_many = "SELECT scope_key, token FROM idempotency.complete_many(
+                $1, $2, array_fill(201::int2, ARRAY[cardinality($1)]),
+                array_fill('\\x6f6b'::bytea, ARRAY[cardinality($1)]),
+                array_fill(1, ARRAY[cardinality($1)]), array_fill(1, ARRAY[cardinality($1)]),
+                ARRAY['content-type'], ARRAY['text/plain'::bytea])";
+        let scans = "SELECT seq_scan, idx_scan FROM pg_stat_xact_user_tables
+            WHERE relid = 'idempotency.records'::regclass";
+
+        sqlx::query(insert_in_flight)
+            .bind(1_i64)
+            .bind(1_i64)
+            .execute(db.pool())
+            .await
+            .expect("one row");
+        sqlx::query("ANALYZE idempotency.records")
+            .execute(db.pool())
+            .await
+            .expect("analyze");
+        // One session, whose cached plan is made now, on the one-row table, and kept: the
+        // first batches (PostgreSQL plans the first five afresh) find nothing.
+        let mut session = db.pool().acquire().await.expect("connection");
+        for _ in 0..6 {
+            let none: Vec<(sqlx::types::Uuid, i64)> = sqlx::query_as(complete_many)
+                .bind(vec![sqlx::types::Uuid::nil()])
+                .bind(vec![7_i64])
+                .fetch_all(&mut *session)
+                .await
+                .expect("an empty batch");
+            assert!(none.is_empty());
+        }
+        let grown: Vec<(sqlx::types::Uuid, i64)> = sqlx::query_as(insert_in_flight)
+            .bind(2_i64)
+            .bind(20_001_i64)
+            .fetch_all(db.pool())
+            .await
+            .expect("grown");
+
+        // The counts read back are the session's not yet reported to the statistics system,
+        // which happens only between transactions: what one transaction did is the difference.
+        let mut tx = sqlx::Connection::begin(&mut *session).await.expect("begin");
+        let before: (i64, i64) = sqlx::query_as(scans)
+            .fetch_one(&mut *tx)
+            .await
+            .expect("scans");
+        let batch = [&grown[5], &grown[10_000], &grown[19_999]];
+        let mut completed: Vec<(sqlx::types::Uuid, i64)> = sqlx::query_as(complete_many)
+            .bind(batch.iter().map(|(key, _)| *key).collect::<Vec<_>>())
+            .bind(batch.iter().map(|(_, token)| *token).collect::<Vec<_>>())
+            .fetch_all(&mut *tx)
+            .await
+            .expect("a batch");
+        let after: (i64, i64) = sqlx::query_as(scans)
+            .fetch_one(&mut *tx)
+            .await
+            .expect("scans");
+        tx.commit().await.expect("commit");
+
+        completed.sort_unstable();
+        let mut expected: Vec<_> = batch.iter().map(|&&row| row).collect();
+        expected.sort_unstable();
+        assert_eq!(completed, expected, "each record of the batch completed");
+        assert_eq!(
+            (after.0 - before.0, after.1 - before.1),
+            (0, 3),
+            "one primary-key lookup per record, no scan of the table"
+        );
+        let stored: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM idempotency.records
+             WHERE status = 201 AND body = 'ok' AND header_names = ARRAY['content-type']
+               AND lease_until IS NULL",
+        )
+        .fetch_one(db.pool())
+        .await
+        .expect("count");
+        assert_eq!(stored, 3);
+    }
+
     /// A claim written in a batch for a request that has gone meanwhile (cancelled while it
     /// waited) is released at once, not left in flight until its lease lapses.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

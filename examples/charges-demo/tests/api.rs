@@ -604,7 +604,12 @@ async fn postgres_migrations_live_apart_and_charges_are_rows() {
         assert_eq!(applied("public._sqlx_migrations").await, ["create charges"]);
         assert_eq!(
             applied("idempotency._sqlx_migrations").await,
-            ["create records", "partitioned records", "uuid scope keys"]
+            [
+                "create records",
+                "partitioned records",
+                "uuid scope keys",
+                "complete many"
+            ]
         );
 
         let api_key = new_api_key();

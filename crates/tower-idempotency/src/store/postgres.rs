@@ -59,8 +59,8 @@ use crate::{record::Record, scope::ScopeKey, transaction::TxSlot};
 ///
 /// In lease mode, concurrent requests share their writes: claims of keys that have no row yet
 /// go to PostgreSQL together as one `INSERT .. ON CONFLICT DO NOTHING` over arrays, and
-/// responses are stored together as one fenced `UPDATE`, each batch in one round trip and one
-/// commit. A request never waits for a batch to fill: it waits only while the previous batch
+/// responses are stored together by one call of `idempotency.complete_many` (a fenced `UPDATE`
+/// by primary key for each), each batch in one round trip and one commit. A request never waits for a batch to fill: it waits only while the previous batch
 /// of its kind is being written, and a lone request goes out at once. What a claim or a
 /// completion answers is unchanged: a key that already has a row is claimed by the one-key
 /// statement above, and each completion is fenced by its own token. Without prepared
@@ -261,21 +261,12 @@ RETURNING scope_key, token
 "#;
 
 /// Lease mode's group commit of completions: `complete` for many claims, each fenced by its
-/// token. Header names and values come as two flat arrays, each record's headers being the
-/// slice `[first:last]` of them (empty when `last < first`).
-const COMPLETE_MANY: &str = r#"
-UPDATE idempotency.records r
-SET status = c.status,
-    header_names = ($7::text[])[c.first:c.last],
-    header_values = ($8::bytea[])[c.first:c.last],
-    body = c.body,
-    lease_until = NULL,
-    completed_at = now()
-FROM unnest($1::uuid[], $2::int8[], $3::int2[], $4::bytea[], $5::int4[], $6::int4[])
-     AS c(key, token, status, body, first, last)
-WHERE r.scope_key = c.key AND r.token = c.token AND r.status IS NULL AND r.expires_at > now()
-RETURNING r.scope_key, r.token
-"#;
+/// token, by the migrations' `idempotency.complete_many` (one primary-key `UPDATE` per record,
+/// its plan cached for the session and never a table scan). Header names and values come as
+/// two flat arrays, each record's headers being the slice `[first:last]` of them (empty when
+/// `last < first`).
+const COMPLETE_MANY: &str =
+    "SELECT scope_key, token FROM idempotency.complete_many($1, $2, $3, $4, $5, $6, $7, $8)";
 
 /// The statements that act on a held claim.
 struct Fenced {
@@ -876,11 +867,7 @@ async fn complete_many(
         }
         lasts.push(names.len() as i32);
     }
-    // Planned afresh for each batch (an unnamed statement), never from a cached generic plan:
-    // a plan cached while the table was small joins the batch to it by a sequential scan, and
-    // would go on doing so as the table grows to millions of rows.
     let query = sqlx::query(COMPLETE_MANY)
-        .persistent(false)
         .bind(&keys[..])
         .bind(tokens)
         .bind(statuses)

@@ -565,6 +565,95 @@ mod postgres_only {
         assert_eq!(stored, 3);
     }
 
+    /// Autovacuum first looks at the records table after 1,000 changes (by default it would
+    /// after 50), and the claim plans a session makes from the statistics it takes then look
+    /// keys up in the primary key, also after the table has grown twentyfold: plans made from
+    /// a table of a page or two would read the whole table for every claim until the next
+    /// analyze. Scans counted by PostgreSQL for the one session that made the plans.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claim_plans_made_when_autovacuum_first_looks_find_keys_by_index() {
+        use tower_idempotency::store::{Begin, Store};
+
+        let (db, store) = migrated().await;
+        let options: Vec<String> = sqlx::query_scalar(
+            "SELECT unnest(reloptions) FROM pg_class WHERE oid = 'idempotency.records'::regclass",
+        )
+        .fetch_all(db.pool())
+        .await
+        .expect("options");
+        for option in [
+            "autovacuum_analyze_threshold=1000",
+            "autovacuum_vacuum_threshold=1000",
+        ] {
+            assert!(options.iter().any(|o| o == option), "{option}: {options:?}");
+        }
+
+        // The 1,000 changes after which autovacuum first analyzes the table: claims.
+        let request = |i: u16| tower_idempotency::store::ClaimRequest {
+            key: tower_idempotency::ScopeKey::from_bytes(std::array::from_fn(|b| {
+                i.to_be_bytes()[b % 2]
+            })),
+            ..claim_request(0, 1)
+        };
+        let mut claims = JoinSet::new();
+        for i in 0..1_000 {
+            let store = store.clone();
+            claims.spawn(async move { store.begin(&request(i)).await.expect("claim") });
+        }
+        while let Some(claim) = claims.join_next().await {
+            assert!(matches!(claim.expect("task"), Begin::Acquired { .. }));
+        }
+        sqlx::query("ANALYZE idempotency.records")
+            .execute(db.pool())
+            .await
+            .expect("analyze");
+
+        // One session, whose plans PostgreSQL makes now (after five custom ones) and keeps.
+        let single = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(db.options().clone())
+            .await
+            .expect("pool");
+        let session = PostgresStore::new(single.clone());
+        for i in 0..7 {
+            assert!(matches!(
+                session.begin(&request(i)).await.expect("retry"),
+                Begin::InFlight { .. }
+            ));
+        }
+        sqlx::query(
+            "INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
+             SELECT gen_random_uuid(), decode(repeat('ab', 32), 'hex'), -n,
+                    now() + interval '1 hour', now() + interval '30 seconds'
+             FROM generate_series(1, 20000) AS n",
+        )
+        .execute(db.pool())
+        .await
+        .expect("grown");
+
+        // The session's scans: those reported to the statistics system and those it has not
+        // reported yet (it does so between transactions, at most once a second).
+        let scans = || async {
+            let mut connection = single.acquire().await.expect("the session");
+            sqlx::query_as::<_, (i64, i64)>(
+                "SELECT s.seq_scan + x.seq_scan, s.idx_scan + x.idx_scan
+                 FROM pg_stat_user_tables s JOIN pg_stat_xact_user_tables x USING (relid)
+                 WHERE relid = 'idempotency.records'::regclass",
+            )
+            .fetch_one(&mut *connection)
+            .await
+            .expect("scans")
+        };
+        let before = scans().await;
+        assert!(matches!(
+            session.begin(&request(500)).await.expect("retry"),
+            Begin::InFlight { .. }
+        ));
+        let after = scans().await;
+        assert_eq!(after.0 - before.0, 0, "no sequential scan of the table");
+        assert!(after.1 > before.1, "the key looked up by index");
+    }
+
     /// A claim written in a batch for a request that has gone meanwhile (cancelled while it
     /// waited) is released at once, not left in flight until its lease lapses.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1021,6 +1110,35 @@ mod partitioned {
         .fetch_all(db.pool())
         .await
         .expect("partitions")
+    }
+
+    /// Each partition the upkeep creates tells autovacuum to first look at it after 1,000
+    /// changes, as the plain table does (see `claim_plans_made_when_autovacuum_first_looks_find_keys_by_index`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn partitions_are_first_analyzed_after_a_thousand_changes() {
+        let fixture = <Partitioned as PostgresFixture>::start().await;
+        let made = partitions(&fixture.db).await;
+        assert!(!made.is_empty());
+        let options: Vec<(String, Vec<String>)> = sqlx::query_as(
+            "SELECT c.relname::text, coalesce(c.reloptions, '{}')
+             FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+             WHERE i.inhparent = 'idempotency.partitioned_records'::regclass",
+        )
+        .fetch_all(fixture.db.pool())
+        .await
+        .expect("options");
+        assert_eq!(options.len(), made.len());
+        for (partition, options) in options {
+            for option in [
+                "autovacuum_analyze_threshold=1000",
+                "autovacuum_vacuum_threshold=1000",
+            ] {
+                assert!(
+                    options.iter().any(|o| o == option),
+                    "{partition}: {options:?}"
+                );
+            }
+        }
     }
 
     /// Partitions are made ahead, expired ones dropped whole with their rows, live ones kept;

@@ -608,7 +608,8 @@ async fn postgres_migrations_live_apart_and_charges_are_rows() {
                 "create records",
                 "partitioned records",
                 "uuid scope keys",
-                "complete many"
+                "complete many",
+                "autovacuum thresholds"
             ]
         );
 

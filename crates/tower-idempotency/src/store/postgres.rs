@@ -520,12 +520,14 @@ impl PostgresStore {
 
     async fn create_partition(&self, partition: &Partition) -> Result<(), PostgresStoreError> {
         // Created apart and attached: ATTACH takes a lock that does not block claims, where
-        // CREATE TABLE .. PARTITION OF would.
+        // CREATE TABLE .. PARTITION OF would. Autovacuum first looks at it after 1,000 changes,
+        // as at the plain table (see the migration `20261125000002_autovacuum_thresholds.sql`).
         let sql = format!(
             "BEGIN;
              SET LOCAL lock_timeout = '2s';
              CREATE TABLE IF NOT EXISTS idempotency.{name}
-                 (LIKE idempotency.partitioned_records INCLUDING ALL);
+                 (LIKE idempotency.partitioned_records INCLUDING ALL)
+                 WITH (autovacuum_analyze_threshold = 1000, autovacuum_vacuum_threshold = 1000);
              ALTER TABLE idempotency.partitioned_records ATTACH PARTITION idempotency.{name}
                  FOR VALUES FROM (to_timestamp({start})) TO (to_timestamp({end}));
              COMMIT;",

@@ -6,3 +6,5 @@ CREATE SCHEMA idempotency;
 \ir ../../../migrations/20261121000001_create_records.sql
 \ir ../../../migrations/20261122000001_partitioned_records.sql
 \ir ../../../migrations/20261123000001_uuid_scope_keys.sql
+\ir ../../../migrations/20261125000001_complete_many.sql
+\ir ../../../migrations/20261125000002_autovacuum_thresholds.sql

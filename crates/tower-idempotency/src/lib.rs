@@ -110,3 +110,17 @@ pub use scope::{Principal, Scope, ScopeKey};
 pub use service::Idempotency;
 #[cfg(feature = "postgres")]
 pub use transaction::{IdempotentTx, TxUnavailable};
+
+/// The sqlx this crate is built against, so that an application can name the very pool type
+/// [`IdempotencyLayer::postgres`] takes, whichever sqlx it depends on itself (a pool from
+/// another sqlx version is another type):
+///
+/// ```no_run
+/// use tower_idempotency::{IdempotencyLayer, sqlx::PgPool};
+///
+/// let pool = PgPool::connect_lazy("postgres://localhost/app")?;
+/// let layer = IdempotencyLayer::postgres(pool);
+/// # Ok::<(), tower_idempotency::sqlx::Error>(())
+/// ```
+#[cfg(feature = "postgres")]
+pub use sqlx;

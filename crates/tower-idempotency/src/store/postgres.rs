@@ -60,13 +60,13 @@ use crate::{record::Record, scope::ScopeKey, transaction::TxSlot};
 /// In lease mode, concurrent requests share their writes: claims of keys that have no row yet
 /// go to PostgreSQL together as one `INSERT .. ON CONFLICT DO NOTHING` over arrays, and
 /// responses are stored together by one call of `idempotency.complete_many` (a fenced `UPDATE`
-/// by primary key for each), each batch in one round trip and one commit. A request never waits for a batch to fill: it waits only while the previous batch
-/// of its kind is being written, and a lone request goes out at once. What a claim or a
-/// completion answers is unchanged: a key that already has a row is claimed by the one-key
-/// statement above, and each completion is fenced by its own token. Without prepared
-/// statements ([`without_prepared_statements`](Self::without_prepared_statements)), in
-/// partitioned mode and in transactional mode (one transaction per request), every operation is
-/// its own statement.
+/// by primary key for each), each batch in one round trip and one commit. A request never
+/// waits for a batch to fill: it waits only while the previous batch of its kind is being
+/// written, and a lone request goes out at once. What a claim or a completion answers is
+/// unchanged: a key that already has a row is claimed by the one-key statement above, and each
+/// completion is fenced by its own token. Without prepared statements
+/// ([`without_prepared_statements`](Self::without_prepared_statements)), in partitioned mode and
+/// in transactional mode (one transaction per request), every operation is its own statement.
 ///
 /// Every operation is bounded by [`with_timeout`](Self::with_timeout) (5 s by default), so an
 /// exhausted pool or an unreachable server becomes a prompt error (and the layer's `503`) rather

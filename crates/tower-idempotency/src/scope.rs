@@ -98,6 +98,49 @@ impl Scope {
     /// A principal derived from the request head by `f`, for apps whose authentication leaves
     /// something other than a [`Principal`] behind. `None` refuses the request as a missing
     /// principal does.
+    ///
+    /// For example, an authentication layer that leaves its verified token claims in the
+    /// request extensions: the keys belong to the claims' subject (the account), which stays
+    /// the same when the token is refreshed.
+    ///
+    /// ```
+    /// use axum::{Router, body::Body, http::Request, routing::post};
+    /// use tower::ServiceExt;
+    /// use tower_idempotency::{IdempotencyLayer, Principal, Scope};
+    ///
+    /// /// What the app's JWT middleware inserts once it has verified a token.
+    /// #[derive(Clone)]
+    /// struct Claims {
+    ///     sub: String,
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let app = Router::new()
+    ///     .route("/v1/orders", post(|| async { "placed" }))
+    ///     .layer(IdempotencyLayer::memory().with_scope(Scope::from_fn(|parts| {
+    ///         let claims = parts.extensions.get::<Claims>()?;
+    ///         Some(Principal::new(claims.sub.as_str()))
+    ///     })));
+    ///
+    /// // Standing in for the JWT middleware: a request as `sub` sends it.
+    /// let order = |sub: &str| {
+    ///     let mut request = Request::post("/v1/orders")
+    ///         .header("idempotency-key", "order-1")
+    ///         .body(Body::empty())
+    ///         .unwrap();
+    ///     request.extensions_mut().insert(Claims { sub: sub.into() });
+    ///     request
+    /// };
+    /// let alice = app.clone().oneshot(order("user_alice")).await.unwrap();
+    /// let bob = app.clone().oneshot(order("user_bob")).await.unwrap();
+    /// let alice_again = app.oneshot(order("user_alice")).await.unwrap();
+    /// // The same key, two accounts: each its own run; the first account's retry is a replay.
+    /// assert!(alice.headers().get("idempotent-replayed").is_none());
+    /// assert!(bob.headers().get("idempotent-replayed").is_none());
+    /// assert_eq!(alice_again.headers()["idempotent-replayed"], "true");
+    /// # }
+    /// ```
     pub fn from_fn<F>(f: F) -> Self
     where
         F: Fn(&Parts) -> Option<Principal> + Send + Sync + 'static,

@@ -25,6 +25,7 @@ pub struct Probe {
     started: Arc<Semaphore>,
     gate: Arc<Semaphore>,
     finished: Arc<Semaphore>,
+    abandoned: Arc<Semaphore>,
 }
 
 impl Default for Probe {
@@ -35,6 +36,7 @@ impl Default for Probe {
             started: closed(),
             gate: closed(),
             finished: closed(),
+            abandoned: closed(),
         }
     }
 }
@@ -58,6 +60,20 @@ impl Probe {
     /// Lets `n` handlers waiting at the gate go on.
     pub fn open_gate(&self, n: usize) {
         self.gate.add_permits(n);
+    }
+
+    /// Waits until the server has dropped `n` more requests unanswered (their clients hung
+    /// up), failing the test after 30 s. Only [`app`]'s routes report it.
+    pub async fn abandoned(&self, n: u32) {
+        within(self.abandoned.acquire_many(n), "requests to be abandoned").await;
+    }
+
+    /// Waits at the gate (as a gated handler does), then counts as finished once `then` ran.
+    async fn at_gate<T>(&self, then: impl FnOnce() -> T) -> T {
+        self.gate.acquire().await.expect("open").forget();
+        let out = then();
+        self.finished.add_permits(1);
+        out
     }
 
     async fn enter(&self, headers: &HeaderMap) -> usize {
@@ -108,9 +124,30 @@ pub fn app<St: Store>(layer: IdempotencyLayer<St>, probe: Probe) -> Router {
         .route("/release/{code}", post(release))
         .route("/panic", post(panic))
         .route("/large", post(large))
-        .with_state(probe)
+        .with_state(probe.clone())
         .layer(layer)
         .layer(middleware::from_fn(authenticate))
+        .layer(middleware::from_fn(move |request: Request, next: Next| {
+            report_abandoned(probe.clone(), request, next)
+        }))
+}
+
+/// Outermost: counts a request whose response future the server dropped before it was ready
+/// (hyper does so when the client hangs up), so that a test knows the layer below has seen
+/// the disconnection.
+async fn report_abandoned(probe: Probe, request: Request, next: Next) -> Response {
+    struct Abandoned(Option<Probe>);
+    impl Drop for Abandoned {
+        fn drop(&mut self) {
+            if let Some(probe) = self.0.take() {
+                probe.abandoned.add_permits(1);
+            }
+        }
+    }
+    let mut abandoned = Abandoned(Some(probe));
+    let response = next.run(request).await;
+    abandoned.0 = None;
+    response
 }
 
 /// Creates a "charge": its number, the request body echoed, and whether it took a key over.
@@ -241,8 +278,9 @@ struct TxState {
 /// [`IdempotentTx`](tower_idempotency::IdempotentTx), `/tx/untransacted` straight to the pool.
 /// Headers steer them: `x-test-gate` (wait at the probe's gate after the insert),
 /// `x-test-status: N` (answer N after the insert), `x-test-panic`, `x-test-abort` (make the
-/// transaction fail, then answer 201), `x-test-hang` (print `handler started` on stdout after
-/// the insert, then never return: for a child process about to be killed).
+/// transaction fail, then answer 201), `x-test-keep-tx` (answer 201 while a task keeps the
+/// transaction until the probe's gate opens), `x-test-hang` (print `handler started` on stdout
+/// after the insert, then never return: for a child process about to be killed).
 pub fn tx_app<St: Store>(layer: IdempotencyLayer<St>, probe: Probe, pool: sqlx::PgPool) -> Router {
     Router::new()
         .route("/tx/charges", post(tx_charge))
@@ -277,6 +315,13 @@ async fn tx_charge(
     let n = state.probe.enter(&headers).await;
     if headers.contains_key("x-test-panic") {
         panic!("handler panicked after its insert");
+    }
+    if headers.contains_key("x-test-keep-tx") {
+        // Answers while a task still holds the transaction, until the probe's gate opens.
+        let probe = state.probe.clone();
+        tokio::spawn(async move { probe.at_gate(move || drop(tx)).await });
+        let body = serde_json::json!({ "id": id, "execution": n });
+        return (StatusCode::CREATED, axum::Json(body)).into_response();
     }
     if headers.contains_key("x-test-abort") {
         let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;

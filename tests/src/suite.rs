@@ -228,7 +228,8 @@ impl Reply {
     }
 }
 
-const CHARGE: &str = r#"{"amount":100,"currency":"usd"}"#;
+/// A charge's JSON body.
+pub const CHARGE: &str = r#"{"amount":100,"currency":"usd"}"#;
 
 fn charge_json(amount: u64) -> serde_json::Value {
     serde_json::json!({ "amount": amount, "currency": "usd" })
@@ -383,6 +384,26 @@ pub async fn reordered_parameters_are_the_same_request<B: Backend>() {
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(retry.replayed());
     assert_eq!(h.probe.executions(), 2);
+}
+
+/// `FingerprintMode::Raw`: the body's bytes are the payload, so the same parameters reordered
+/// are another request (`422`), and only the same bytes replay.
+pub async fn raw_fingerprints_compare_bytes<B: Backend>() {
+    let h = Harness::<B>::with(|layer| layer.with_fingerprint(FingerprintMode::Raw)).await;
+    let json = |body: &'static str| {
+        h.post("/charges", Some("k-raw"))
+            .header("content-type", "application/json")
+            .body(body)
+    };
+    let first = Reply::of(json(r#"{"amount":100,"currency":"usd"}"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    Reply::of(json(r#"{"currency":"usd","amount":100}"#))
+        .await
+        .assert_problem(422, "Mismatch");
+    let retry = Reply::of(json(r#"{"amount":100,"currency":"usd"}"#)).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(h.probe.executions(), 1);
 }
 
 /// Keys may be sf-strings or bare tokens, and `"abc"` is `abc`.
@@ -604,7 +625,9 @@ pub async fn a_panicking_handler_releases_the_key<B: Backend>() {
     assert_eq!(h.store.released(), 1);
 }
 
-fn claim_request(key: &str, body: &str) -> ClaimRequest {
+/// The claim the layer makes for `POST /charges` as `acct_a` with `key` and a JSON `body`
+/// (a 30 s lease, a 24 h TTL): for claiming a key directly, as a holder that then crashes.
+pub fn claim_request(key: &str, body: &str) -> ClaimRequest {
     let json = HeaderValue::from_static("application/json");
     ClaimRequest {
         key: ScopeKey::new(
@@ -741,6 +764,8 @@ async fn send_and_hang_up(h: &Harness<impl Backend>, key: &str) {
 pub async fn a_disconnected_client_still_gets_its_charge_on_retry<B: Backend>() {
     let h = Harness::<B>::start().await;
     send_and_hang_up(&h, "k-hangup").await;
+    // The server has dropped the request before the handler may finish.
+    h.probe.abandoned(1).await;
     h.probe.open_gate(1);
     h.store.settled(1).await;
     assert_eq!(h.store.completed(), 1);
@@ -759,6 +784,7 @@ pub async fn a_disconnected_client_still_gets_its_charge_on_retry<B: Backend>() 
 pub async fn cancel_on_disconnect_releases_the_key<B: Backend>() {
     let h = Harness::<B>::with(|layer| layer.with_disconnect(Disconnect::Cancel)).await;
     send_and_hang_up(&h, "k-cancel").await;
+    h.probe.abandoned(1).await;
     h.store.settled(1).await;
     assert_eq!(h.store.released(), 1);
     let retry = Reply::of(
@@ -829,6 +855,7 @@ macro_rules! store_suite {
                 cookies_are_not_replayed,
                 reused_key_with_another_payload_is_422,
                 reordered_parameters_are_the_same_request,
+                raw_fingerprints_compare_bytes,
                 quoted_and_bare_keys_are_one_key,
                 malformed_keys_are_400,
                 missing_key_is_400_when_required,

@@ -159,6 +159,55 @@ mod postgres_only {
         );
     }
 
+    /// The same race counted by the handler's real side effect in lease mode: 200 requests over
+    /// 20 keys to four instances, whose handler inserts a row through its instance's own pool
+    /// (outside any transaction of the layer's). One row per key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn many_instances_write_one_row_per_key_in_lease_mode() {
+        use idempotency_tests::app::{CHARGES_TABLE, tx_app};
+
+        let (db, _) = migrated().await;
+        db.pool()
+            .execute(CHARGES_TABLE)
+            .await
+            .expect("charges table");
+        let mut servers = Vec::new();
+        for _ in 0..4 {
+            let pool = PgPoolOptions::new()
+                .max_connections(10)
+                .connect_with(db.options().clone())
+                .await
+                .expect("pool");
+            let layer = IdempotencyLayer::postgres(pool.clone());
+            servers.push(TestServer::start(tx_app(layer, Probe::default(), pool)).await);
+        }
+        let client = reqwest::Client::new();
+        let mut requests = JoinSet::new();
+        for i in 0..200 {
+            let request = client
+                .post(servers[i % 4].url("/tx/untransacted"))
+                .bearer_auth("acct_a")
+                .header("idempotency-key", format!("k-{}", i % 20))
+                .body(r#"{"amount":100}"#);
+            requests.spawn(Reply::of(request));
+        }
+        while let Some(reply) = requests.join_next().await {
+            let reply = reply.expect("task");
+            match reply.status {
+                StatusCode::CREATED => {}
+                StatusCode::CONFLICT => reply.assert_problem(409, "InFlight"),
+                other => panic!("unexpected {other}: {:?}", reply.body),
+            }
+        }
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT idempotency_key, count(*) FROM charges GROUP BY 1 ORDER BY 1")
+                .fetch_all(db.pool())
+                .await
+                .expect("rows");
+        assert_eq!(rows.len(), 20, "every key ran: {rows:?}");
+        assert!(rows.iter().all(|(_, n)| *n == 1), "once each: {rows:?}");
+    }
+
     #[tokio::test]
     async fn an_unreachable_database_is_a_prompt_503() {
         init_tracing();

@@ -124,3 +124,46 @@ async fn compression_outside_the_layer_encodes_each_replay_for_its_client() {
     assert!(replayed(&gzipped));
     assert_eq!(gzipped.headers()[CONTENT_ENCODING], "gzip");
 }
+
+/// A layer outside sees each refusal as a [`Rejection`](tower_idempotency::Rejection) in the
+/// response's extensions, of the kind the problem document names; a handler's own answer
+/// carries none. For an outer layer that logs refusals or renders them in its own format.
+#[tokio::test]
+async fn an_outer_layer_sees_the_rejection_in_the_response_extensions() {
+    use tower_idempotency::Rejection;
+
+    let app = Router::new()
+        .route("/v1/charges", post(|| async { "charged" }))
+        .layer(
+            IdempotencyLayer::memory()
+                .with_scope(Scope::single_tenant())
+                .required(),
+        )
+        .layer(axum::middleware::map_response(
+            |mut response: Response<Body>| async move {
+                let seen = response
+                    .extensions()
+                    .get::<Rejection>()
+                    .map_or("none", |rejection| rejection.kind().label());
+                response
+                    .headers_mut()
+                    .insert("x-seen-rejection", http::HeaderValue::from_static(seen));
+                response
+            },
+        ));
+    let seen = |response: &Response<Body>| response.headers()["x-seen-rejection"].clone();
+
+    let charged = send(&app, charge("k1")).await;
+    assert_eq!(charged.status(), StatusCode::OK);
+    assert_eq!(seen(&charged), "none");
+    let missing = send(&app, Request::post("/v1/charges")).await;
+    assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(seen(&missing), "key_missing");
+    let other_payload = app
+        .clone()
+        .oneshot(charge("k1").body(Body::from("amount=200")).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(other_payload.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(seen(&other_payload), "mismatch");
+}

@@ -345,3 +345,98 @@ async fn a_disconnected_client_still_commits() {
     let retry = Reply::of(t.post("k-gone")).await;
     assert!(retry.replayed());
 }
+
+/// A handler that answers while a task of its own still holds the transaction: the layer
+/// cannot commit it, so the client gets a `503` rather than a success that may not be durable,
+/// and once the task lets go the transaction is rolled back: no row, no record, the key free.
+#[tokio::test]
+async fn a_handler_keeping_the_transaction_is_a_503_and_nothing_commits() {
+    let t = Tx::start().await;
+    Reply::of(t.post("k-keep").header("x-test-keep-tx", "1"))
+        .await
+        .assert_problem(503, "StoreUnavailable");
+    t.probe.open_gate(1);
+    t.probe.finished(1).await;
+    let retry = Reply::of(t.post("k-keep")).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "the key is free");
+    assert!(!retry.replayed());
+    assert_eq!(t.rows().await, 1, "only the retry's insert committed");
+    assert_eq!(t.records().await, 1);
+    assert_eq!(t.probe.executions(), 2);
+}
+
+/// The `IdempotentTx` extractor outside transactional mode, and taken twice: a `500` that says
+/// what is wrong (a misconfigured server, not the client's fault), with nothing written; the
+/// optional form runs the handler without a transaction.
+#[tokio::test]
+async fn the_extractor_refuses_clearly_outside_transactional_mode() {
+    use axum::{Router, routing::post as route_post};
+    use tower_idempotency::IdempotentTx;
+
+    async fn needs_tx(_tx: IdempotentTx) -> StatusCode {
+        StatusCode::CREATED
+    }
+    async fn takes_it_twice(_first: IdempotentTx, _second: IdempotentTx) -> StatusCode {
+        StatusCode::CREATED
+    }
+    async fn optional_tx(tx: Option<IdempotentTx>) -> String {
+        format!("transaction: {}", tx.is_some())
+    }
+
+    init_tracing();
+    let db = TestDb::new().await;
+    let lease = PostgresStore::new(db.pool().clone());
+    lease.migrate().await.expect("migrate");
+    let transactional = PostgresStore::new(db.pool().clone()).transactional();
+    let app = Router::new()
+        .route("/lease/needs-tx", route_post(needs_tx))
+        .route("/lease/optional", route_post(optional_tx))
+        .layer(IdempotencyLayer::new(lease).required())
+        .merge(
+            Router::new()
+                .route("/tx/twice", route_post(takes_it_twice))
+                .route("/tx/optional", route_post(optional_tx))
+                .layer(IdempotencyLayer::new(transactional).required()),
+        )
+        .layer(axum::middleware::from_fn(
+            |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
+                request
+                    .extensions_mut()
+                    .insert(tower_idempotency::Principal::new("acct_a"));
+                next.run(request).await
+            },
+        ));
+    let server = TestServer::start(app).await;
+    let client = reqwest::Client::new();
+    let send = |path: &'static str, key: &'static str| Reply::of(post(&client, &server, path, key));
+
+    let refused = send("/lease/needs-tx", "k-1").await;
+    assert_eq!(refused.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let body = String::from_utf8_lossy(&refused.body);
+    assert!(
+        body.contains("IdempotencyLayer::postgres(pool).transactional()"),
+        "says how to fix it: {body}"
+    );
+
+    let twice = send("/tx/twice", "k-2").await;
+    assert_eq!(twice.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(
+        String::from_utf8_lossy(&twice.body).contains("already taken"),
+        "{:?}",
+        twice.body
+    );
+
+    assert_eq!(
+        send("/lease/optional", "k-3").await.body,
+        "transaction: false"
+    );
+    assert_eq!(send("/tx/optional", "k-4").await.body, "transaction: true");
+
+    // The refusals were 500s: released, nothing kept. The optional handlers' answers were kept.
+    let records: Vec<i16> =
+        sqlx::query_scalar("SELECT status FROM idempotency.records ORDER BY status")
+            .fetch_all(db.pool())
+            .await
+            .expect("records");
+    assert_eq!(records, [200, 200]);
+}

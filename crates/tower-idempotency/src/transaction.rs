@@ -56,7 +56,12 @@
 //! * A handler that does not take the [`IdempotentTx`] still works, as in lease mode: the
 //!   transaction then only carries the claim and the record.
 //! * The handler must not keep the [`IdempotentTx`] beyond its return (moving it into a spawned
-//!   task); the layer then cannot commit, rolls back and answers `503`.
+//!   task); the layer then cannot commit and answers `503`, and the transaction is rolled back
+//!   when the task lets go of it.
+//! * The handler must not end the transaction itself by sending `COMMIT` or `ROLLBACK` as SQL
+//!   through the [`IdempotentTx`]. The type gives it no method to do so, but PostgreSQL cannot
+//!   tell those statements from the handler's own. After a `COMMIT`, the rest of the request runs
+//!   as in lease mode, and the writes no longer commit together with the record.
 //! * Do not serve one endpoint in both modes at once.
 
 use std::{

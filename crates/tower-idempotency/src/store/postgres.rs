@@ -1404,12 +1404,17 @@ impl fmt::Display for PostgresStoreError {
                  PostgresStore::migrate() at start-up",
             ),
             Self::Timeout { operation, after } => {
-                write!(f, "PostgreSQL idempotency store `{operation}` timed out after {after:?}")
+                write!(
+                    f,
+                    "PostgreSQL idempotency store `{operation}` timed out after {after:?}"
+                )
             }
             Self::Corrupt(what) => write!(f, "stored idempotency record is corrupt: {what}"),
             Self::Contended => f.write_str("idempotency key kept changing while being claimed"),
             Self::TransactionHeld => f.write_str(
-                "the handler still held its IdempotentTx after returning; the transaction was not committed",
+                "the handler still held its IdempotentTx after returning, so its transaction could \
+                 not be committed; it is rolled back (and the key freed) when the handler's task \
+                 lets go of it",
             ),
         }
     }

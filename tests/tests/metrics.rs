@@ -2,32 +2,44 @@
 //!
 //! One test per binary: the recorder is process-global.
 
+use std::time::Duration;
+
 use http::StatusCode;
 use idempotency_tests::{
     app::{Probe, app},
     init_tracing,
     server::TestServer,
-    suite::Reply,
+    suite::{CHARGE, Reply, claim_request},
 };
 use metrics::{SharedString, Unit};
 use metrics_util::{
     CompositeKey, MetricKind,
-    debugging::{DebugValue, DebuggingRecorder},
+    debugging::{DebugValue, DebuggingRecorder, Snapshotter},
 };
-use tower_idempotency::{IdempotencyLayer, Scope, metrics as names};
+use sqlx::Executor;
+use tower_idempotency::{
+    IdempotencyLayer, Scope, metrics as names,
+    store::{Begin, PostgresStore, Store, continuously_delete_expired},
+};
 
 type Metrics = Vec<(CompositeKey, Option<Unit>, Option<SharedString>, DebugValue)>;
 
 fn counter(metrics: &Metrics, name: &str, label: (&str, &str)) -> u64 {
+    counter_where(metrics, name, Some(label))
+}
+
+/// The sum of the counter `name`'s values, those with `label` if given.
+fn counter_where(metrics: &Metrics, name: &str, label: Option<(&str, &str)>) -> u64 {
     metrics
         .iter()
         .filter(|(key, _, _, _)| {
             key.kind() == MetricKind::Counter
                 && key.key().name() == name
-                && key
-                    .key()
-                    .labels()
-                    .any(|l| l.key() == label.0 && l.value() == label.1)
+                && label.is_none_or(|label| {
+                    key.key()
+                        .labels()
+                        .any(|l| l.key() == label.0 && l.value() == label.1)
+                })
         })
         .map(|(_, _, _, value)| match value {
             DebugValue::Counter(n) => *n,
@@ -52,6 +64,30 @@ fn histogram_sum(metrics: &Metrics, name: &str, label: (&str, &str)) -> f64 {
             _ => 0.0,
         })
         .sum()
+}
+
+/// Takes snapshots until the counter `name` (with `label`, if given) has counted `at_least`
+/// over them, for what happens on a timer of its own (lease renewals, the expiry loop);
+/// fails after 10 s. Snapshots drain the recorder: whatever else they held is dropped.
+async fn counted(
+    snapshotter: &Snapshotter,
+    name: &str,
+    label: Option<(&str, &str)>,
+    at_least: u64,
+) -> u64 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut total = 0;
+    loop {
+        total += counter_where(&snapshotter.snapshot().into_vec(), name, label);
+        if total >= at_least {
+            return total;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{name} {label:?} counted {total}, expected at least {at_least}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 fn histogram_samples(metrics: &Metrics, name: &str) -> usize {
@@ -136,4 +172,116 @@ async fn outcomes_rejections_and_store_latency_are_recorded() {
     let batched = |operation| histogram_sum(&m, names::STORE_BATCH_SIZE, ("operation", operation));
     assert_eq!(batched("claim"), 40.0);
     assert_eq!(batched("complete"), 40.0);
+
+    // The outcomes an operator alerts on, on the same database: a takeover, a conflict, lease
+    // renewals, a store error, and the expiry loop's deletions and errors.
+    let store = PostgresStore::new(db.pool().clone());
+    let probe = Probe::default();
+    let layer = IdempotencyLayer::new(store.clone())
+        .with_lease(Duration::from_millis(60))
+        .expect("lease");
+    let server = TestServer::start(app(layer, probe.clone())).await;
+    let charge = |key: &str| {
+        client
+            .post(server.url("/charges"))
+            .bearer_auth("acct_a")
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(CHARGE)
+    };
+
+    // A holder that stopped (claimed directly, its lease then lapsed): the retry takes over.
+    let Ok(Begin::Acquired { .. }) = store.begin(&claim_request("t1", CHARGE)).await else {
+        panic!("the stopped holder claims first");
+    };
+    db.pool()
+        .execute(
+            "UPDATE idempotency.records SET lease_until = now() - interval '1 second' \
+             WHERE status IS NULL",
+        )
+        .await
+        .expect("lapse the lease");
+    assert_eq!(Reply::of(charge("t1")).await.status, StatusCode::CREATED);
+    probe.started(1).await; // the takeover's handler, counted: the next wait is for another
+    let m = snapshotter.snapshot().into_vec();
+    assert_eq!(counter(&m, names::REQUESTS, ("outcome", "takeover")), 1);
+
+    // A duplicate while the first is in its handler: a conflict. The first's lease (60 ms) is
+    // renewed every 20 ms meanwhile.
+    let first = tokio::spawn(Reply::of(charge("c1").header("x-test-gate", "1")));
+    probe.started(1).await;
+    Reply::of(charge("c1"))
+        .await
+        .assert_problem(409, "InFlight");
+    let m = snapshotter.snapshot().into_vec();
+    assert_eq!(counter(&m, names::REQUESTS, ("outcome", "conflict")), 1);
+    assert_eq!(counter(&m, names::REJECTIONS, ("kind", "in_flight")), 1);
+    counted(
+        &snapshotter,
+        names::LEASE_RENEWALS,
+        Some(("result", "held")),
+        1,
+    )
+    .await;
+    probe.open_gate(1);
+    assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
+
+    // A database that refuses connections: a store error, answered 503.
+    let refused = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        drop(listener);
+        sqlx::postgres::PgPoolOptions::new()
+            .acquire_timeout(Duration::from_millis(300))
+            .connect_lazy(&format!("postgres://127.0.0.1:{port}/none"))
+            .expect("lazy pool")
+    };
+    let broken = PostgresStore::new(refused);
+    let server =
+        TestServer::start(app(IdempotencyLayer::new(broken.clone()), Probe::default())).await;
+    let reply = Reply::of(
+        client
+            .post(server.url("/charges"))
+            .bearer_auth("acct_a")
+            .header("idempotency-key", "s1")
+            .body("a"),
+    )
+    .await;
+    reply.assert_problem(503, "StoreUnavailable");
+    let m = snapshotter.snapshot().into_vec();
+    assert_eq!(counter(&m, names::REQUESTS, ("outcome", "store_error")), 1);
+    assert_eq!(
+        counter(&m, names::REJECTIONS, ("kind", "store_unavailable")),
+        1
+    );
+
+    // The expiry loop: every record expired is counted once deleted; a failing store is counted
+    // as an error.
+    let records: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency.records")
+        .fetch_one(db.pool())
+        .await
+        .expect("count");
+    assert!(
+        records >= 42,
+        "40 batched, a takeover and a conflict's: {records}"
+    );
+    db.pool()
+        .execute("UPDATE idempotency.records SET expires_at = now() - interval '1 second'")
+        .await
+        .expect("expire");
+    let reaping = tokio::spawn(continuously_delete_expired(
+        store,
+        Duration::from_secs(3600),
+        1_000,
+    ));
+    let deleted = counted(&snapshotter, names::EXPIRED_DELETED, None, 1).await;
+    reaping.abort();
+    assert_eq!(deleted, u64::try_from(records).expect("count"));
+    let failing = tokio::spawn(continuously_delete_expired(
+        broken,
+        Duration::from_secs(3600),
+        1_000,
+    ));
+    counted(&snapshotter, names::EXPIRY_ERRORS, None, 1).await;
+    failing.abort();
 }

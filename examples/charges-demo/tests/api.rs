@@ -39,6 +39,7 @@ on_every_backend!(
     reused_key_with_another_amount_is_422,
     declined_card_is_402_and_replayed,
     invalid_parameters_are_400_and_release_the_key,
+    a_json_body_that_is_not_utf8_is_400_and_releases_the_key,
     idempotency_key_is_required,
     authentication_is_required_and_checked,
     basic_auth_with_the_key_as_user_name,
@@ -198,6 +199,43 @@ async fn declined_card_is_402_and_replayed(backend: Backend) {
         .await;
     let error = insufficient.stripe_error(StatusCode::PAYMENT_REQUIRED, "card_error");
     assert_eq!(error["decline_code"], "insufficient_funds");
+}
+
+/// A "JSON" body that is not UTF-8 (a Latin-1 `é`, bytes before the object): the layer passes
+/// it on (it compares such a body by its bytes), the charge's parser refuses it with a `400`
+/// naming the problem, and the key is released, so the corrected request runs under it.
+async fn a_json_body_that_is_not_utf8_is_400_and_releases_the_key(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    for body in [
+        &b"{\"amount\": 2000, \"currency\": \"usd\", \"description\": \"caf\xe9\"}"[..],
+        &b"\xff\xfe{\"amount\": 2000, \"currency\": \"usd\"}"[..],
+    ] {
+        let key = new_key();
+        let request = Request::post("/v1/charges")
+            .header("authorization", format!("Bearer {api_key}"))
+            .header("idempotency-key", &key)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_vec()))
+            .expect("request");
+        let reply = h.send(request).await;
+        let error = reply.stripe_error(StatusCode::BAD_REQUEST, "invalid_request_error");
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{error}"
+        );
+
+        let corrected = h
+            .send(charge_json(
+                &api_key,
+                &key,
+                &json!({ "amount": 2000, "currency": "usd" }),
+            ))
+            .await;
+        assert_eq!(corrected.status, StatusCode::OK, "{}", corrected.text());
+        assert!(!corrected.replayed());
+    }
+    assert_eq!(h.charges_of(&api_key).await.len(), 2);
 }
 
 async fn invalid_parameters_are_400_and_release_the_key(backend: Backend) {
@@ -577,6 +615,57 @@ async fn postgres_charge_and_stored_response_commit_together() {
         gate.release(1);
         assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
         assert_eq!(counts().await, (1, 1), "committed together");
+    })
+    .await
+}
+
+/// PostgreSQL only: the charge row is written through the request's transaction, after the
+/// card is authorised. When the stored response cannot be written (a trigger makes it fail
+/// here), the layer rolls everything back and answers `503`: no charge row is left behind, and
+/// the retry with the same key charges once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_charge_whose_response_cannot_be_stored_leaves_no_row() {
+    bounded(async {
+        let h = Harness::start(Backend::Postgres).await;
+        let pool = h.db.as_ref().unwrap().pool().clone();
+        let counts = || {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_as::<_, (i64, i64)>(
+                    "SELECT (SELECT count(*) FROM charges), \
+                            (SELECT count(*) FROM idempotency.records)",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+            }
+        };
+        sqlx::raw_sql(
+            "CREATE FUNCTION fail_completion() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN RAISE EXCEPTION 'injected: the response cannot be stored'; END $$;
+             CREATE TRIGGER fail_completion BEFORE UPDATE OF status ON idempotency.records
+             FOR EACH ROW WHEN (NEW.status IS NOT NULL) EXECUTE FUNCTION fail_completion();",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let api_key = new_api_key();
+        let key = new_key();
+        h.send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
+            .await
+            .problem(StatusCode::SERVICE_UNAVAILABLE, "StoreUnavailable");
+        assert_eq!(counts().await, (0, 0), "the charge row was rolled back");
+
+        sqlx::raw_sql("DROP TRIGGER fail_completion ON idempotency.records")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let retry = h
+            .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
+            .await;
+        assert_eq!(retry.status, StatusCode::OK);
+        assert!(!retry.replayed());
+        assert_eq!(counts().await, (1, 1), "charged once");
     })
     .await
 }

@@ -26,15 +26,23 @@ struct Server {
     addr: SocketAddr,
     stdout: BufReader<ChildStdout>,
     stderr: Arc<Mutex<Vec<String>>>,
+    /// The task reading `stderr`: it ends when the process has closed it.
+    stderr_reader: tokio::task::JoinHandle<()>,
 }
 
 impl Server {
     /// Starts the binary with `args` and a clean environment, and waits for `listening on`.
     async fn start(args: &[&str]) -> Self {
+        Self::start_with_env(args, &[]).await
+    }
+
+    /// [`Server::start`], with these variables in the otherwise clean environment.
+    async fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(BINARY)
             .args(args)
             .env_clear()
             .env("RUST_LOG", "info,sqlx=warn")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -44,7 +52,7 @@ impl Server {
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
         let log = Arc::clone(&stderr);
-        tokio::spawn(async move {
+        let stderr_reader = tokio::spawn(async move {
             while let Ok(Some(line)) = lines.next_line().await {
                 eprintln!("[charges-demo] {line}");
                 log.lock().expect("log").push(line);
@@ -67,6 +75,7 @@ impl Server {
             addr,
             stdout,
             stderr,
+            stderr_reader,
         }
     }
 
@@ -89,10 +98,6 @@ impl Server {
         format!("http://{}{path}", self.addr)
     }
 
-    fn logs(&self) -> Vec<String> {
-        self.stderr.lock().expect("log").clone()
-    }
-
     fn sigterm(&self) {
         let pid = self.child.id().expect("running");
         let status = std::process::Command::new("kill")
@@ -112,6 +117,20 @@ impl Server {
         assert_eq!(status.code(), None, "killed by a signal");
     }
 
+    /// Stops the process with SIGTERM: its exit code and everything it logged.
+    async fn stop(self) -> (Option<i32>, Vec<String>) {
+        self.sigterm();
+        self.exit().await
+    }
+
+    /// Waits for the process to exit: its exit code and everything it logged.
+    async fn exit(self) -> (Option<i32>, Vec<String>) {
+        let stderr = Arc::clone(&self.stderr);
+        let code = self.exit_code().await;
+        let logs = stderr.lock().expect("log").clone();
+        (code, logs)
+    }
+
     /// Waits for the process to exit, and checks it printed nothing more on stdout.
     async fn exit_code(mut self) -> Option<i32> {
         let status = tokio::time::timeout(EXIT, self.child.wait())
@@ -124,6 +143,11 @@ impl Server {
             .await
             .expect("read stdout");
         assert_eq!(rest, "", "stdout holds the `listening on` line only");
+        // Every line it logged has been read once its stderr is closed.
+        tokio::time::timeout(EXIT, self.stderr_reader)
+            .await
+            .expect("stderr closed in time")
+            .expect("stderr reader");
         status.code()
     }
 }
@@ -203,10 +227,10 @@ fn succeeds(program: &str, args: &[&str]) -> bool {
 #[tokio::test]
 async fn curl_scenarios_pass_against_the_binary_on_postgres() {
     if !succeeds("curl", &["--version"]) {
-        eprintln!(
-            "SKIPPED: curl is not installed, so examples/curl/run-all.sh cannot run; install \
-             curl to run this test"
-        );
+        let why = "curl is not installed, so examples/curl/run-all.sh cannot run; install curl \
+                   to run this test";
+        assert!(std::env::var_os("CI").is_none(), "under CI: {why}");
+        eprintln!("SKIPPED: {why}");
         return;
     }
     let db = TestDb::new().await;
@@ -312,8 +336,8 @@ async fn sigterm_lets_the_in_flight_charge_finish() {
     let charge: serde_json::Value = response.json().await.expect("a charge");
     assert_eq!(charge["status"], "succeeded");
 
-    let logs = server.logs();
-    assert_eq!(server.exit_code().await, Some(0), "a clean exit");
+    let (code, logs) = server.exit().await;
+    assert_eq!(code, Some(0), "a clean exit");
     assert!(
         logs.iter().any(|l| l.contains("SIGTERM")),
         "the shutdown is logged: {logs:#?}"
@@ -408,9 +432,8 @@ async fn without_a_database_it_says_so_first_and_serves_from_memory() {
         "{metrics}"
     );
 
-    server.sigterm();
-    let logs = server.logs();
-    assert_eq!(server.exit_code().await, Some(0));
+    let (code, logs) = server.stop().await;
+    assert_eq!(code, Some(0));
     let first = logs.first().expect("a log line");
     assert!(
         first.contains("no DATABASE_URL") && first.contains("in-memory"),
@@ -512,4 +535,34 @@ async fn a_missing_database_fails_start_up_saying_how_to_create_it() {
         !stderr.contains(" at line "),
         "no source line of PostgreSQL's C code: {stderr}"
     );
+}
+
+/// Every option has an environment variable, and a flag wins over it: the `ready` line shows
+/// what the server took.
+#[tokio::test]
+async fn options_come_from_the_environment_and_a_flag_wins() {
+    let server = Server::start_with_env(
+        &["--lease-secs", "11"],
+        &[
+            ("LISTEN_ADDR", "127.0.0.1:0"),
+            ("CHARGE_PROCESSING_DELAY_MS", "7"),
+            ("IDEMPOTENCY_KEY_TTL_SECS", "600"),
+            ("IDEMPOTENCY_LEASE_SECS", "9"),
+        ],
+    )
+    .await;
+    let (code, logs) = server.stop().await;
+    assert_eq!(code, Some(0));
+    let ready = logs
+        .iter()
+        .find(|line| line.contains(" ready "))
+        .unwrap_or_else(|| panic!("a `ready` line in {logs:?}"));
+    for setting in [
+        "addr=127.0.0.1:",
+        "processing_delay_ms=7",
+        "key_ttl_secs=600",
+        "lease_secs=11",
+    ] {
+        assert!(ready.contains(setting), "{setting} in {ready}");
+    }
 }

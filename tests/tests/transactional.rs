@@ -440,3 +440,34 @@ async fn the_extractor_refuses_clearly_outside_transactional_mode() {
             .expect("records");
     assert_eq!(records, [200, 200]);
 }
+
+/// The database connection is lost while the handler runs (its backend terminated, as a
+/// failover or a network cut would): the commit cannot happen, so the client gets a `503`
+/// rather than a success, nothing was written, and the retry runs from scratch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_mid_request_is_a_503_and_nothing_happened() {
+    let t = Tx::start().await;
+    let request = tokio::spawn(Reply::of(t.post("k-lost").header("x-test-gate", "1")));
+    t.probe.started(1).await;
+    let terminated: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+    )
+    .fetch_all(t.db.pool())
+    .await
+    .expect("terminate");
+    assert_eq!(terminated, [true], "the request's transaction, and only it");
+    t.probe.open_gate(1);
+    request
+        .await
+        .expect("task")
+        .assert_problem(503, "StoreUnavailable");
+    assert_eq!(t.rows().await, 0);
+    assert_eq!(t.records().await, 0);
+
+    let retry = Reply::of(t.post("k-lost")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    assert_eq!(t.rows().await, 1);
+    assert_eq!(t.probe.executions(), 2);
+}

@@ -278,6 +278,28 @@ mod tests {
         );
     }
 
+    /// The scope is the principal the authentication layer resolved, not the credential: a
+    /// retry sent with a refreshed token for the same account is the same key's retry.
+    #[test]
+    fn a_refreshed_token_keeps_the_scope() {
+        let key = IdempotencyKey::new("order-1").expect("key");
+        let scope_of = |token: &str| {
+            let (mut parts, ()) = Request::post("/v1/charges")
+                .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
+                .body(())
+                .unwrap()
+                .into_parts();
+            // What the app's authentication layer leaves: the account the token belongs to.
+            parts.extensions.insert(Principal::new("acct_1"));
+            let principal = Scope::default().principal(&parts).expect("principal");
+            ScopeKey::new(&principal, &parts.method, parts.uri.path(), &key)
+        };
+        assert_eq!(
+            scope_of("tok_before_refresh"),
+            scope_of("tok_after_refresh")
+        );
+    }
+
     #[test]
     fn single_tenant_and_custom_scopes() {
         let (parts, ()) = Request::builder()

@@ -99,12 +99,17 @@ impl Server {
     }
 
     fn sigterm(&self) {
+        self.signal("TERM");
+    }
+
+    /// Sends the signal `name` (`TERM`, `INT`...) to the process.
+    fn signal(&self, name: &str) {
         let pid = self.child.id().expect("running");
         let status = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
+            .args([&format!("-{name}"), &pid.to_string()])
             .status()
             .expect("run kill");
-        assert!(status.success(), "kill -TERM {pid}");
+        assert!(status.success(), "kill -{name} {pid}");
     }
 
     /// Kills the process with SIGKILL, as a crash would, and waits for it.
@@ -538,7 +543,7 @@ async fn a_missing_database_fails_start_up_saying_how_to_create_it() {
 }
 
 /// Every option has an environment variable, and a flag wins over it: the `ready` line shows
-/// what the server took.
+/// what the server took. Ctrl-C (`SIGINT`) stops it cleanly, as `SIGTERM` does.
 #[tokio::test]
 async fn options_come_from_the_environment_and_a_flag_wins() {
     let server = Server::start_with_env(
@@ -551,8 +556,13 @@ async fn options_come_from_the_environment_and_a_flag_wins() {
         ],
     )
     .await;
-    let (code, logs) = server.stop().await;
-    assert_eq!(code, Some(0));
+    server.signal("INT");
+    let (code, logs) = server.exit().await;
+    assert_eq!(code, Some(0), "a clean exit on Ctrl-C");
+    assert!(
+        logs.iter().any(|line| line.contains("SIGINT")),
+        "the shutdown is logged: {logs:#?}"
+    );
     let ready = logs
         .iter()
         .find(|line| line.contains(" ready "))

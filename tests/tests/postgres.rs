@@ -113,6 +113,15 @@ mod postgres_only {
         tower_idempotency::store::conformance::check_expired_deletion(&store, short).await;
     }
 
+    /// The pool of one app instance of the multi-instance races: ten connections of its own.
+    async fn instance_pool(db: &TestDb) -> sqlx::PgPool {
+        PgPoolOptions::new()
+            .max_connections(10)
+            .connect_with(db.options().clone())
+            .await
+            .expect("pool")
+    }
+
     /// Four app instances, each with its own pool, race 200 requests over 20 keys: every key
     /// runs once, every 201 for a key carries the same body.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -121,11 +130,7 @@ mod postgres_only {
         let probe = Probe::default();
         let mut servers = Vec::new();
         for _ in 0..4 {
-            let pool = PgPoolOptions::new()
-                .max_connections(10)
-                .connect_with(db.options().clone())
-                .await
-                .expect("pool");
+            let pool = instance_pool(&db).await;
             servers.push(
                 TestServer::start(app(IdempotencyLayer::postgres(pool), probe.clone())).await,
             );
@@ -173,11 +178,7 @@ mod postgres_only {
             .expect("charges table");
         let mut servers = Vec::new();
         for _ in 0..4 {
-            let pool = PgPoolOptions::new()
-                .max_connections(10)
-                .connect_with(db.options().clone())
-                .await
-                .expect("pool");
+            let pool = instance_pool(&db).await;
             let layer = IdempotencyLayer::postgres(pool.clone());
             servers.push(TestServer::start(tx_app(layer, Probe::default(), pool)).await);
         }

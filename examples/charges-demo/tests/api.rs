@@ -578,6 +578,17 @@ async fn unknown_urls_and_methods(backend: Backend) {
     );
 }
 
+/// PostgreSQL only: the rows in `charges` and the idempotency records, as other connections
+/// see them.
+async fn charges_and_records(pool: &sqlx::PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT (SELECT count(*) FROM charges), (SELECT count(*) FROM idempotency.records)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
 /// PostgreSQL only: the charge is written in the request's transaction. While it is processed,
 /// neither its claim nor its row is visible; both appear with the commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -586,18 +597,7 @@ async fn postgres_charge_and_stored_response_commit_together() {
         let gate = Gate::new();
         let h = Harness::with_processor(Backend::Postgres, gate.processor(Duration::ZERO)).await;
         let pool = h.db.as_ref().unwrap().pool().clone();
-        let counts = || {
-            let pool = pool.clone();
-            async move {
-                sqlx::query_as::<_, (i64, i64)>(
-                    "SELECT (SELECT count(*) FROM charges), \
-                            (SELECT count(*) FROM idempotency.records)",
-                )
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-            }
-        };
+        let counts = || charges_and_records(&pool);
         let api_key = new_api_key();
         let key = new_key();
         let first = tokio::spawn({
@@ -628,18 +628,7 @@ async fn postgres_a_charge_whose_response_cannot_be_stored_leaves_no_row() {
     bounded(async {
         let h = Harness::start(Backend::Postgres).await;
         let pool = h.db.as_ref().unwrap().pool().clone();
-        let counts = || {
-            let pool = pool.clone();
-            async move {
-                sqlx::query_as::<_, (i64, i64)>(
-                    "SELECT (SELECT count(*) FROM charges), \
-                            (SELECT count(*) FROM idempotency.records)",
-                )
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-            }
-        };
+        let counts = || charges_and_records(&pool);
         sqlx::raw_sql(
             "CREATE FUNCTION fail_completion() RETURNS trigger LANGUAGE plpgsql AS $$
              BEGIN RAISE EXCEPTION 'injected: the response cannot be stored'; END $$;

@@ -29,6 +29,15 @@ use tokio::sync::OnceCell;
 static SERVER: OnceCell<PgConnectOptions> = OnceCell::const_new();
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
+/// A pool of a database nobody serves: nothing listens on port 1, so each connection attempt
+/// fails at once, and `acquire_timeout` bounds anything slower. For store outages.
+pub fn unreachable_pool(acquire_timeout: Duration) -> PgPool {
+    PgPoolOptions::new()
+        .acquire_timeout(acquire_timeout)
+        .connect_lazy("postgres://postgres@127.0.0.1:1/none")
+        .expect("lazy pool")
+}
+
 /// Connection options for the test server's `postgres` database (found on first use).
 pub async fn server() -> PgConnectOptions {
     SERVER.get_or_init(find_server).await.clone()

@@ -227,16 +227,9 @@ async fn outcomes_rejections_and_store_latency_are_recorded() {
     assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
 
     // A database that refuses connections: a store error, answered 503.
-    let refused = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        drop(listener);
-        sqlx::postgres::PgPoolOptions::new()
-            .acquire_timeout(Duration::from_millis(300))
-            .connect_lazy(&format!("postgres://127.0.0.1:{port}/none"))
-            .expect("lazy pool")
-    };
-    let broken = PostgresStore::new(refused);
+    let broken = PostgresStore::new(idempotency_tests::db::unreachable_pool(
+        Duration::from_millis(300),
+    ));
     let server =
         TestServer::start(app(IdempotencyLayer::new(broken.clone()), Probe::default())).await;
     let reply = Reply::of(

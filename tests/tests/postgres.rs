@@ -212,12 +212,7 @@ mod postgres_only {
     #[tokio::test]
     async fn an_unreachable_database_is_a_prompt_503() {
         init_tracing();
-        // Nothing listens on port 1; connecting fails at once, and the store's timeout bounds
-        // anything slower.
-        let pool = PgPoolOptions::new()
-            .acquire_timeout(Duration::from_secs(1))
-            .connect_lazy("postgres://postgres@127.0.0.1:1/none")
-            .expect("lazy pool");
+        let pool = idempotency_tests::db::unreachable_pool(Duration::from_secs(1));
         let store = PostgresStore::new(pool).with_timeout(Duration::from_secs(2));
         let probe = Probe::default();
         let server = TestServer::start(app(IdempotencyLayer::new(store), probe.clone())).await;

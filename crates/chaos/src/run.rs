@@ -337,7 +337,6 @@ fn own_executable() -> std::io::Result<PathBuf> {
     }
 }
 
-/// The options that reproduce this run's plan.
 /// The options that replay this run's plan: its seed, and every option that shapes the plan
 /// and differs from its default (`--keep-logs` does not shape it).
 fn replay_args(args: &RunArgs, seed: u64) -> String {

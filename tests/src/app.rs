@@ -107,8 +107,8 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::to_owned);
-    if let Some(account) = account {
-        request.extensions_mut().insert(Principal::new(account));
+    if let Some(principal) = account.and_then(|account| Principal::new(account).ok()) {
+        request.extensions_mut().insert(principal);
     }
     next.run(request).await
 }

@@ -631,7 +631,7 @@ pub fn claim_request(key: &str, body: &str) -> ClaimRequest {
     let json = HeaderValue::from_static("application/json");
     ClaimRequest {
         key: ScopeKey::new(
-            &Principal::new("acct_a"),
+            &Principal::new("acct_a").expect("principal"),
             &Method::POST,
             "/charges",
             &IdempotencyKey::new(key).expect("key"),

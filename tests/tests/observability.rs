@@ -72,7 +72,7 @@ async fn the_span_names_the_key_by_its_hash_and_records_the_outcome() {
     drop(server);
 
     let hash = ScopeKey::new(
-        &Principal::new(account),
+        &Principal::new(account).expect("principal"),
         &Method::POST,
         "/charges",
         &IdempotencyKey::new(raw_key).expect("key"),

@@ -60,10 +60,10 @@ async fn quick_start(
 /// The app's authentication: `Authorization: Bearer <account>` becomes the [`Principal`].
 async fn authenticate(mut request: Request, next: Next) -> Result<Response, Infallible> {
     let account = bearer(request.headers());
-    let Some(account_id) = account else {
+    let Some(principal) = account.and_then(|id| Principal::new(id).ok()) else {
         return Ok(StatusCode::UNAUTHORIZED.into_response());
     };
-    request.extensions_mut().insert(Principal::new(account_id));
+    request.extensions_mut().insert(principal);
     Ok(next.run(request).await)
 }
 

@@ -402,7 +402,7 @@ async fn the_extractor_refuses_clearly_outside_transactional_mode() {
             |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
                 request
                     .extensions_mut()
-                    .insert(tower_idempotency::Principal::new("acct_a"));
+                    .insert(tower_idempotency::Principal::new("acct_a").expect("principal"));
                 next.run(request).await
             },
         ));

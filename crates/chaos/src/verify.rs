@@ -251,7 +251,7 @@ fn check_charge(
     let account = Account::from_api_key(&plan.api_key);
     let record = IdempotencyKey::new(plan.key.clone()).ok().and_then(|key| {
         let scope = ScopeKey::new(
-            &Principal::new(account.as_str()),
+            &Principal::new(account.as_str()).ok()?,
             &Method::POST,
             "/v1/charges",
             &key,

@@ -170,7 +170,7 @@ impl Keys {
             .expect("a valid key");
         ClaimRequest {
             key: ScopeKey::new(
-                &Principal::new("acct_ceiling"),
+                &Principal::new("acct_ceiling").expect("a valid principal"),
                 &Method::POST,
                 CHARGES_PATH,
                 &key,

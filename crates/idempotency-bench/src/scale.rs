@@ -349,7 +349,7 @@ pub(crate) async fn record_sizes(db: &BenchDb) -> Result<String, BoxError> {
 async fn verify_filled(db: &BenchDb, rows: u64) -> Result<(), BoxError> {
     let fingerprint = small_body_fingerprint();
     for n in [0, rows / 2, rows.saturating_sub(1)] {
-        let principal = Principal::new(load::account(n % ACCOUNTS as u64));
+        let principal = Principal::new(load::account(n % ACCOUNTS as u64))?;
         let key = IdempotencyKey::new(format!("{FILLED_KEY_PREFIX}{n}"))
             .map_err(|e| format!("fill key: {e}"))?;
         let scope = ScopeKey::new(&principal, &Method::POST, CHARGES_PATH, &key);

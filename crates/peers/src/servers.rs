@@ -215,7 +215,7 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.strip_prefix("Bearer "))
-        .map(Principal::new);
+        .and_then(|account| Principal::new(account).ok());
     match account {
         Some(principal) => {
             request.extensions_mut().insert(principal);

@@ -11,7 +11,7 @@ use crate::{key::IdempotencyKey, scope::ScopeKey};
 /// ```
 /// # #[cfg(feature = "axum")] {
 /// use axum::{Router, routing::post};
-/// use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Scope};
+/// use tower_idempotency::{IdempotencyContext, IdempotencyLayer};
 ///
 /// async fn create_charge(idempotency: IdempotencyContext) -> String {
 ///     if idempotency.takeover() {
@@ -20,9 +20,10 @@ use crate::{key::IdempotencyKey, scope::ScopeKey};
 ///     format!("charged under key {}", idempotency.key().as_str())
 /// }
 ///
+/// // Behind the app's authentication layer, which supplies the `Principal` (see `scope`).
 /// let app: Router = Router::new()
 ///     .route("/v1/charges", post(create_charge))
-///     .layer(IdempotencyLayer::memory().required().with_scope(Scope::single_tenant()));
+///     .layer(IdempotencyLayer::memory().required());
 /// # }
 /// ```
 #[derive(Debug, Clone)]
@@ -127,7 +128,9 @@ mod tests {
             .header("idempotency-key", "k1")
             .body(Body::empty())
             .unwrap();
-        request.extensions_mut().insert(Principal::new("acct"));
+        request
+            .extensions_mut()
+            .insert(Principal::new("acct").unwrap());
         let response = app.oneshot(request).await.unwrap();
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
         let body = response.into_body().collect().await.unwrap().to_bytes();

@@ -21,7 +21,7 @@ use crate::{
 /// ```
 /// use std::time::Duration;
 /// use http::Method;
-/// use tower_idempotency::{IdempotencyLayer, RetentionPolicy, Scope};
+/// use tower_idempotency::{IdempotencyLayer, RetentionPolicy};
 ///
 /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
 /// let layer = IdempotencyLayer::memory()
@@ -30,8 +30,7 @@ use crate::{
 ///     .with_lease(Duration::from_secs(30))?
 ///     .with_methods([Method::POST])?
 ///     .with_max_body_bytes(256 * 1024)?
-///     .with_retention(RetentionPolicy::keep_server_errors())
-///     .with_scope(Scope::single_tenant());
+///     .with_retention(RetentionPolicy::keep_server_errors());
 /// # let _ = layer; Ok(()) }
 /// ```
 #[must_use]

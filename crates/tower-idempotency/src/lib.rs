@@ -2,23 +2,42 @@
 //! gets the first response back, byte for byte.
 //!
 //! ```
-//! use axum::{Router, body::Body, http::Request, routing::post};
+//! use axum::{Router, body::Body, extract::Request, http::StatusCode, routing::post};
+//! use axum::{middleware::{self, Next}, response::Response};
 //! use tower::ServiceExt;
-//! use tower_idempotency::{IdempotencyLayer, Scope};
+//! use tower_idempotency::{IdempotencyLayer, Principal};
+//!
+//! /// Your authentication: it finds the account a request acts for (here, naively, from
+//! /// `Authorization: Bearer <account>`); the keys belong to that account.
+//! async fn authenticate(mut request: Request, next: Next) -> Result<Response, StatusCode> {
+//!     let account = request.headers().get("authorization")
+//!         .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer "))
+//!         .ok_or(StatusCode::UNAUTHORIZED)?
+//!         .to_owned();
+//!     let principal = Principal::new(account).map_err(|_| StatusCode::UNAUTHORIZED)?;
+//!     request.extensions_mut().insert(principal);
+//!     Ok(next.run(request).await)
+//! }
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
 //! let app = Router::new()
 //!     .route("/v1/charges", post(|| async { "charged once" }))
 //!     // Production: IdempotencyLayer::postgres(pool), see `store::PostgresStore`.
-//!     .layer(IdempotencyLayer::memory().with_scope(Scope::single_tenant()));
+//!     .layer(IdempotencyLayer::memory())
+//!     .layer(middleware::from_fn(authenticate));
 //!
-//! let charge = || Request::post("/v1/charges").header("idempotency-key", "order-1042")
+//! let charge = |account: &str| Request::post("/v1/charges")
+//!     .header("authorization", format!("Bearer {account}"))
+//!     .header("idempotency-key", "order-1042")
 //!     .body(Body::empty()).unwrap();
-//! let first = app.clone().oneshot(charge()).await.unwrap();
-//! let retry = app.oneshot(charge()).await.unwrap();
+//! let first = app.clone().oneshot(charge("acct_a")).await.unwrap();
+//! let retry = app.clone().oneshot(charge("acct_a")).await.unwrap();
+//! let other_account = app.oneshot(charge("acct_b")).await.unwrap();
 //! assert!(first.headers().get("idempotent-replayed").is_none());
 //! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! // The same key from another account is that account's own first request.
+//! assert!(other_account.headers().get("idempotent-replayed").is_none());
 //! # }
 //! ```
 //!
@@ -106,7 +125,7 @@ pub use layer::{ConfigError, IdempotencyLayer};
 pub use policy::{Disconnect, Retention, RetentionPolicy, StoreFailure};
 pub use problem::{Rejection, RejectionKind};
 pub use record::Record;
-pub use scope::{Principal, Scope, ScopeKey};
+pub use scope::{EmptyPrincipal, Principal, Scope, ScopeKey};
 pub use service::Idempotency;
 #[cfg(feature = "postgres")]
 pub use transaction::{IdempotentTx, TxUnavailable};

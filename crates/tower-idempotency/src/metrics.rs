@@ -8,19 +8,21 @@
 //! use axum::{Router, body::Body, routing::post};
 //! use metrics_exporter_prometheus::PrometheusBuilder;
 //! use tower::ServiceExt;
-//! use tower_idempotency::{IdempotencyLayer, Scope};
+//! use tower_idempotency::{IdempotencyLayer, Principal};
 //!
 //! // Once, at start-up; serve `handle.render()` at `/metrics` (as the demo does).
 //! let handle = PrometheusBuilder::new().install_recorder().unwrap();
 //!
 //! let app = Router::new()
 //!     .route("/v1/charges", post(|| async { "charged" }))
-//!     .layer(IdempotencyLayer::memory().with_scope(Scope::single_tenant()));
+//!     .layer(IdempotencyLayer::memory());
 //! for _ in 0..2 {
-//!     let request = http::Request::post("/v1/charges")
+//!     let mut request = http::Request::post("/v1/charges")
 //!         .header("idempotency-key", "order-1")
 //!         .body(Body::empty())
 //!         .unwrap();
+//!     // What the app's authentication layer leaves (see `scope`).
+//!     request.extensions_mut().insert(Principal::new("acct_1").unwrap());
 //!     app.clone().oneshot(request).await.unwrap();
 //! }
 //!

@@ -2,12 +2,14 @@
 //!
 //! ```
 //! use axum::{Router, routing::post, middleware::{self, Next}, extract::Request};
+//! use axum::{http::StatusCode, response::Response};
 //! use tower_idempotency::{IdempotencyLayer, Principal};
 //!
-//! async fn authenticate(mut request: Request, next: Next) -> axum::response::Response {
+//! async fn authenticate(mut request: Request, next: Next) -> Result<Response, StatusCode> {
 //!     // A real app checks the credential and finds the account here.
-//!     request.extensions_mut().insert(Principal::new("acct_123"));
-//!     next.run(request).await
+//!     let principal = Principal::new("acct_123").map_err(|_| StatusCode::UNAUTHORIZED)?;
+//!     request.extensions_mut().insert(principal);
+//!     Ok(next.run(request).await)
 //! }
 //!
 //! let app: Router = Router::new()
@@ -50,8 +52,22 @@ pub struct Principal(Arc<str>);
 
 impl Principal {
     /// A principal from a stable account identifier (not a token that rotates).
-    pub fn new(id: impl Into<Arc<str>>) -> Self {
-        Self(id.into())
+    ///
+    /// # Errors
+    ///
+    /// [`EmptyPrincipal`] when `id` is empty or only whitespace: an authentication layer that
+    /// found no account must not hand every such request one shared scope.
+    pub fn new(id: impl Into<Arc<str>>) -> Result<Self, EmptyPrincipal> {
+        let id = id.into();
+        if id.trim().is_empty() {
+            return Err(EmptyPrincipal);
+        }
+        Ok(Self(id))
+    }
+
+    /// The one principal of [`Scope::single_tenant`]: empty, which no [`Principal::new`] is.
+    fn single_tenant() -> Self {
+        Self(Arc::from(""))
     }
 
     /// The identifier.
@@ -59,6 +75,21 @@ impl Principal {
         &self.0
     }
 }
+
+/// [`Principal::new`] was given an empty or blank identifier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmptyPrincipal;
+
+impl fmt::Display for EmptyPrincipal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(
+            "a principal needs a non-empty account identifier; a request whose account is \
+             unknown must get no principal (the layer then refuses its key)",
+        )
+    }
+}
+
+impl std::error::Error for EmptyPrincipal {}
 
 impl fmt::Debug for Principal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -120,7 +151,7 @@ impl Scope {
     ///     .route("/v1/orders", post(|| async { "placed" }))
     ///     .layer(IdempotencyLayer::memory().with_scope(Scope::from_fn(|parts| {
     ///         let claims = parts.extensions.get::<Claims>()?;
-    ///         Some(Principal::new(claims.sub.as_str()))
+    ///         Principal::new(claims.sub.as_str()).ok()
     ///     })));
     ///
     /// // Standing in for the JWT middleware: a request as `sub` sends it.
@@ -151,7 +182,7 @@ impl Scope {
     pub(crate) fn principal(&self, parts: &Parts) -> Option<Principal> {
         match &self.0 {
             ScopeSource::Extension => parts.extensions.get::<Principal>().cloned(),
-            ScopeSource::SingleTenant => Some(Principal::new("")),
+            ScopeSource::SingleTenant => Some(Principal::single_tenant()),
             ScopeSource::Custom(f) => f(parts),
         }
     }
@@ -235,8 +266,8 @@ mod tests {
 
     #[test]
     fn every_component_separates_scopes() {
-        let a = Principal::new("acct_a");
-        let b = Principal::new("acct_b");
+        let a = Principal::new("acct_a").unwrap();
+        let b = Principal::new("acct_b").unwrap();
         let base = ScopeKey::new(&a, &Method::POST, "/v1/charges", &key("k"));
         assert_ne!(
             base,
@@ -262,8 +293,18 @@ mod tests {
 
     #[test]
     fn components_are_length_prefixed() {
-        let ab = ScopeKey::new(&Principal::new("ab"), &Method::POST, "/", &key("c"));
-        let a = ScopeKey::new(&Principal::new("a"), &Method::POST, "/", &key("bc"));
+        let ab = ScopeKey::new(
+            &Principal::new("ab").unwrap(),
+            &Method::POST,
+            "/",
+            &key("c"),
+        );
+        let a = ScopeKey::new(
+            &Principal::new("a").unwrap(),
+            &Method::POST,
+            "/",
+            &key("bc"),
+        );
         assert_ne!(ab, a);
     }
 
@@ -271,10 +312,10 @@ mod tests {
     fn default_scope_needs_a_principal_extension() {
         let (mut parts, ()) = Request::new(()).into_parts();
         assert_eq!(Scope::default().principal(&parts), None);
-        parts.extensions.insert(Principal::new("acct"));
+        parts.extensions.insert(Principal::new("acct").unwrap());
         assert_eq!(
             Scope::default().principal(&parts),
-            Some(Principal::new("acct"))
+            Some(Principal::new("acct").unwrap())
         );
     }
 
@@ -290,7 +331,7 @@ mod tests {
                 .unwrap()
                 .into_parts();
             // What the app's authentication layer leaves: the account the token belongs to.
-            parts.extensions.insert(Principal::new("acct_1"));
+            parts.extensions.insert(Principal::new("acct_1").unwrap());
             let principal = Scope::default().principal(&parts).expect("principal");
             ScopeKey::new(&principal, &parts.method, parts.uri.path(), &key)
         };
@@ -298,6 +339,21 @@ mod tests {
             scope_of("tok_before_refresh"),
             scope_of("tok_after_refresh")
         );
+    }
+
+    #[test]
+    fn an_empty_principal_is_refused() {
+        assert_eq!(Principal::new(""), Err(EmptyPrincipal));
+        assert_eq!(Principal::new(" \t"), Err(EmptyPrincipal));
+        assert_eq!(
+            Principal::new("acct").map(|p| p.as_str().to_owned()),
+            Ok("acct".into())
+        );
+        // The single-tenant scope is the one empty principal, so no account shares it.
+        let (parts, ()) = Request::new(()).into_parts();
+        let single = Scope::single_tenant().principal(&parts).unwrap();
+        assert_ne!(single, Principal::new("x").unwrap());
+        assert_eq!(single.as_str(), "");
     }
 
     #[test]
@@ -310,9 +366,12 @@ mod tests {
         assert!(Scope::single_tenant().principal(&parts).is_some());
         let custom = Scope::from_fn(|parts| {
             let tenant = parts.headers.get("x-tenant")?.to_str().ok()?;
-            Some(Principal::new(tenant))
+            Principal::new(tenant).ok()
         });
-        assert_eq!(custom.principal(&parts), Some(Principal::new("t1")));
+        assert_eq!(
+            custom.principal(&parts),
+            Some(Principal::new("t1").unwrap())
+        );
     }
 
     #[test]

@@ -64,8 +64,12 @@ pub async fn authenticate(mut request: Request, next: Next) -> Response {
         Ok(key) => Account::from_api_key(&key),
         Err(error) => return error.into_response(),
     };
+    // `acct_` and a hash: never empty.
+    let Ok(principal) = Principal::new(account.as_str()) else {
+        return ApiError::unauthorized("the API key names no account").into_response();
+    };
     let extensions = request.extensions_mut();
-    extensions.insert(Principal::new(account.as_str()));
+    extensions.insert(principal);
     extensions.insert(account);
     next.run(request).await
 }

@@ -4,6 +4,7 @@
 
 pub mod app;
 pub mod db;
+pub mod faults;
 pub mod hostile;
 pub mod pgbouncer;
 pub mod server;

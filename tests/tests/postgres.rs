@@ -797,6 +797,142 @@ mod postgres_only {
         assert_eq!(rows, 17);
     }
 
+    /// Issue 28.4, claims orphaned by errors: a batch of claims that committed but whose answer
+    /// was lost (the connection cut right after the server confirmed the `INSERT`) is not left
+    /// in flight for nobody: the request's own claim, retried alone, finds its row and holds it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batched_claim_that_committed_then_failed_is_held_by_its_request() {
+        use idempotency_tests::faults::CuttingProxy;
+        use tower_idempotency::store::{Begin, Store};
+
+        let (db, _) = migrated().await;
+        let proxy = CuttingProxy::start(&db).await;
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(proxy.options(&db))
+            .await
+            .expect("pool through the proxy");
+        let store = PostgresStore::new(pool);
+        let request = claim_request(11, 1);
+        proxy.cut_after("INSERT");
+        let begin = store.begin(&request).await.expect("begin");
+        assert!(proxy.has_cut(), "the batch's answer was cut");
+        assert!(
+            matches!(
+                begin,
+                Begin::Acquired {
+                    takeover: false,
+                    ..
+                }
+            ),
+            "{begin:?}"
+        );
+        let Begin::Acquired { claim, .. } = begin else {
+            unreachable!()
+        };
+        // The claim is really held: it completes, and the key replays.
+        let record =
+            tower_idempotency::Record::from_parts(StatusCode::OK, Default::default(), None);
+        assert_eq!(
+            store.complete(&claim, &record).await.expect("complete"),
+            tower_idempotency::store::ClaimStatus::Held
+        );
+        assert!(matches!(
+            store.begin(&request).await.expect("begin"),
+            Begin::Completed { .. }
+        ));
+    }
+
+    /// Issue 28.4: a batched claim whose caller stopped waiting (the store's timeout) and that
+    /// commits afterwards is released once it does, not left to block its key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batched_claim_that_timed_out_is_released_when_it_commits() {
+        use tower_idempotency::store::{Begin, Store};
+
+        let (db, store) = migrated().await;
+        let store = store.with_timeout(Duration::from_millis(300));
+        let request = claim_request(12, 1);
+        let blocker = held_uncommitted(&db, &request).await;
+        let claiming = tokio::spawn({
+            let (store, request) = (store.clone(), request.clone());
+            async move { store.begin(&request).await }
+        });
+        wait_until(&db, "SELECT count(*) = 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%unnest%'").await;
+        assert!(
+            matches!(
+                claiming.await.expect("task"),
+                Err(tower_idempotency::store::PostgresStoreError::Timeout { .. })
+            ),
+            "the caller stopped waiting"
+        );
+        // The blocker gives the key up: the batch claims it, for nobody.
+        blocker.rollback().await.expect("rollback");
+        wait_until(
+            &db,
+            "SELECT count(*) = 0 FROM pg_stat_activity
+             WHERE datname = current_database() AND state <> 'idle'
+               AND query LIKE '%unnest%' AND pid <> pg_backend_pid()",
+        )
+        .await;
+        wait_until(&db, "SELECT count(*) = 0 FROM idempotency.records").await;
+        // Another payload under the key is a new request, not a 422.
+        assert!(matches!(
+            store.begin(&claim_request(12, 2)).await.expect("begin"),
+            Begin::Acquired {
+                takeover: false,
+                ..
+            }
+        ));
+    }
+
+    /// Issue 28.4: a single-key claim (a key with a row: here a lapsed lease, taken over)
+    /// cancelled while its statement waits (what `Disconnect::Cancel` does when the client
+    /// hangs up) leaves no claim behind once the statement commits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cancelled_single_key_claim_is_released_when_it_commits() {
+        use tower_idempotency::store::{Begin, Store};
+
+        let (db, store) = migrated().await;
+        let request = claim_request(13, 1);
+        assert!(matches!(
+            store.begin(&request).await.expect("begin"),
+            Begin::Acquired { .. }
+        ));
+        db.pool()
+            .execute("UPDATE idempotency.records SET lease_until = now() - interval '1 second'")
+            .await
+            .expect("lapse");
+        // Another transaction locks the row: the takeover's statement waits on it.
+        let mut blocker = db.pool().begin().await.expect("begin");
+        blocker
+            .execute("SELECT * FROM idempotency.records FOR UPDATE")
+            .await
+            .expect("lock the row");
+        let claiming = tokio::spawn({
+            let (store, request) = (store.clone(), request.clone());
+            async move { store.begin(&request).await }
+        });
+        wait_until(&db, "SELECT count(*) = 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%taken AS%'").await;
+        claiming.abort();
+        assert!(claiming.await.expect_err("aborted").is_cancelled());
+        blocker.rollback().await.expect("rollback");
+        wait_until(
+            &db,
+            "SELECT count(*) = 0 FROM pg_stat_activity
+             WHERE datname = current_database() AND state <> 'idle'
+               AND query LIKE '%taken AS%' AND pid <> pg_backend_pid()",
+        )
+        .await;
+        wait_until(&db, "SELECT count(*) = 0 FROM idempotency.records").await;
+        assert!(matches!(
+            store.begin(&claim_request(13, 2)).await.expect("begin"),
+            Begin::Acquired {
+                takeover: false,
+                ..
+            }
+        ));
+    }
+
     /// Polls `condition` (a query returning one boolean) until it holds: for what happens in
     /// a background task with nothing to signal it. Bounded: fails after 10 s.
     async fn wait_until(db: &TestDb, condition: &'static str) {
@@ -1084,6 +1220,8 @@ mod partitioned {
     }
 
     impl PostgresFixture for Partitioned {
+        const TABLE: &'static str = "partitioned_records";
+
         async fn start() -> Self {
             let db = TestDb::new().await;
             let store = PostgresStore::new(db.pool().clone()).partitioned(WIDTH);

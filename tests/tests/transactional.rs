@@ -161,6 +161,85 @@ async fn a_failed_commit_is_a_503_and_nothing_happened() {
     assert_eq!(t.rows().await, 1);
 }
 
+/// Issue 28.0: a retry of a completed key gets its replay even while another request holds
+/// the key's advisory lock (a concurrent lookup of the same key, here held by hand): only a
+/// claim in flight is a 409.
+#[tokio::test]
+async fn a_completed_key_is_replayed_while_another_lookup_holds_its_lock() {
+    use tower_idempotency::{IdempotencyKey, Principal, ScopeKey};
+
+    let t = Tx::start().await;
+    let first = Reply::of(t.post("k-locked")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let scope = ScopeKey::new(
+        &Principal::new("acct_a").expect("principal"),
+        &http::Method::POST,
+        "/tx/charges",
+        &IdempotencyKey::new("k-locked").expect("key"),
+    );
+    let lock = i64::from_be_bytes(scope.as_bytes()[..8].try_into().expect("8 bytes"));
+    let mut other = t.db.pool().begin().await.expect("begin");
+    let held: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+        .bind(lock)
+        .fetch_one(&mut *other)
+        .await
+        .expect("lock");
+    assert!(held);
+    let retry = Reply::of(t.post("k-locked")).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    // Another payload under the completed key is still a 422, not a 409.
+    Reply::of(t.post("k-locked").body(r#"{"amount":200}"#))
+        .await
+        .assert_problem(422, "Mismatch");
+    other.rollback().await.expect("rollback");
+    assert_eq!(t.probe.executions(), 1);
+}
+
+/// Issue 28.0 under load: 64 concurrent retries of each of 20 completed keys, on a layer with
+/// no replay cache (every retry reads the store): every one is a replay, never a 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_replays_of_completed_keys_are_never_409() {
+    const KEYS: usize = 20;
+    const RETRIES: usize = 64;
+    init_tracing();
+    let db = TestDb::new().await;
+    db.pool()
+        .execute(CHARGES_TABLE)
+        .await
+        .expect("charges table");
+    let store = PostgresStore::new(db.pool().clone()).transactional();
+    store.migrate().await.expect("migrate");
+    let probe = Probe::default();
+    let layer = IdempotencyLayer::new(store).required().with_replay_cache(0);
+    let server = TestServer::start(tx_app(layer, probe.clone(), db.pool().clone())).await;
+    let client = reqwest::Client::new();
+    for k in 0..KEYS {
+        let first = Reply::of(post(&client, &server, "/tx/charges", &format!("k-{k}"))).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+    }
+    let mut retries = JoinSet::new();
+    for _ in 0..RETRIES {
+        for k in 0..KEYS {
+            let request = post(&client, &server, "/tx/charges", &format!("k-{k}"));
+            retries.spawn(Reply::of(request));
+        }
+    }
+    let mut statuses = std::collections::BTreeMap::new();
+    while let Some(reply) = retries.join_next().await {
+        let reply = reply.expect("task");
+        *statuses
+            .entry((reply.status.as_u16(), reply.replayed()))
+            .or_insert(0) += 1;
+    }
+    assert_eq!(
+        statuses,
+        [((201, true), KEYS * RETRIES)].into_iter().collect(),
+        "every retry is a replay"
+    );
+    assert_eq!(probe.executions(), KEYS);
+}
+
 /// 50 duplicates while the first holds its transaction open: every one is a 409 at once
 /// (nobody waits on the uncommitted row), then one row, replayed to everyone after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -127,8 +127,10 @@ impl<St: Store> IdempotencyLayer<St> {
     }
 
     /// How long a record lives, counted from the key's first claim. Retries after that run
-    /// again. Choose it longer than your clients' retry horizon. It is independent of the
-    /// [lease](Self::with_lease): a claim in flight is never expired while its lease runs.
+    /// again. Choose it longer than your clients' retry horizon and your slowest handler. It is
+    /// independent of the [lease](Self::with_lease): a claim in flight is never expired while
+    /// its lease runs, but a completed record is replayed only until its TTL, however long the
+    /// lease.
     ///
     /// # Errors
     ///

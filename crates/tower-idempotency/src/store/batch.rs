@@ -29,6 +29,7 @@ use tokio::sync::oneshot;
 pub(crate) struct Batcher<T, R> {
     queue: Mutex<Queue<T, R>>,
     max_batch: usize,
+    skip_abandoned: bool,
 }
 
 #[derive(Debug)]
@@ -46,7 +47,15 @@ impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
                 flushing: false,
             }),
             max_batch: max_batch.max(1),
+            skip_abandoned: false,
         }
+    }
+
+    /// Leaves out of its batch an operation whose caller stopped waiting before the batch was
+    /// written (for operations no one follows up, such as claims).
+    pub(crate) fn skipping_abandoned(mut self) -> Self {
+        self.skip_abandoned = true;
+        self
     }
 
     /// Queues `operation` and waits for its batch to be written by `flush`, which gets the
@@ -97,8 +106,16 @@ impl<T: Send + 'static, R: Send + 'static> Batcher<T, R> {
                     return;
                 }
                 let take = queue.waiting.len().min(self.max_batch);
-                queue.waiting.drain(..take).collect()
+                let skip = self.skip_abandoned;
+                queue
+                    .waiting
+                    .drain(..take)
+                    .filter(|(_, answer)| !(skip && answer.is_closed()))
+                    .collect()
             };
+            if batch.is_empty() {
+                continue;
+            }
             let (operations, answers): (Vec<T>, Vec<_>) = batch.into_iter().unzip();
             let results;
             (state, results) = flush(state, operations).await;
@@ -307,6 +324,32 @@ mod tests {
         assert!(waiting.await.unwrap_err().is_cancelled());
         release.send(true).unwrap();
         assert_eq!(handed_back.recv().await, Some(7));
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_operation_is_left_out_when_asked() {
+        let batcher = Arc::new(Batcher::new(8).skipping_abandoned());
+        let written = Arc::new(Mutex::new(Vec::<Vec<u32>>::new()));
+        let (release, released) = tokio::sync::watch::channel(false);
+        let flush = {
+            let written = Arc::clone(&written);
+            move |(), batch: Vec<u32>| {
+                let written = Arc::clone(&written);
+                let mut released = released.clone();
+                async move {
+                    released.wait_for(|r| *r).await.unwrap();
+                    written.lock().unwrap().push(batch.clone());
+                    ((), batch)
+                }
+            }
+        };
+        let (first, rest) = queued_behind_first(&batcher, flush, 2).await;
+        // The callers queued behind the first batch give up before it is written.
+        rest.abort();
+        assert!(rest.await.unwrap_err().is_cancelled());
+        release.send(true).unwrap();
+        assert_eq!(first.await.unwrap(), Some(0));
+        assert_eq!(*written.lock().unwrap(), [vec![0]]);
     }
 
     #[test]

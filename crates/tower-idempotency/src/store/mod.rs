@@ -35,7 +35,7 @@
 //!
 //! | stored state | same fingerprint | other fingerprint |
 //! |---|---|---|
-//! | nothing, or a record past its TTL | [`Acquired`](Begin::Acquired) | [`Acquired`](Begin::Acquired) |
+//! | nothing, or a record past its TTL and not held under a live lease | [`Acquired`](Begin::Acquired) | [`Acquired`](Begin::Acquired) |
 //! | in flight, lease live | [`InFlight`](Begin::InFlight) | [`Mismatch`](Begin::Mismatch) |
 //! | in flight, lease lapsed (holder crashed) | [`Acquired`](Begin::Acquired) with `takeover` | [`Mismatch`](Begin::Mismatch) |
 //! | completed | [`Completed`](Begin::Completed) | [`Mismatch`](Begin::Mismatch) |
@@ -76,7 +76,8 @@ pub struct ClaimRequest {
     pub fingerprint: Fingerprint,
     /// How long the claim is held without renewal.
     pub lease: Duration,
-    /// How long the record lives, counted from its claim (and at least as long as the lease).
+    /// How long the record lives, counted from its claim. A claim in flight outlives it while
+    /// its lease is live; once completed (or lapsed), a record past its TTL is gone.
     pub ttl: Duration,
 }
 

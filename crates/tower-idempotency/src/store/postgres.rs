@@ -2,9 +2,10 @@ use std::{
     collections::HashMap,
     fmt,
     future::Future,
+    pin::Pin,
     sync::{
         Arc, LazyLock,
-        atomic::{AtomicI64, Ordering},
+        atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -85,7 +86,10 @@ pub struct PostgresStore {
     expiry_cursor: Arc<AtomicI64>,
     /// Lease mode's group commit of claims of new keys: the claim of each key claimed, `None`
     /// for a key that has a row already.
-    new_claims: Arc<Batcher<ClaimRequest, Batched<Option<Lease>>>>,
+    new_claims: Arc<Batcher<(ClaimRequest, Uuid), Batched<Option<Lease>>>>,
+    /// Claim attempts being settled in the background (see [`ClaimAttempt`]), bounded by
+    /// [`MAX_UNSETTLED`].
+    unsettled: Arc<AtomicUsize>,
     /// Lease mode's group commit of completions.
     completions: Arc<Batcher<(Lease, Record), Batched<ClaimStatus>>>,
 }
@@ -141,29 +145,34 @@ static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
 
 // The claim statement, in two variants sharing their text: lease mode claims unconditionally;
 // transactional mode first tries a transaction-scoped advisory lock on the key and claims only if
-// it got it, so a duplicate never waits on the holder's uncommitted row.
+// it got it, so a duplicate never waits on the holder's uncommitted row (it still gets a completed
+// record's replay or mismatch, which needs no lock).
 //
 // The key's row is read first. A key with no row is inserted (`ON CONFLICT DO NOTHING`); a row
-// that expired, or is in flight under a lapsed lease with the same fingerprint, is taken over by
-// a conditional `UPDATE` whose row lock orders racing claimers (the loser re-checks the winner's
+// that is dead (past `expires_at`, or past its TTL counted from its claim and not held under a
+// live lease), or in flight under a lapsed lease with the same fingerprint, is taken over by a
+// conditional `UPDATE` whose row lock orders racing claimers (the loser re-checks the winner's
 // version and leaves it). Otherwise the row is returned as it stands: replays and conflicts
 // neither write, nor lock, nor take a transaction id. The reads share the statement's snapshot,
 // so a row committed by a racing claim after the snapshot was taken can be invisible; the
 // statement then returns nothing and the caller runs it again (rare, and safe: nothing was
-// claimed).
+// claimed). `$5` is the attempt's claimant: a row it finds in flight under that id is its own
+// (`mine`), claimed by an earlier try whose answer was lost.
 macro_rules! begin_statement {
-    (lock: $lock:literal, gate: $gate:literal, busy: $busy:literal) => {
+    (lock: $lock:literal, gate: $gate:literal, existing: $existing:literal, busy: $busy:literal) => {
         concat!(
             "WITH ",
             $lock,
             "existing AS MATERIALIZED (
-                SELECT token, takeover, fingerprint, lease_until, expires_at,
+                SELECT token, takeover, fingerprint, lease_until, expires_at, created_at, claimant,
                        status, header_names, header_values, body
                 FROM idempotency.records WHERE scope_key = $1
             ),
             inserted AS (
-                INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
-                SELECT $1, $2, nextval('idempotency.fencing_tokens'), now() + greatest($4::interval, $3::interval), now() + $3::interval
+                INSERT INTO idempotency.records
+                    (scope_key, fingerprint, token, expires_at, lease_until, claimant)
+                SELECT $1, $2, nextval('idempotency.fencing_tokens'),
+                       now() + greatest($4::interval, $3::interval), now() + $3::interval, $5
                 WHERE NOT EXISTS (SELECT FROM existing) ",
             $gate,
             " ON CONFLICT (scope_key) DO NOTHING
@@ -173,7 +182,8 @@ macro_rules! begin_statement {
                 UPDATE idempotency.records r SET
                     fingerprint   = $2,
                     token         = nextval('idempotency.fencing_tokens'),
-                    takeover      = r.expires_at > now(),
+                    takeover      = r.status IS NULL AND r.expires_at > now()
+                                    AND r.created_at + $4::interval > now(),
                     created_at    = now(),
                     expires_at    = now() + greatest($4::interval, $3::interval),
                     lease_until   = now() + $3::interval,
@@ -181,10 +191,13 @@ macro_rules! begin_statement {
                     status        = NULL,
                     header_names  = NULL,
                     header_values = NULL,
-                    body          = NULL
+                    body          = NULL,
+                    claimant      = $5
                 WHERE r.scope_key = $1 AND EXISTS (SELECT FROM existing) ",
             $gate,
             " AND (r.expires_at <= now()
+                       OR (r.created_at + $4::interval <= now()
+                           AND (r.status IS NOT NULL OR r.lease_until <= now()))
                        OR (r.status IS NULL AND r.lease_until <= now() AND r.fingerprint = $2))
                 RETURNING r.token, r.takeover
             ),
@@ -193,27 +206,36 @@ macro_rules! begin_statement {
                    NULL::boolean AS same_fingerprint, NULL::float8 AS lease_remaining,
                    NULL::float8 AS expires_in,
                    NULL::int2 AS status, NULL::text[] AS header_names, NULL::bytea[] AS header_values,
-                   NULL::bytea AS body
+                   NULL::bytea AS body, NULL::boolean AS mine
             FROM claimed ",
             $busy,
             " UNION ALL
             SELECT 'existing', e.token, e.takeover,
                    e.fingerprint = $2, extract(epoch FROM e.lease_until - now())::float8,
-                   extract(epoch FROM e.expires_at - now())::float8,
-                   e.status, e.header_names, e.header_values, e.body
+                   extract(epoch FROM least(e.expires_at, e.created_at + $4::interval) - now())::float8,
+                   e.status, e.header_names, e.header_values, e.body,
+                   coalesce(e.claimant = $5, false) AND e.status IS NULL
             FROM existing e
-            WHERE e.expires_at > now() AND NOT EXISTS (SELECT FROM claimed) ",
-            $gate,
+            WHERE e.expires_at > now()
+              AND NOT (e.created_at + $4::interval <= now()
+                       AND (e.status IS NOT NULL OR e.lease_until <= now()))
+              AND NOT EXISTS (SELECT FROM claimed) ",
+            $existing,
         )
     };
 }
 
-const BEGIN_LEASE: &str = begin_statement!(lock: "", gate: "", busy: "");
+const BEGIN_LEASE: &str = begin_statement!(lock: "", gate: "", existing: "", busy: "");
 
 const BEGIN_TRANSACTIONAL: &str = begin_statement!(
-    lock: "lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($5) AS held), ",
+    lock: "lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($6) AS held), ",
     gate: "AND (SELECT held FROM lock)",
-    busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM lock WHERE NOT lock.held"
+    // Without the lock, only a completed record is answered: an uncommitted claim is invisible.
+    existing: "AND ((SELECT held FROM lock) OR e.status IS NOT NULL)",
+    busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+           FROM lock WHERE NOT lock.held AND NOT EXISTS (
+               SELECT FROM existing e WHERE e.status IS NOT NULL AND e.expires_at > now()
+                 AND e.created_at + $4::interval > now())"
 );
 
 // The fenced statements, for the plain table and the partitioned one. `expires_at > now()` costs
@@ -251,11 +273,12 @@ macro_rules! fenced_statements {
 /// row, each with its own fencing token, and returns them. The keys come sorted, so two batches
 /// racing for the same keys take them in the same order and cannot deadlock.
 const CLAIM_NEW_KEYS: &str = r#"
-INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
+INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until, claimant)
 SELECT c.key, c.fingerprint, nextval('idempotency.fencing_tokens'),
        now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
-       now() + c.lease * interval '1 microsecond'
-FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[]) AS c(key, fingerprint, lease, ttl)
+       now() + c.lease * interval '1 microsecond', c.claimant
+FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[], $5::uuid[])
+    AS c(key, fingerprint, lease, ttl, claimant)
 ON CONFLICT (scope_key) DO NOTHING
 RETURNING scope_key, token
 "#;
@@ -278,7 +301,23 @@ struct Fenced {
 const FENCED: Fenced = fenced_statements!("records");
 const FENCED_PARTITIONED: Fenced = fenced_statements!("partitioned_records");
 
-const BEGIN_PARTITIONED: &str = "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $5)";
+const BEGIN_PARTITIONED: &str =
+    "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $6, $5)";
+
+/// Deletes what a claim attempt may have claimed, found by its claimant id (see
+/// [`ClaimAttempt`]): only a row still in flight under that id, so never another's claim.
+macro_rules! release_claimant {
+    ($table:literal) => {
+        concat!(
+            "DELETE FROM idempotency.",
+            $table,
+            " WHERE scope_key = $1 AND claimant = $2 AND status IS NULL"
+        )
+    };
+}
+
+const RELEASE_CLAIMANT: &str = release_claimant!("records");
+const RELEASE_CLAIMANT_PARTITIONED: &str = release_claimant!("partitioned_records");
 
 /// One batch of expiry: the oldest expired records from `$2` (microseconds since the Unix
 /// epoch) on. Bounded and non-blocking: rows another transaction has locked are skipped, not
@@ -320,8 +359,10 @@ impl PostgresStore {
             prepared: true,
             partitions: None,
             expiry_cursor: Arc::default(),
-            new_claims: Arc::new(Batcher::new(MAX_BATCH)),
+            // A claim whose caller stopped waiting before its batch was written is not written.
+            new_claims: Arc::new(Batcher::new(MAX_BATCH).skipping_abandoned()),
             completions: Arc::new(Batcher::new(MAX_BATCH)),
+            unsettled: Arc::default(),
         }
     }
 
@@ -631,8 +672,8 @@ impl PostgresStore {
         })
     }
 
-    /// The claim statement of this store's mode.
-    fn claim_statement<'a>(&self, request: &'a ClaimRequest) -> Statement<'a> {
+    /// The claim statement of this store's mode, for the attempt `claimant`.
+    fn claim_statement(&self, request: &ClaimRequest, claimant: Uuid) -> Statement<'static> {
         let sql = match (self.partitions.is_some(), self.transactional) {
             (true, _) => BEGIN_PARTITIONED,
             (false, true) => BEGIN_TRANSACTIONAL,
@@ -640,9 +681,10 @@ impl PostgresStore {
         };
         let statement = Statement::new(sql)
             .with(Param::Key(stored_key(&request.key)))
-            .with(Param::Bytes(request.fingerprint.as_bytes()))
+            .with(Param::Digest(*request.fingerprint.as_bytes()))
             .with(Param::Interval(request.lease))
-            .with(Param::Interval(request.ttl));
+            .with(Param::Interval(request.ttl))
+            .with(Param::Key(claimant));
         match (self.partitions.is_some(), self.transactional) {
             (true, try_lock) => statement.with(Param::Bool(try_lock)),
             (false, true) => statement.with(Param::Int(advisory_lock_key(request))),
@@ -664,20 +706,24 @@ impl PostgresStore {
         self.prepared && self.partitions.is_none() && !self.transactional
     }
 
+    /// A claim that commits on its own (lease mode, and partitioned lease mode). Its caller may
+    /// never read the answer (a timeout, a lost connection, a cancelled request); the attempt's
+    /// [`ClaimAttempt`] then releases whatever it claimed.
     async fn begin_lease(
         &self,
         request: &ClaimRequest,
     ) -> Result<Begin<PgClaim>, PostgresStoreError> {
+        let mut attempt = ClaimAttempt::new(self, request.key);
         if self.batches() {
             let (pool, timeout) = (self.pool.clone(), self.timeout);
             let store = self.clone();
-            let claimed = self
-                .new_claims
-                .run(
-                    request.clone(),
+            let claimed = tokio::time::timeout(
+                self.timeout,
+                self.new_claims.run(
+                    (request.clone(), attempt.claimant),
                     move |writer, batch| claim_new_keys(pool.clone(), timeout, writer, batch),
-                    // Claimed for a request that is gone (cancelled while its batch was
-                    // written): free the key now rather than when its lease lapses.
+                    // Claimed for a request that stopped waiting (it timed out, or was
+                    // cancelled): free the key now rather than when its lease lapses.
                     move |claimed| {
                         if let Batched::Done(Some(lease)) = claimed {
                             let store = store.clone();
@@ -689,36 +735,63 @@ impl PostgresStore {
                             });
                         }
                     },
-                )
-                .await;
+                ),
+            )
+            .await;
             match claimed {
-                Some(Batched::Done(Some(lease))) => {
+                Ok(Some(Batched::Done(Some(lease)))) => {
+                    attempt.settle();
                     return Ok(Begin::Acquired {
                         claim: PgClaim { lease, tx: None },
                         takeover: false,
                     });
                 }
-                Some(Batched::TimedOut) => return Err(self.timeout_error("begin")),
-                // The key has a row (or the batch could not say): the one-key statement
-                // decides between replay, conflict, mismatch and takeover.
-                Some(Batched::Done(None) | Batched::Alone) | None => {}
+                Ok(Some(Batched::TimedOut)) | Err(_) => return Err(self.timeout_error("begin")),
+                // The key has a row (or the batch could not say whether it wrote ours): the
+                // one-key statement decides, and finds our row if the batch did write it.
+                Ok(Some(Batched::Done(None) | Batched::Alone) | None) => {}
             }
         }
         for _ in 0..BEGIN_ATTEMPTS {
-            let row = self
-                .timed(
-                    "begin",
-                    self.claim_statement(request)
-                        .fetch_optional(self.prepared, &self.pool),
-                )
-                .await?;
-            if let Some(row) = row {
-                return Ok(
-                    decode_begin(request, &row)?.map_claim(|lease| PgClaim { lease, tx: None })
-                );
+            let statement = self.claim_statement(request, attempt.claimant);
+            if let Some(row) = attempt.run(statement).await? {
+                let begin = decode_begin(request, &row)?;
+                attempt.settle();
+                return Ok(begin.map_claim(|lease| PgClaim { lease, tx: None }));
             }
         }
+        // No row in any try: nothing was claimed.
+        attempt.settle();
         Err(PostgresStoreError::Contended)
+    }
+
+    /// Deletes what the claim attempt `claimant` may hold on `key`: tried after each of
+    /// `delays`, until a try deletes its row, so that a statement the attempt gave up on that
+    /// commits late is still undone.
+    async fn release_claimant(self, key: ScopeKey, claimant: Uuid, delays: &[Duration]) {
+        let sql = if self.partitions.is_some() {
+            RELEASE_CLAIMANT_PARTITIONED
+        } else {
+            RELEASE_CLAIMANT
+        };
+        for delay in delays {
+            tokio::time::sleep(*delay).await;
+            let statement = Statement::new(sql)
+                .with(Param::Key(stored_key(&key)))
+                .with(Param::Key(claimant));
+            match self.fenced("release", statement, &self.pool).await {
+                Ok(ClaimStatus::Held) => {
+                    tracing::debug!("released a claim whose answer was lost");
+                    break;
+                }
+                Ok(ClaimStatus::Lost) => {}
+                Err(error) => tracing::warn!(
+                    %error,
+                    "releasing a claim whose answer was lost failed; retrying"
+                ),
+            }
+        }
+        self.unsettled.fetch_sub(1, Ordering::Relaxed);
     }
 
     async fn begin_transactional(
@@ -735,7 +808,7 @@ impl PostgresStore {
             let row = self
                 .timed(
                     "begin",
-                    self.claim_statement(request)
+                    self.claim_statement(request, new_claimant())
                         .fetch_optional(self.prepared, &mut *tx),
                 )
                 .await?;
@@ -780,15 +853,16 @@ fn advisory_lock_key(request: &ClaimRequest) -> i64 {
 }
 
 /// Writes a batch of [`CLAIM_NEW_KEYS`]: for each request its new claim, `None` when its key
-/// has a row already.
+/// has a row already. Bounded by [`FLUSH_BOUND`], not by the store's timeout: a caller that
+/// stops waiting has its claim released when the batch's answer comes (see `begin_lease`).
 async fn claim_new_keys(
     pool: PgPool,
     timeout: Duration,
     mut writer: BatchWriter,
-    batch: Vec<ClaimRequest>,
+    batch: Vec<(ClaimRequest, Uuid)>,
 ) -> (BatchWriter, Vec<Batched<Option<Lease>>>) {
     crate::metrics::batch("claim", batch.len());
-    let keys: Vec<Uuid> = batch.iter().map(|r| stored_key(&r.key)).collect();
+    let keys: Vec<Uuid> = batch.iter().map(|(r, _)| stored_key(&r.key)).collect();
     let mut order: Vec<usize> = (0..batch.len()).collect();
     order.sort_by_key(|&i| keys[i]);
     // A key twice in one batch: the second one claims alone, after the first.
@@ -799,25 +873,27 @@ async fn claim_new_keys(
         }
     }
     let sent: Vec<usize> = order.into_iter().filter(|&i| !alone[i]).collect();
-    let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+    let micros = |d: Duration| i64::try_from(interval(d).as_micros()).unwrap_or(i64::MAX);
     let query = sqlx::query(CLAIM_NEW_KEYS)
         .bind(sent.iter().map(|&i| keys[i]).collect::<Vec<_>>())
         .bind(
             sent.iter()
-                .map(|&i| &batch[i].fingerprint.as_bytes()[..])
+                .map(|&i| &batch[i].0.fingerprint.as_bytes()[..])
                 .collect::<Vec<_>>(),
         )
         .bind(
             sent.iter()
-                .map(|&i| micros(batch[i].lease))
+                .map(|&i| micros(batch[i].0.lease))
                 .collect::<Vec<_>>(),
         )
         .bind(
             sent.iter()
-                .map(|&i| micros(batch[i].ttl))
+                .map(|&i| micros(batch[i].0.ttl))
                 .collect::<Vec<_>>(),
-        );
-    let tokens = match written(query, &pool, timeout, &mut writer).await {
+        )
+        .bind(sent.iter().map(|&i| batch[i].1).collect::<Vec<_>>());
+    let bound = timeout.max(FLUSH_BOUND);
+    let tokens = match written(query, &pool, bound, &mut writer).await {
         Ok(tokens) => tokens,
         Err(failed) => return (writer, vec![failed; batch.len()]),
     };
@@ -825,7 +901,7 @@ async fn claim_new_keys(
         .iter()
         .zip(keys)
         .zip(alone)
-        .map(|((request, key), alone)| {
+        .map(|(((request, _), key), alone)| {
             if alone {
                 Batched::Alone
             } else {
@@ -838,6 +914,12 @@ async fn claim_new_keys(
         .collect();
     (writer, claimed)
 }
+
+/// How long a batch of claims may take before the flusher gives up on it. Its callers stop
+/// waiting after the store's timeout; the flusher waits longer so that the claims it wrote can
+/// be released by their tokens. A batch given up on leaves each caller's [`ClaimAttempt`] to
+/// release its claim by claimant.
+const FLUSH_BOUND: Duration = Duration::from_secs(30);
 
 /// Writes a batch of [`COMPLETE_MANY`]: for each claim, whether it still held its key.
 async fn complete_many(
@@ -967,6 +1049,17 @@ async fn written<T>(
         .ok_or(Batched::Alone)
 }
 
+/// The longest interval the store writes: far beyond any TTL or lease, and far from the
+/// bounds of PostgreSQL's `timestamptz`.
+const MAX_INTERVAL: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `d` as PostgreSQL can take it: whole microseconds (rounded up, so a positive duration stays
+/// positive), at most [`MAX_INTERVAL`].
+fn interval(d: Duration) -> Duration {
+    let micros = d.as_nanos().div_ceil(1000);
+    Duration::from_micros(u64::try_from(micros).unwrap_or(u64::MAX)).min(MAX_INTERVAL)
+}
+
 fn fenced_statement<'a>(sql: &'static str, lease: &'a Lease) -> Statement<'a> {
     Statement::new(sql)
         .with(Param::Key(stored_key(&lease.key)))
@@ -990,6 +1083,106 @@ fn complete_statement<'a>(
         .with(Param::OptionalBytes(record.body().map(|b| b.as_ref())))
 }
 
+/// The most claim attempts settled in the background at once (see [`ClaimAttempt`]); past it,
+/// a lost claim is left to lapse with its lease, so an outage cannot pile up tasks.
+const MAX_UNSETTLED: usize = 1024;
+
+/// When a claim attempt whose answer was lost deletes its row: at once, then again after the
+/// statements it gave up on have had time to commit late.
+const SETTLE_DELAYS: [Duration; 3] = [
+    Duration::ZERO,
+    Duration::from_secs(1),
+    Duration::from_secs(10),
+];
+
+/// How long a claim statement given up on is left to finish in the background before its
+/// claim is released by claimant alone.
+const ABANDONED_STATEMENT_BOUND: Duration = Duration::from_secs(60);
+
+/// A fresh claimant id: this process's random half and a count, so two attempts never share one.
+fn new_claimant() -> Uuid {
+    static PROCESS: LazyLock<u64> = LazyLock::new(|| {
+        use std::hash::{BuildHasher, RandomState};
+        RandomState::new().hash_one(std::process::id())
+    });
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    Uuid::from_u64_pair(*PROCESS, COUNT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A statement that runs on a pooled connection of its own, owned so it can outlive its caller.
+type PendingStatement = Pin<Box<dyn Future<Output = Result<Option<PgRow>, sqlx::Error>> + Send>>;
+
+/// One lease-mode claim: its claimant id, and what happens if its caller never learns the
+/// answer. Unless [`settle`](Self::settle)d, dropping it (an error, a timeout, a cancelled
+/// request) finishes the statement it was waiting for in the background and then deletes
+/// whatever row the attempt's claimant holds: a claim nobody holds never blocks its key.
+struct ClaimAttempt {
+    store: Option<PostgresStore>,
+    key: ScopeKey,
+    claimant: Uuid,
+    pending: Option<PendingStatement>,
+}
+
+impl ClaimAttempt {
+    fn new(store: &PostgresStore, key: ScopeKey) -> Self {
+        Self {
+            store: Some(store.clone()),
+            key,
+            claimant: new_claimant(),
+            pending: None,
+        }
+    }
+
+    /// Runs a claim statement under the store's timeout; given up on, it stays pending.
+    async fn run(
+        &mut self,
+        statement: Statement<'static>,
+    ) -> Result<Option<PgRow>, PostgresStoreError> {
+        let store = self.store.as_ref().expect("unsettled while running");
+        let (pool, prepared, timeout) = (store.pool.clone(), store.prepared, store.timeout);
+        let pending = self.pending.insert(Box::pin(async move {
+            statement.fetch_optional(prepared, &pool).await
+        }));
+        match tokio::time::timeout(timeout, pending).await {
+            Ok(result) => {
+                self.pending = None;
+                Ok(result?)
+            }
+            Err(_) => Err(store.timeout_error("begin")),
+        }
+    }
+
+    /// The caller has the answer: nothing to undo.
+    fn settle(&mut self) {
+        self.store = None;
+    }
+}
+
+impl Drop for ClaimAttempt {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if store.unsettled.fetch_add(1, Ordering::Relaxed) >= MAX_UNSETTLED {
+            store.unsettled.fetch_sub(1, Ordering::Relaxed);
+            tracing::warn!(
+                "too many lost claims to release; this one frees itself when its lease lapses"
+            );
+            return;
+        }
+        let (key, claimant, pending) = (self.key, self.claimant, self.pending.take());
+        runtime.spawn(async move {
+            if let Some(pending) = pending {
+                let _ = tokio::time::timeout(ABANDONED_STATEMENT_BOUND, pending).await;
+            }
+            store.release_claimant(key, claimant, &SETTLE_DELAYS).await;
+        });
+    }
+}
+
 /// A store statement with its parameters.
 ///
 /// Run as a cached prepared statement with bound parameters (the default), or as one
@@ -1004,7 +1197,7 @@ struct Statement<'a> {
 
 enum Param<'a> {
     Key(Uuid),
-    Bytes(&'a [u8]),
+    Digest([u8; 32]),
     OptionalBytes(Option<&'a [u8]>),
     Int(i64),
     SmallInt(i16),
@@ -1032,12 +1225,12 @@ impl<'a> Statement<'a> {
             .into_iter()
             .fold(sqlx::query(self.sql), |query, param| match param {
                 Param::Key(key) => query.bind(key),
-                Param::Bytes(bytes) => query.bind(bytes),
+                Param::Digest(digest) => query.bind(digest.to_vec()),
                 Param::OptionalBytes(bytes) => query.bind(bytes),
                 Param::Int(n) => query.bind(n),
                 Param::Bool(b) => query.bind(b),
                 Param::SmallInt(n) => query.bind(n),
-                Param::Interval(d) => query.bind(d),
+                Param::Interval(d) => query.bind(interval(d)),
                 Param::Texts(texts) => query.bind(texts),
                 Param::BytesList(list) => query.bind(list),
             })
@@ -1057,7 +1250,7 @@ impl<'a> Statement<'a> {
             let mut literal = String::new();
             match param {
                 Param::Key(key) => literal.push_str(&format!("'{key}'::uuid")),
-                Param::Bytes(b) => bytes(&mut literal, b),
+                Param::Digest(b) => bytes(&mut literal, b),
                 Param::OptionalBytes(Some(b)) => bytes(&mut literal, b),
                 Param::OptionalBytes(None) => literal.push_str("NULL::bytea"),
                 Param::Int(n) => literal.push_str(&format!("({n})::int8")),
@@ -1065,7 +1258,7 @@ impl<'a> Statement<'a> {
                 Param::SmallInt(n) => literal.push_str(&format!("({n})::int2")),
                 Param::Interval(d) => literal.push_str(&format!(
                     "({}::int8 * interval '1 microsecond')",
-                    d.as_micros()
+                    interval(*d).as_micros()
                 )),
                 Param::Texts(texts) => {
                     literal.push_str("ARRAY[");
@@ -1331,6 +1524,17 @@ fn decode_begin(request: &ClaimRequest, row: &PgRow) -> Result<Begin<Lease>, Pos
     }
     if !row.try_get::<bool, _>("same_fingerprint")? {
         return Ok(Begin::Mismatch);
+    }
+    // In flight under this attempt's own claimant: claimed by an earlier try whose answer was
+    // lost (a batch that failed after it committed).
+    if row.try_get::<Option<bool>, _>("mine")? == Some(true) {
+        return Ok(Begin::Acquired {
+            claim: Lease {
+                key: request.key,
+                token: row.try_get("token")?,
+            },
+            takeover: row.try_get("takeover")?,
+        });
     }
     let Some(status) = row.try_get::<Option<i16>, _>("status")? else {
         let remaining: Option<f64> = row.try_get("lease_remaining")?;

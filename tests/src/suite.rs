@@ -40,6 +40,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Makes every record pass its TTL now.
     fn expire_records(&self) -> impl Future<Output = ()> + Send;
 
+    /// Makes `by` pass for every record and claim: each is that much older, leases included.
+    fn pass_time(&self, by: Duration) -> impl Future<Output = ()> + Send;
+
     /// Whether a claim in flight is an open transaction (PostgreSQL's transactional mode) rather
     /// than a lease: it then ends with its holder, with no lease to lapse.
     const TRANSACTIONAL: bool = false;
@@ -83,6 +86,25 @@ pub trait PostgresFixture: Send + Sync + Sized + 'static {
                 .expect("expire records");
         }
     }
+
+    /// The table the fixture's store keeps its records in.
+    const TABLE: &'static str = "records";
+
+    /// As [`Backend::pass_time`], on `table` (`records` or `partitioned_records`).
+    fn pass_time_in(&self, table: &str, by: Duration) -> impl Future<Output = ()> + Send {
+        let sql = format!(
+            "UPDATE idempotency.{table} SET created_at = created_at - $1,
+                 expires_at = expires_at - $1, lease_until = lease_until - $1,
+                 completed_at = completed_at - $1"
+        );
+        async move {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(by)
+                .execute(self.db().pool())
+                .await
+                .expect("pass time");
+        }
+    }
 }
 
 /// A [`PostgresFixture`] as a [`Backend`], its store in transactional mode when `TRANSACTIONAL`.
@@ -117,6 +139,10 @@ impl<F: PostgresFixture, const TRANSACTIONAL: bool> Backend for InMode<F, TRANSA
 
     async fn expire_records(&self) {
         self.0.expire_records().await;
+    }
+
+    async fn pass_time(&self, by: Duration) {
+        self.0.pass_time_in(F::TABLE, by).await;
     }
 }
 
@@ -743,6 +769,34 @@ pub async fn expired_records_are_new<B: Backend>() {
     let after = Reply::of(h.post("/charges", Some("k-ttl")).body("{\"other\":1}")).await;
     assert_eq!(after.status, StatusCode::CREATED);
     assert!(!after.replayed());
+    assert_ne!(after.body, first.body);
+    assert_eq!(h.probe.executions(), 2);
+}
+
+/// Issue 28.5, a TTL shorter than the lease: a claim in flight is its holder's until it ends,
+/// past its TTL too; a completed record expires at its TTL counted from its claim, not after
+/// the lease.
+pub async fn a_ttl_shorter_than_the_lease_still_expires_records<B: Backend>() {
+    let h = Harness::<B>::with(|layer| {
+        layer
+            .with_ttl(Duration::from_secs(2))
+            .and_then(|layer| layer.with_lease(Duration::from_secs(30)))
+            .expect("valid settings")
+            .with_replay_cache(0)
+    })
+    .await;
+    let post = || h.post("/charges", Some("k-short")).body(CHARGE);
+    let holding = tokio::spawn(Reply::of(post().header("x-test-gate", "1")));
+    h.probe.started(1).await;
+    h.backend.pass_time(Duration::from_secs(3)).await;
+    Reply::of(post()).await.assert_problem(409, "InFlight");
+    h.probe.open_gate(1);
+    let first = holding.await.expect("task");
+    assert_eq!(first.status, StatusCode::CREATED);
+    h.backend.pass_time(Duration::from_secs(3)).await;
+    let after = Reply::of(post()).await;
+    assert_eq!(after.status, StatusCode::CREATED);
+    assert!(!after.replayed(), "a record past its TTL is not replayed");
     assert_ne!(after.body, first.body);
     assert_eq!(h.probe.executions(), 2);
 }

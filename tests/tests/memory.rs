@@ -37,6 +37,10 @@ impl<const MAX_BYTES: usize> Backend for Memory<MAX_BYTES> {
     async fn expire_records(&self) {
         advance(Duration::from_secs(24 * 3600 + 1)).await;
     }
+
+    async fn pass_time(&self, by: Duration) {
+        advance(by).await;
+    }
 }
 
 type Unbounded = Memory<0>;

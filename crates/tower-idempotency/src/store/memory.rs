@@ -26,11 +26,12 @@ use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 /// headers and body), so a store holding many of them neither fragments the heap nor keeps the
 /// response's own buffers alive.
 ///
-/// Memory grows with the keys claimed within one TTL, and a client can claim as many keys as it
-/// likes. [`MemoryStore::new`] sets no bound; [`MemoryStore::with_max_bytes`] refuses new keys
-/// once its records hold that much, which the layer answers with `503` and `Retry-After` (its
-/// [`StoreFailure`](crate::StoreFailure) policy), rather than let the process run out of memory
-/// or forget a kept response early (a retry would then run again):
+/// Memory grows with the records held (the keys claimed within one TTL and not released: a key
+/// claimed and released in a loop holds one record at most), and a client can claim as many keys
+/// as it likes. [`MemoryStore::new`] sets no bound; [`MemoryStore::with_max_bytes`] refuses new
+/// keys once its records hold that much, which the layer answers with `503` and `Retry-After`
+/// (its [`StoreFailure`](crate::StoreFailure) policy), rather than let the process run out of
+/// memory or forget a kept response early (a retry would then run again):
 ///
 /// ```
 /// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
@@ -109,9 +110,10 @@ struct Shard(Mutex<Records>);
 #[derive(Debug, Default)]
 struct Records {
     map: Map,
-    /// Every claim made in this shard, oldest first, with the time its record expires. A claim's
-    /// record may since have been released, deleted, claimed again (its token tells) or renewed
-    /// past that time; it is looked at when its time comes.
+    /// The claims made in this shard, oldest first, with the time their records expire. A
+    /// claim's record may since have been released, deleted, claimed again (its token tells) or
+    /// renewed past that time; it is looked at when its time comes, or dropped sooner once such
+    /// claims outnumber the records ([`Records::bound_expiry`]).
     ///
     /// Claims with one TTL arrive in the order they expire. When layers with different TTLs share
     /// a store, a record behind one that expires later waits for it: it is still expired to every
@@ -132,7 +134,32 @@ struct Expiry {
 /// store shrinks back after a burst of claims has expired, not only stops growing.
 const EXPIRE_PER_CLAIM: usize = 2;
 
+/// How many claims a shard's expiry queue holds at most per record...
+const QUEUED_PER_RECORD: usize = 2;
+/// ...and besides, so that a shard holding few records is not compacted on every claim.
+const QUEUED_BESIDES: usize = 64;
+
 impl Records {
+    /// Drops the queued claims whose record is gone or was claimed again, once the queue holds
+    /// more than [`QUEUED_PER_RECORD`] claims per record: a key claimed and released in a loop
+    /// would otherwise queue a claim per request until its TTL. Each compaction drops more than
+    /// half the queue, so its work is paid for by the claims that filled it.
+    fn bound_expiry(&mut self) {
+        let bound = QUEUED_PER_RECORD * self.map.len() + QUEUED_BESIDES;
+        if self.expiry.len() <= bound {
+            return;
+        }
+        let map = &self.map;
+        self.expiry.retain(|queued| {
+            map.get(&queued.key)
+                .is_some_and(|entry| entry.token == queued.token)
+        });
+        // A queue that once held many more claims gives the memory back.
+        if self.expiry.capacity() > 2 * bound {
+            self.expiry.shrink_to(bound);
+        }
+    }
+
     /// Deletes up to `max` records expired at `now`, oldest claim first; the bytes they held.
     fn expire_oldest(&mut self, now: Instant, max: usize) -> usize {
         let mut freed = 0;
@@ -186,8 +213,10 @@ struct Entry {
 }
 
 /// What a record costs a bounded store besides its kept response: its key and entry in the map,
-/// the map's own overhead per slot, roughly, and its place in the expiry queue.
-const ENTRY_BYTES: usize = size_of::<(ScopeKey, Entry)>() + 16 + size_of::<Expiry>();
+/// the map's own overhead per slot, roughly, and the places in the expiry queue it may hold
+/// ([`Records::bound_expiry`]).
+const ENTRY_BYTES: usize =
+    size_of::<(ScopeKey, Entry)>() + 16 + QUEUED_PER_RECORD * size_of::<Expiry>();
 
 impl Entry {
     /// The bytes this entry counts against a bounded store's limit.
@@ -339,7 +368,7 @@ impl MemoryStore {
         f: impl FnOnce(hash_map::OccupiedEntry<'_, ScopeKey, Entry>),
     ) -> ClaimStatus {
         let mut records = self.records(&lease.key);
-        match records.map.entry(lease.key) {
+        let status = match records.map.entry(lease.key) {
             hash_map::Entry::Occupied(entry)
                 if entry.get().token == lease.token
                     && matches!(entry.get().state, State::InFlight { .. }) =>
@@ -348,7 +377,10 @@ impl MemoryStore {
                 ClaimStatus::Held
             }
             _ => ClaimStatus::Lost,
-        }
+        };
+        // A release removes the record but leaves its claim queued.
+        records.bound_expiry();
+        status
     }
 }
 
@@ -415,6 +447,8 @@ impl MemoryStore {
         let records = &mut *shard;
         let freed = records.expire_oldest(now, EXPIRE_PER_CLAIM);
         self.count(0, freed);
+        // Before this claim queues its own.
+        records.bound_expiry();
         // One probe of the map, whatever the outcome.
         let slot = records.map.entry(request.key);
         let takeover = match &slot {
@@ -530,6 +564,7 @@ impl MemoryStore {
                 (count + 1, bytes + entry.bytes())
             });
         self.count(0, bytes);
+        records.bound_expiry();
         count
     }
 }
@@ -840,6 +875,26 @@ mod tests {
         tokio::time::advance(Duration::from_secs(25)).await;
         acquire(&store, &periodic(5, 2, ttl)).await;
         assert_eq!(store.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn compacting_the_queue_keeps_the_claims_of_held_records() {
+        let store = MemoryStore::new();
+        let ttl = Duration::from_secs(10);
+        for p in 0..10 {
+            acquire(&store, &periodic(5, p, ttl)).await;
+        }
+        // Enough released claims in the same shard to compact its queue many times over.
+        for _ in 0..1000 {
+            let (claim, _) = acquire(&store, &periodic(5, 100, ttl)).await;
+            assert_eq!(store.release(&claim).await, Ok(ClaimStatus::Held));
+        }
+        // The held records are still queued: once expired, new claims delete them, two each.
+        tokio::time::advance(ttl).await;
+        for p in 0..5 {
+            acquire(&store, &periodic(5, 200 + p, ttl)).await;
+        }
+        assert_eq!(store.len(), 5);
     }
 
     /// The checks every store is held to; `tokio::time` is the memory store's clock, so they

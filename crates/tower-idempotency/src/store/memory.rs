@@ -208,7 +208,10 @@ impl Default for Inner {
 struct Entry {
     fingerprint: Fingerprint,
     token: i64,
+    /// When the store may delete the entry: the later of its claim's TTL and its lease's end
+    /// (which renewals move). [`Entry::ends`] tells when a request sees it end.
     expires_at: Instant,
+    claimed_at: Instant,
     state: State,
 }
 
@@ -219,6 +222,13 @@ const ENTRY_BYTES: usize =
     size_of::<(ScopeKey, Entry)>() + 16 + QUEUED_PER_RECORD * size_of::<Expiry>();
 
 impl Entry {
+    /// When the record ends for a request with `ttl`: at that TTL counted from its claim, or
+    /// when the store may delete it, if sooner. A claim in flight under a live lease outlives
+    /// both; the caller checks that first.
+    fn ends(&self, ttl: Duration) -> Instant {
+        self.expires_at.min(self.claimed_at + ttl)
+    }
+
     /// The bytes this entry counts against a bounded store's limit.
     fn bytes(&self) -> usize {
         ENTRY_BYTES
@@ -453,32 +463,34 @@ impl MemoryStore {
         let slot = records.map.entry(request.key);
         let takeover = match &slot {
             hash_map::Entry::Vacant(_) => false,
-            hash_map::Entry::Occupied(held) => match held.get() {
-                entry if entry.expires_at <= now => false,
-                entry if entry.fingerprint != request.fingerprint => return Ok(Begin::Mismatch),
-                Entry {
-                    state: State::Completed(packed),
-                    expires_at,
-                    ..
-                } => {
-                    // A handle out of the lock; rebuilt into a record after it is released.
-                    let (packed, expires_in) = (packed.clone(), *expires_at - now);
-                    drop(shard);
-                    return Ok(Begin::Completed {
-                        record: packed.unpack(),
-                        expires_in: Some(expires_in),
-                    });
+            hash_map::Entry::Occupied(held) => {
+                let entry = held.get();
+                let ends = entry.ends(request.ttl);
+                match &entry.state {
+                    // Never taken from its holder, even past its TTL.
+                    State::InFlight { lease_until } if *lease_until > now => {
+                        if entry.fingerprint != request.fingerprint {
+                            return Ok(Begin::Mismatch);
+                        }
+                        return Ok(Begin::InFlight {
+                            lease_remaining: Some(*lease_until - now),
+                        });
+                    }
+                    _ if ends <= now => false,
+                    _ if entry.fingerprint != request.fingerprint => return Ok(Begin::Mismatch),
+                    State::Completed(packed) => {
+                        // A handle out of the lock; rebuilt into a record after it is released.
+                        let (packed, expires_in) = (packed.clone(), ends - now);
+                        drop(shard);
+                        return Ok(Begin::Completed {
+                            record: packed.unpack(),
+                            expires_in: Some(expires_in),
+                        });
+                    }
+                    // Its holder's lease lapsed before its TTL passed.
+                    State::InFlight { .. } => true,
                 }
-                Entry {
-                    state: State::InFlight { lease_until },
-                    ..
-                } if *lease_until > now => {
-                    return Ok(Begin::InFlight {
-                        lease_remaining: Some(*lease_until - now),
-                    });
-                }
-                Entry { .. } => true,
-            },
+            }
         };
         // A new key is what grows the store; an expired record or a lapsed claim it replaces
         // gives back what it held.
@@ -502,6 +514,7 @@ impl MemoryStore {
             fingerprint: request.fingerprint,
             token,
             expires_at,
+            claimed_at: now,
             state: State::InFlight {
                 lease_until: now + request.lease,
             },
@@ -683,6 +696,69 @@ mod tests {
             store.begin(&long_lease).await,
             Ok(Begin::InFlight { .. })
         ));
+    }
+
+    /// A TTL shorter than the lease.
+    fn short_ttl(fingerprint: u8) -> ClaimRequest {
+        ClaimRequest {
+            ttl: Duration::from_secs(2),
+            ..request(fingerprint)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completed_record_expires_at_its_ttl_though_the_lease_is_longer() {
+        let store = MemoryStore::new();
+        let (claim, _) = acquire(&store, &short_ttl(1)).await;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(
+            store.complete(&claim, &record()).await,
+            Ok(ClaimStatus::Held)
+        );
+        assert_eq!(
+            store.begin(&short_ttl(1)).await,
+            Ok(Begin::Completed {
+                record: record(),
+                expires_in: Some(Duration::from_secs(1))
+            }),
+            "a record is kept for its TTL from its claim"
+        );
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let (again, takeover) = acquire(&store, &short_ttl(1)).await;
+        assert!(!takeover, "an expired record is new, not a takeover");
+        assert!(again.token > claim.token);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses() {
+        let store = MemoryStore::new();
+        let (claim, _) = acquire(&store, &short_ttl(1)).await;
+        tokio::time::advance(Duration::from_secs(29)).await;
+        assert_eq!(
+            store.begin(&short_ttl(1)).await,
+            Ok(Begin::InFlight {
+                lease_remaining: Some(Duration::from_secs(1))
+            })
+        );
+        assert_eq!(store.begin(&short_ttl(2)).await, Ok(Begin::Mismatch));
+        assert_eq!(store.delete_expired(10).await, Ok(0));
+        assert_eq!(
+            store.renew(&claim, Duration::from_secs(30)).await,
+            Ok(ClaimStatus::Held)
+        );
+        tokio::time::advance(Duration::from_secs(29)).await;
+        assert!(matches!(
+            store.begin(&short_ttl(2)).await,
+            Ok(Begin::Mismatch)
+        ));
+        // Lapsed, and past its TTL: dead, so the next claim is new.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let (_, takeover) = acquire(&store, &short_ttl(2)).await;
+        assert!(!takeover);
+        assert_eq!(
+            store.complete(&claim, &record()).await,
+            Ok(ClaimStatus::Lost)
+        );
     }
 
     #[tokio::test(start_paused = true)]

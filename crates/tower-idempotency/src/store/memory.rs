@@ -189,6 +189,17 @@ impl Records {
     }
 }
 
+/// `at + span`, or a century after `at` when that is past what an [`Instant`] holds: a TTL or
+/// lease of `Duration::MAX` means never, and no request panics on it. (`at` itself only if a
+/// century overflows too, which a monotonic clock never comes near.)
+fn later(at: Instant, span: Duration) -> Instant {
+    at.checked_add(span)
+        .or_else(|| at.checked_add(CENTURY))
+        .unwrap_or(at)
+}
+
+const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// Keys are SHA-256 digests, so a fast hasher spreads them as well as SipHash does; seeded per
 /// process, it leaves a client no way to aim keys at one bucket.
 type Map = HashMap<ScopeKey, Entry, foldhash::fast::RandomState>;
@@ -226,7 +237,7 @@ impl Entry {
     /// when the store may delete it, if sooner. A claim in flight under a live lease outlives
     /// both; the caller checks that first.
     fn ends(&self, ttl: Duration) -> Instant {
-        self.expires_at.min(self.claimed_at + ttl)
+        self.expires_at.min(later(self.claimed_at, ttl))
     }
 
     /// The bytes this entry counts against a bounded store's limit.
@@ -412,7 +423,7 @@ impl Store for MemoryStore {
     async fn renew(&self, claim: &Lease, lease: Duration) -> Result<ClaimStatus, MemoryStoreError> {
         Ok(self.with_held(claim, |mut held| {
             let entry = held.get_mut();
-            let lease_until = Instant::now() + lease;
+            let lease_until = later(Instant::now(), lease);
             entry.expires_at = entry.expires_at.max(lease_until);
             entry.state = State::InFlight { lease_until };
         }))
@@ -473,14 +484,15 @@ impl MemoryStore {
                             return Ok(Begin::Mismatch);
                         }
                         return Ok(Begin::InFlight {
-                            lease_remaining: Some(*lease_until - now),
+                            lease_remaining: Some(lease_until.saturating_duration_since(now)),
                         });
                     }
                     _ if ends <= now => false,
                     _ if entry.fingerprint != request.fingerprint => return Ok(Begin::Mismatch),
                     State::Completed(packed) => {
                         // A handle out of the lock; rebuilt into a record after it is released.
-                        let (packed, expires_in) = (packed.clone(), ends - now);
+                        let (packed, expires_in) =
+                            (packed.clone(), ends.saturating_duration_since(now));
                         drop(shard);
                         return Ok(Begin::Completed {
                             record: packed.unpack(),
@@ -509,15 +521,14 @@ impl MemoryStore {
         records.last_token += 1;
         let token = records.last_token;
         // A claim in flight outlives its TTL until its lease ends.
-        let expires_at = now + request.ttl.max(request.lease);
+        let lease_until = later(now, request.lease);
+        let expires_at = later(now, request.ttl).max(lease_until);
         slot.insert_entry(Entry {
             fingerprint: request.fingerprint,
             token,
             expires_at,
             claimed_at: now,
-            state: State::InFlight {
-                lease_until: now + request.lease,
-            },
+            state: State::InFlight { lease_until },
         });
         records.expiry.push_back(Expiry {
             at: expires_at,
@@ -971,6 +982,84 @@ mod tests {
             acquire(&store, &periodic(5, 200 + p, ttl)).await;
         }
         assert_eq!(store.len(), 5);
+    }
+
+    /// Any TTL, lease and renewal, `Duration::MAX` included: the store saturates its clock
+    /// arithmetic rather than panic on a request.
+    mod properties {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// Any duration, with zero, the largest and short ones made common.
+        fn duration() -> impl Strategy<Value = Duration> {
+            prop_oneof![
+                Just(Duration::ZERO),
+                Just(Duration::MAX),
+                (0..100u64).prop_map(Duration::from_secs),
+                (any::<u64>(), 0..1_000_000_000u32).prop_map(|(s, n)| Duration::new(s, n)),
+            ]
+        }
+
+        /// Claims, renews, completes, releases and deletes with `ttl` and `lease`, the clock
+        /// moving `step` between the calls.
+        async fn serve(
+            store: &MemoryStore,
+            ttl: Duration,
+            lease: Duration,
+            renewal: Duration,
+            step: Duration,
+        ) -> Result<(), TestCaseError> {
+            let request = ClaimRequest {
+                lease,
+                ttl,
+                ..request(1)
+            };
+            let released = ClaimRequest {
+                key: ScopeKey::from_bytes([8; 32]),
+                ..request.clone()
+            };
+            for _ in 0..3 {
+                if let Ok(Begin::Acquired { claim, .. }) = store.begin(&released).await {
+                    let _ = store.renew(&claim, renewal).await;
+                    let _ = store.release(&claim).await;
+                }
+                match store.begin(&request).await {
+                    Ok(Begin::Acquired { claim, .. }) => {
+                        let _ = store.begin(&request).await;
+                        let _ = store.renew(&claim, renewal).await;
+                        tokio::time::advance(step).await;
+                        let _ = store.complete(&claim, &record()).await;
+                    }
+                    Ok(Begin::Completed {
+                        expires_in: Some(expires_in),
+                        ..
+                    }) => prop_assert!(expires_in <= ttl, "{expires_in:?} left of {ttl:?}"),
+                    _ => {}
+                }
+                tokio::time::advance(step).await;
+                let _ = store.delete_expired(10).await;
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #[test]
+            fn any_ttl_lease_or_renewal_is_served_without_panic(
+                ttl in duration(),
+                lease in duration(),
+                renewal in duration(),
+                step in (0..40u64).prop_map(Duration::from_secs),
+            ) {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .start_paused(true)
+                    .build()?;
+                for store in [MemoryStore::new(), MemoryStore::with_max_bytes(1 << 20)] {
+                    runtime.block_on(serve(&store, ttl, lease, renewal, step))?;
+                }
+            }
+        }
     }
 
     /// The checks every store is held to; `tokio::time` is the memory store's clock, so they

@@ -334,7 +334,8 @@ impl MemoryStore {
     }
 
     /// An empty store that holds at most about `limit` bytes of records: each costs its kept
-    /// response (headers and body) and about 160 bytes for its key and state.
+    /// response (headers and body) and about 290 bytes for its key, its state and its places in
+    /// the expiry queue.
     ///
     /// When a new key would take the store past `limit`, the store first deletes its expired
     /// records (at most once a second; run

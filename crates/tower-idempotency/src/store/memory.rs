@@ -26,11 +26,12 @@ use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 /// headers and body), so a store holding many of them neither fragments the heap nor keeps the
 /// response's own buffers alive.
 ///
-/// Memory grows with the keys claimed within one TTL, and a client can claim as many keys as it
-/// likes. [`MemoryStore::new`] sets no bound; [`MemoryStore::with_max_bytes`] refuses new keys
-/// once its records hold that much, which the layer answers with `503` and `Retry-After` (its
-/// [`StoreFailure`](crate::StoreFailure) policy), rather than let the process run out of memory
-/// or forget a kept response early (a retry would then run again):
+/// Memory grows with the records held (the keys claimed within one TTL and not released: a key
+/// claimed and released in a loop holds one record at most), and a client can claim as many keys
+/// as it likes. [`MemoryStore::new`] sets no bound; [`MemoryStore::with_max_bytes`] refuses new
+/// keys once its records hold that much, which the layer answers with `503` and `Retry-After`
+/// (its [`StoreFailure`](crate::StoreFailure) policy), rather than let the process run out of
+/// memory or forget a kept response early (a retry would then run again):
 ///
 /// ```
 /// use tower_idempotency::{IdempotencyLayer, store::MemoryStore};
@@ -109,9 +110,10 @@ struct Shard(Mutex<Records>);
 #[derive(Debug, Default)]
 struct Records {
     map: Map,
-    /// Every claim made in this shard, oldest first, with the time its record expires. A claim's
-    /// record may since have been released, deleted, claimed again (its token tells) or renewed
-    /// past that time; it is looked at when its time comes.
+    /// The claims made in this shard, oldest first, with the time their records expire. A
+    /// claim's record may since have been released, deleted, claimed again (its token tells) or
+    /// renewed past that time; it is looked at when its time comes, or dropped sooner once such
+    /// claims outnumber the records ([`Records::bound_expiry`]).
     ///
     /// Claims with one TTL arrive in the order they expire. When layers with different TTLs share
     /// a store, a record behind one that expires later waits for it: it is still expired to every
@@ -132,7 +134,32 @@ struct Expiry {
 /// store shrinks back after a burst of claims has expired, not only stops growing.
 const EXPIRE_PER_CLAIM: usize = 2;
 
+/// How many claims a shard's expiry queue holds at most per record...
+const QUEUED_PER_RECORD: usize = 2;
+/// ...and besides, so that a shard holding few records is not compacted on every claim.
+const QUEUED_BESIDES: usize = 64;
+
 impl Records {
+    /// Drops the queued claims whose record is gone or was claimed again, once the queue holds
+    /// more than [`QUEUED_PER_RECORD`] claims per record: a key claimed and released in a loop
+    /// would otherwise queue a claim per request until its TTL. Each compaction drops more than
+    /// half the queue, so its work is paid for by the claims that filled it.
+    fn bound_expiry(&mut self) {
+        let bound = QUEUED_PER_RECORD * self.map.len() + QUEUED_BESIDES;
+        if self.expiry.len() <= bound {
+            return;
+        }
+        let map = &self.map;
+        self.expiry.retain(|queued| {
+            map.get(&queued.key)
+                .is_some_and(|entry| entry.token == queued.token)
+        });
+        // A queue that once held many more claims gives the memory back.
+        if self.expiry.capacity() > 2 * bound {
+            self.expiry.shrink_to(bound);
+        }
+    }
+
     /// Deletes up to `max` records expired at `now`, oldest claim first; the bytes they held.
     fn expire_oldest(&mut self, now: Instant, max: usize) -> usize {
         let mut freed = 0;
@@ -162,6 +189,17 @@ impl Records {
     }
 }
 
+/// `at + span`, or a century after `at` when that is past what an [`Instant`] holds: a TTL or
+/// lease of `Duration::MAX` means never, and no request panics on it. (`at` itself only if a
+/// century overflows too, which a monotonic clock never comes near.)
+fn later(at: Instant, span: Duration) -> Instant {
+    at.checked_add(span)
+        .or_else(|| at.checked_add(CENTURY))
+        .unwrap_or(at)
+}
+
+const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// Keys are SHA-256 digests, so a fast hasher spreads them as well as SipHash does; seeded per
 /// process, it leaves a client no way to aim keys at one bucket.
 type Map = HashMap<ScopeKey, Entry, foldhash::fast::RandomState>;
@@ -181,15 +219,27 @@ impl Default for Inner {
 struct Entry {
     fingerprint: Fingerprint,
     token: i64,
+    /// When the store may delete the entry: the later of its claim's TTL and its lease's end
+    /// (which renewals move). [`Entry::ends`] tells when a request sees it end.
     expires_at: Instant,
+    claimed_at: Instant,
     state: State,
 }
 
 /// What a record costs a bounded store besides its kept response: its key and entry in the map,
-/// the map's own overhead per slot, roughly, and its place in the expiry queue.
-const ENTRY_BYTES: usize = size_of::<(ScopeKey, Entry)>() + 16 + size_of::<Expiry>();
+/// the map's own overhead per slot, roughly, and the places in the expiry queue it may hold
+/// ([`Records::bound_expiry`]).
+const ENTRY_BYTES: usize =
+    size_of::<(ScopeKey, Entry)>() + 16 + QUEUED_PER_RECORD * size_of::<Expiry>();
 
 impl Entry {
+    /// When the record ends for a request with `ttl`: at that TTL counted from its claim, or
+    /// when the store may delete it, if sooner. A claim in flight under a live lease outlives
+    /// both; the caller checks that first.
+    fn ends(&self, ttl: Duration) -> Instant {
+        self.expires_at.min(later(self.claimed_at, ttl))
+    }
+
     /// The bytes this entry counts against a bounded store's limit.
     fn bytes(&self) -> usize {
         ENTRY_BYTES
@@ -284,7 +334,8 @@ impl MemoryStore {
     }
 
     /// An empty store that holds at most about `limit` bytes of records: each costs its kept
-    /// response (headers and body) and about 160 bytes for its key and state.
+    /// response (headers and body) and about 290 bytes for its key, its state and its places in
+    /// the expiry queue.
     ///
     /// When a new key would take the store past `limit`, the store first deletes its expired
     /// records (at most once a second; run
@@ -339,7 +390,7 @@ impl MemoryStore {
         f: impl FnOnce(hash_map::OccupiedEntry<'_, ScopeKey, Entry>),
     ) -> ClaimStatus {
         let mut records = self.records(&lease.key);
-        match records.map.entry(lease.key) {
+        let status = match records.map.entry(lease.key) {
             hash_map::Entry::Occupied(entry)
                 if entry.get().token == lease.token
                     && matches!(entry.get().state, State::InFlight { .. }) =>
@@ -348,7 +399,10 @@ impl MemoryStore {
                 ClaimStatus::Held
             }
             _ => ClaimStatus::Lost,
-        }
+        };
+        // A release removes the record but leaves its claim queued.
+        records.bound_expiry();
+        status
     }
 }
 
@@ -370,7 +424,7 @@ impl Store for MemoryStore {
     async fn renew(&self, claim: &Lease, lease: Duration) -> Result<ClaimStatus, MemoryStoreError> {
         Ok(self.with_held(claim, |mut held| {
             let entry = held.get_mut();
-            let lease_until = Instant::now() + lease;
+            let lease_until = later(Instant::now(), lease);
             entry.expires_at = entry.expires_at.max(lease_until);
             entry.state = State::InFlight { lease_until };
         }))
@@ -415,36 +469,41 @@ impl MemoryStore {
         let records = &mut *shard;
         let freed = records.expire_oldest(now, EXPIRE_PER_CLAIM);
         self.count(0, freed);
+        // Before this claim queues its own.
+        records.bound_expiry();
         // One probe of the map, whatever the outcome.
         let slot = records.map.entry(request.key);
         let takeover = match &slot {
             hash_map::Entry::Vacant(_) => false,
-            hash_map::Entry::Occupied(held) => match held.get() {
-                entry if entry.expires_at <= now => false,
-                entry if entry.fingerprint != request.fingerprint => return Ok(Begin::Mismatch),
-                Entry {
-                    state: State::Completed(packed),
-                    expires_at,
-                    ..
-                } => {
-                    // A handle out of the lock; rebuilt into a record after it is released.
-                    let (packed, expires_in) = (packed.clone(), *expires_at - now);
-                    drop(shard);
-                    return Ok(Begin::Completed {
-                        record: packed.unpack(),
-                        expires_in: Some(expires_in),
-                    });
+            hash_map::Entry::Occupied(held) => {
+                let entry = held.get();
+                let ends = entry.ends(request.ttl);
+                match &entry.state {
+                    // Never taken from its holder, even past its TTL.
+                    State::InFlight { lease_until } if *lease_until > now => {
+                        if entry.fingerprint != request.fingerprint {
+                            return Ok(Begin::Mismatch);
+                        }
+                        return Ok(Begin::InFlight {
+                            lease_remaining: Some(lease_until.saturating_duration_since(now)),
+                        });
+                    }
+                    _ if ends <= now => false,
+                    _ if entry.fingerprint != request.fingerprint => return Ok(Begin::Mismatch),
+                    State::Completed(packed) => {
+                        // A handle out of the lock; rebuilt into a record after it is released.
+                        let (packed, expires_in) =
+                            (packed.clone(), ends.saturating_duration_since(now));
+                        drop(shard);
+                        return Ok(Begin::Completed {
+                            record: packed.unpack(),
+                            expires_in: Some(expires_in),
+                        });
+                    }
+                    // Its holder's lease lapsed before its TTL passed.
+                    State::InFlight { .. } => true,
                 }
-                Entry {
-                    state: State::InFlight { lease_until },
-                    ..
-                } if *lease_until > now => {
-                    return Ok(Begin::InFlight {
-                        lease_remaining: Some(*lease_until - now),
-                    });
-                }
-                Entry { .. } => true,
-            },
+            }
         };
         // A new key is what grows the store; an expired record or a lapsed claim it replaces
         // gives back what it held.
@@ -463,14 +522,14 @@ impl MemoryStore {
         records.last_token += 1;
         let token = records.last_token;
         // A claim in flight outlives its TTL until its lease ends.
-        let expires_at = now + request.ttl.max(request.lease);
+        let lease_until = later(now, request.lease);
+        let expires_at = later(now, request.ttl).max(lease_until);
         slot.insert_entry(Entry {
             fingerprint: request.fingerprint,
             token,
             expires_at,
-            state: State::InFlight {
-                lease_until: now + request.lease,
-            },
+            claimed_at: now,
+            state: State::InFlight { lease_until },
         });
         records.expiry.push_back(Expiry {
             at: expires_at,
@@ -530,6 +589,7 @@ impl MemoryStore {
                 (count + 1, bytes + entry.bytes())
             });
         self.count(0, bytes);
+        records.bound_expiry();
         count
     }
 }
@@ -648,6 +708,69 @@ mod tests {
             store.begin(&long_lease).await,
             Ok(Begin::InFlight { .. })
         ));
+    }
+
+    /// A TTL shorter than the lease.
+    fn short_ttl(fingerprint: u8) -> ClaimRequest {
+        ClaimRequest {
+            ttl: Duration::from_secs(2),
+            ..request(fingerprint)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completed_record_expires_at_its_ttl_though_the_lease_is_longer() {
+        let store = MemoryStore::new();
+        let (claim, _) = acquire(&store, &short_ttl(1)).await;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(
+            store.complete(&claim, &record()).await,
+            Ok(ClaimStatus::Held)
+        );
+        assert_eq!(
+            store.begin(&short_ttl(1)).await,
+            Ok(Begin::Completed {
+                record: record(),
+                expires_in: Some(Duration::from_secs(1))
+            }),
+            "a record is kept for its TTL from its claim"
+        );
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let (again, takeover) = acquire(&store, &short_ttl(1)).await;
+        assert!(!takeover, "an expired record is new, not a takeover");
+        assert!(again.token > claim.token);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses() {
+        let store = MemoryStore::new();
+        let (claim, _) = acquire(&store, &short_ttl(1)).await;
+        tokio::time::advance(Duration::from_secs(29)).await;
+        assert_eq!(
+            store.begin(&short_ttl(1)).await,
+            Ok(Begin::InFlight {
+                lease_remaining: Some(Duration::from_secs(1))
+            })
+        );
+        assert_eq!(store.begin(&short_ttl(2)).await, Ok(Begin::Mismatch));
+        assert_eq!(store.delete_expired(10).await, Ok(0));
+        assert_eq!(
+            store.renew(&claim, Duration::from_secs(30)).await,
+            Ok(ClaimStatus::Held)
+        );
+        tokio::time::advance(Duration::from_secs(29)).await;
+        assert!(matches!(
+            store.begin(&short_ttl(2)).await,
+            Ok(Begin::Mismatch)
+        ));
+        // Lapsed, and past its TTL: dead, so the next claim is new.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let (_, takeover) = acquire(&store, &short_ttl(2)).await;
+        assert!(!takeover);
+        assert_eq!(
+            store.complete(&claim, &record()).await,
+            Ok(ClaimStatus::Lost)
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -840,6 +963,104 @@ mod tests {
         tokio::time::advance(Duration::from_secs(25)).await;
         acquire(&store, &periodic(5, 2, ttl)).await;
         assert_eq!(store.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn compacting_the_queue_keeps_the_claims_of_held_records() {
+        let store = MemoryStore::new();
+        let ttl = Duration::from_secs(10);
+        for p in 0..10 {
+            acquire(&store, &periodic(5, p, ttl)).await;
+        }
+        // Enough released claims in the same shard to compact its queue many times over.
+        for _ in 0..1000 {
+            let (claim, _) = acquire(&store, &periodic(5, 100, ttl)).await;
+            assert_eq!(store.release(&claim).await, Ok(ClaimStatus::Held));
+        }
+        // The held records are still queued: once expired, new claims delete them, two each.
+        tokio::time::advance(ttl).await;
+        for p in 0..5 {
+            acquire(&store, &periodic(5, 200 + p, ttl)).await;
+        }
+        assert_eq!(store.len(), 5);
+    }
+
+    /// Any TTL, lease and renewal, `Duration::MAX` included: the store saturates its clock
+    /// arithmetic rather than panic on a request.
+    mod properties {
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// Any duration, with zero, the largest and short ones made common.
+        fn duration() -> impl Strategy<Value = Duration> {
+            prop_oneof![
+                Just(Duration::ZERO),
+                Just(Duration::MAX),
+                (0..100u64).prop_map(Duration::from_secs),
+                (any::<u64>(), 0..1_000_000_000u32).prop_map(|(s, n)| Duration::new(s, n)),
+            ]
+        }
+
+        /// Claims, renews, completes, releases and deletes with `ttl` and `lease`, the clock
+        /// moving `step` between the calls.
+        async fn serve(
+            store: &MemoryStore,
+            ttl: Duration,
+            lease: Duration,
+            renewal: Duration,
+            step: Duration,
+        ) -> Result<(), TestCaseError> {
+            let request = ClaimRequest {
+                lease,
+                ttl,
+                ..request(1)
+            };
+            let released = ClaimRequest {
+                key: ScopeKey::from_bytes([8; 32]),
+                ..request.clone()
+            };
+            for _ in 0..3 {
+                if let Ok(Begin::Acquired { claim, .. }) = store.begin(&released).await {
+                    let _ = store.renew(&claim, renewal).await;
+                    let _ = store.release(&claim).await;
+                }
+                match store.begin(&request).await {
+                    Ok(Begin::Acquired { claim, .. }) => {
+                        let _ = store.begin(&request).await;
+                        let _ = store.renew(&claim, renewal).await;
+                        tokio::time::advance(step).await;
+                        let _ = store.complete(&claim, &record()).await;
+                    }
+                    Ok(Begin::Completed {
+                        expires_in: Some(expires_in),
+                        ..
+                    }) => prop_assert!(expires_in <= ttl, "{expires_in:?} left of {ttl:?}"),
+                    _ => {}
+                }
+                tokio::time::advance(step).await;
+                let _ = store.delete_expired(10).await;
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #[test]
+            fn any_ttl_lease_or_renewal_is_served_without_panic(
+                ttl in duration(),
+                lease in duration(),
+                renewal in duration(),
+                step in (0..40u64).prop_map(Duration::from_secs),
+            ) {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .start_paused(true)
+                    .build()?;
+                for store in [MemoryStore::new(), MemoryStore::with_max_bytes(1 << 20)] {
+                    runtime.block_on(serve(&store, ttl, lease, renewal, step))?;
+                }
+            }
+        }
     }
 
     /// The checks every store is held to; `tokio::time` is the memory store's clock, so they

@@ -923,6 +923,7 @@ macro_rules! store_suite {
                 a_panicking_handler_releases_the_key,
                 a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out,
                 expired_records_are_new,
+                a_ttl_shorter_than_the_lease_still_expires_records,
                 repeated_replays_skip_the_store,
                 a_disconnected_client_still_gets_its_charge_on_retry,
                 cancel_on_disconnect_releases_the_key,

@@ -376,7 +376,8 @@ impl PostgresStore {
     /// [`migrate`](Self::migrate), then by each `delete_expired` (the expiry loop), so keep
     /// the loop running. Choose `width` around a quarter of the TTL: a claim looks the key up in
     /// every live partition (TTL / width of them), and a record outlives its TTL by up to
-    /// `width` before its partition goes.
+    /// `width` before its partition goes. `width` may change between deployments: partitions
+    /// made at another width stay until they expire, and new ones are cut to fit around them.
     ///
     /// Claims are still one statement, serialised per key by a transaction-scoped advisory lock
     /// (a partitioned table cannot have a unique index on the key alone). Both lease and
@@ -507,27 +508,17 @@ impl PostgresStore {
             }
         }
 
-        // Ahead: every bucket from the current one to `ahead` from now.
+        // Ahead: whatever is not yet covered up to `ahead` from now.
         let horizon = now + partitioning.ahead.as_secs() as i64;
-        let mut start = now.div_euclid(width) * width;
-        while start < horizon {
-            let end = start + width;
-            if !existing.iter().any(|p| p.start == start) {
-                let partition = Partition {
-                    start,
-                    end,
-                    detaching: false,
-                };
-                match self.create_partition(&partition).await {
-                    Ok(()) => report.created += 1,
-                    Err(error) => tracing::warn!(
-                        partition = %partition.name(),
-                        error = %error,
-                        "could not create an idempotency partition; retrying next run"
-                    ),
-                }
+        for partition in partitions_to_create(&existing, now, horizon, width) {
+            match self.create_partition(&partition).await {
+                Ok(()) => report.created += 1,
+                Err(error) => tracing::warn!(
+                    partition = %partition.name(),
+                    error = %crate::service::Chain(&error),
+                    "could not create an idempotency partition; retrying next run"
+                ),
             }
-            start = end;
         }
         Ok(report)
     }
@@ -564,31 +555,39 @@ impl PostgresStore {
         // CREATE TABLE .. PARTITION OF would. Autovacuum first looks at it after 1,000 changes,
         // as at the plain table (see the migration `20261125000002_autovacuum_thresholds.sql`).
         let sql = format!(
-            "BEGIN;
-             SET LOCAL lock_timeout = '2s';
+            "SET LOCAL lock_timeout = '2s';
              CREATE TABLE IF NOT EXISTS idempotency.{name}
                  (LIKE idempotency.partitioned_records INCLUDING ALL)
                  WITH (autovacuum_analyze_threshold = 1000, autovacuum_vacuum_threshold = 1000);
              ALTER TABLE idempotency.partitioned_records ATTACH PARTITION idempotency.{name}
-                 FOR VALUES FROM (to_timestamp({start})) TO (to_timestamp({end}));
-             COMMIT;",
+                 FOR VALUES FROM (to_timestamp({start})) TO (to_timestamp({end}));",
             name = partition.name(),
             start = partition.start,
             end = partition.end,
         );
-        let result = self
-            .timed(
-                "maintain_partitions",
-                sqlx::raw_sql(AssertSqlSafe(sql)).execute(&self.pool),
-            )
-            .await;
-        match result {
-            Ok(_) => Ok(()),
-            // Another instance attached it first.
+        // A sqlx transaction, rolled back if a statement fails: a failed `BEGIN; ..; COMMIT;`
+        // string would leave its pooled connection inside the aborted transaction.
+        let create = async {
+            let mut tx = self.pool.begin().await?;
+            sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
+            tx.commit().await
+        };
+        match self.timed("maintain_partitions", create).await {
+            Ok(()) => Ok(()),
+            // 42P17: it overlaps a partition attached since the catalog was read; 23505, 42809:
+            // another run created or attached the same table. Done only if the range is covered.
             Err(PostgresStoreError::Database(error))
-                if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("42P17") =>
+                if matches!(
+                    error.as_database_error().and_then(|e| e.code()).as_deref(),
+                    Some("42P17" | "23505" | "42809")
+                ) =>
             {
-                Ok(())
+                let partitions = self.partitions().await?;
+                if uncovered(&partitions, partition.start, partition.end).is_empty() {
+                    Ok(())
+                } else {
+                    Err(PostgresStoreError::Database(error))
+                }
             }
             Err(error) => Err(error),
         }
@@ -1472,6 +1471,56 @@ impl Partition {
     }
 }
 
+/// The partitions that cover what `existing` leaves of `[now rounded down to width, horizon)`:
+/// each `width`-aligned bucket less the existing ranges, so a partition left by an earlier
+/// width (or another instance) cuts a bucket short rather than leaving a gap. Parts that end by
+/// `now` are skipped: no claim expires there.
+fn partitions_to_create(
+    existing: &[Partition],
+    now: i64,
+    horizon: i64,
+    width: i64,
+) -> Vec<Partition> {
+    let mut create = Vec::new();
+    let mut start = now.div_euclid(width) * width;
+    while start < horizon {
+        let parts = uncovered(existing, start, start + width);
+        create.extend(parts.into_iter().filter(|p| p.end > now));
+        start += width;
+    }
+    create
+}
+
+/// The sub-ranges of `[start, end)` that no partition in `existing` covers, in order.
+fn uncovered(existing: &[Partition], start: i64, end: i64) -> Vec<Partition> {
+    let mut covering: Vec<(i64, i64)> = existing
+        .iter()
+        .filter(|p| p.start < end && p.end > start)
+        .map(|p| (p.start, p.end))
+        .collect();
+    covering.sort_unstable();
+    let mut gaps = Vec::new();
+    let mut from = start;
+    for (covered_from, covered_to) in covering {
+        if covered_from > from {
+            gaps.push(Partition {
+                start: from,
+                end: covered_from,
+                detaching: false,
+            });
+        }
+        from = from.max(covered_to);
+    }
+    if from < end {
+        gaps.push(Partition {
+            start: from,
+            end,
+            detaching: false,
+        });
+    }
+    gaps
+}
+
 impl ExpiredDeletion for PostgresStore {
     /// Deletes at most `batch` expired records; in partitioned mode, runs
     /// [`maintain_partitions`](PostgresStore::maintain_partitions) instead (whole partitions,
@@ -1647,3 +1696,107 @@ impl From<sqlx::Error> for PostgresStoreError {
 
 /// The transaction a transactional claim holds.
 pub(crate) type PgTransaction = Transaction<'static, Postgres>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ranges(partitions: &[Partition]) -> Vec<(i64, i64)> {
+        partitions.iter().map(|p| (p.start, p.end)).collect()
+    }
+
+    fn partition(start: i64, end: i64) -> Partition {
+        Partition {
+            start,
+            end,
+            detaching: false,
+        }
+    }
+
+    #[test]
+    fn a_fresh_table_gets_whole_buckets_from_the_current_one_to_the_horizon() {
+        let create = partitions_to_create(&[], 3700, 3700 + 7200, 3600);
+        assert_eq!(
+            ranges(&create),
+            [(3600, 7200), (7200, 10800), (10800, 14400)]
+        );
+    }
+
+    #[test]
+    fn covered_buckets_are_left_alone() {
+        let existing = partitions_to_create(&[], 3700, 3700 + 7200, 3600);
+        assert!(partitions_to_create(&existing, 3700, 3700 + 7200, 3600).is_empty());
+    }
+
+    /// Hourly partitions, then 25 minutes: the bucket that straddles the last hourly partition's
+    /// end is cut short at it, and the new grid goes on from there.
+    #[test]
+    fn a_new_width_fills_the_bucket_the_old_partitions_end_in() {
+        let existing = [partition(0, 3600), partition(3600, 7200)];
+        let create = partitions_to_create(&existing, 100, 100 + 9000, 1500);
+        assert_eq!(ranges(&create), [(7200, 7500), (7500, 9000), (9000, 10500)]);
+    }
+
+    #[test]
+    fn holes_inside_a_bucket_are_filled_between_the_partitions_around_them() {
+        let existing = [partition(300, 400), partition(0, 100), partition(350, 600)];
+        assert_eq!(
+            ranges(&uncovered(&existing, 0, 1000)),
+            [(100, 300), (600, 1000)]
+        );
+    }
+
+    #[test]
+    fn parts_that_end_by_now_are_not_created() {
+        let existing = [partition(3600, 7200)];
+        let create = partitions_to_create(&existing, 4000, 4000 + 5000, 5000);
+        assert_eq!(ranges(&create), [(7200, 10000)]);
+    }
+
+    proptest::proptest! {
+        /// Whatever widths follow one another, and whenever the changes happen, the horizon is
+        /// covered once: no gap for a claim to fall in, no overlap for PostgreSQL to refuse.
+        #[test]
+        fn width_changes_cover_the_horizon_without_gap_or_overlap(
+            runs in proptest::collection::vec((300i64..=172_800, 0i64..=86_400), 1..5),
+            start in 0i64..2_000_000_000,
+            ahead in 3600i64..=172_800,
+        ) {
+            let mut existing: Vec<Partition> = Vec::new();
+            let mut now = start;
+            for (width, elapsed) in runs {
+                now += elapsed;
+                existing.retain(|p| p.end > now);
+                let create = partitions_to_create(&existing, now, now + ahead, width);
+                for p in &create {
+                    proptest::prop_assert!(p.start < p.end && p.end - p.start <= width, "{p:?}");
+                }
+                existing.extend(create);
+                let mut live = ranges(&existing);
+                live.sort_unstable();
+                proptest::prop_assert!(live[0].0 <= now, "{live:?} at {now}");
+                proptest::prop_assert!(live[live.len() - 1].1 >= now + ahead);
+                for pair in live.windows(2) {
+                    proptest::prop_assert_eq!(pair[0].1, pair[1].0, "gap or overlap");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn partition_names_round_trip_whatever_their_width() {
+        for p in [
+            partition(1_764_090_000, 1_764_093_600),
+            partition(7200, 7500),
+        ] {
+            assert_eq!(Partition::parse(&p.name(), false), Some(p));
+        }
+        let detaching = Partition {
+            detaching: true,
+            ..partition(7200, 7500)
+        };
+        assert_eq!(Partition::parse(&detaching.name(), true), Some(detaching));
+        assert_eq!(Partition::parse("partitioned_records_7200", false), None);
+        assert_eq!(Partition::parse("someone_elses_7200_7500", false), None);
+    }
+}

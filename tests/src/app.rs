@@ -123,6 +123,7 @@ pub fn app<St: Store>(layer: IdempotencyLayer<St>, probe: Probe) -> Router {
         .route("/release/{code}", post(release))
         .route("/panic", post(panic))
         .route("/large", post(large))
+        .route("/broken", post(broken))
         .with_state(probe.clone())
         .layer(layer)
         .layer(middleware::from_fn(authenticate))
@@ -260,6 +261,21 @@ async fn large(
     response
 }
 
+/// A `201` whose body fails after its first bytes, as a handler streaming from a source that
+/// breaks does.
+async fn broken(State(probe): State<Probe>, headers: HeaderMap) -> Response {
+    let n = probe.enter(&headers).await;
+    let chunks: Vec<Result<Bytes, std::io::Error>> = vec![
+        Ok(Bytes::from(format!("partial #{n}"))),
+        Err(std::io::Error::other("the source broke")),
+    ];
+    (
+        StatusCode::CREATED,
+        axum::body::Body::from_stream(futures_util::stream::iter(chunks)),
+    )
+        .into_response()
+}
+
 /// The table the transactional routes write to, in the test's own database.
 pub const CHARGES_TABLE: &str = "CREATE TABLE IF NOT EXISTS charges (
     id bigserial PRIMARY KEY,
@@ -277,16 +293,23 @@ struct TxState {
 /// [`IdempotentTx`](tower_idempotency::IdempotentTx), `/tx/untransacted` straight to the pool.
 /// Headers steer them: `x-test-gate` (wait at the probe's gate after the insert),
 /// `x-test-status: N` (answer N after the insert), `x-test-panic`, `x-test-abort` (make the
-/// transaction fail, then answer 201), `x-test-keep-tx` (answer 201 while a task keeps the
+/// transaction fail, then answer 201), `x-test-catch` (insert, and answer `409` if the insert
+/// fails, as a handler catching a unique violation does), `x-test-keep-tx` (answer 201 while a task keeps the
 /// transaction until the probe's gate opens), `x-test-hang` (print `handler started` on stdout
 /// after the insert, then never return: for a child process about to be killed).
 pub fn tx_app<St: Store>(layer: IdempotencyLayer<St>, probe: Probe, pool: sqlx::PgPool) -> Router {
     Router::new()
         .route("/tx/charges", post(tx_charge))
         .route("/tx/untransacted", post(untransacted_charge))
-        .with_state(TxState { probe, pool })
+        .with_state(TxState {
+            probe: probe.clone(),
+            pool,
+        })
         .layer(layer)
         .layer(middleware::from_fn(authenticate))
+        .layer(middleware::from_fn(move |request: Request, next: Next| {
+            report_abandoned(probe.clone(), request, next)
+        }))
 }
 
 async fn tx_charge(
@@ -296,6 +319,22 @@ async fn tx_charge(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    if headers.contains_key("x-test-catch") {
+        state.probe.enter(&headers).await;
+        let inserted = sqlx::query("INSERT INTO charges (idempotency_key, body) VALUES ($1, $2)")
+            .bind(context.key().as_str())
+            .bind(String::from_utf8_lossy(&body).into_owned())
+            .execute(&mut *tx)
+            .await;
+        return match inserted {
+            Ok(_) => StatusCode::CREATED.into_response(),
+            Err(_) => (
+                StatusCode::CONFLICT,
+                axum::Json(serde_json::json!({ "error": "duplicate charge" })),
+            )
+                .into_response(),
+        };
+    }
     let id: i64 = sqlx::query_scalar(
         "INSERT INTO charges (idempotency_key, body) VALUES ($1, $2) RETURNING id",
     )

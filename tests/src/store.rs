@@ -107,7 +107,7 @@ impl<St> ObservedStore<St> {
     fn settle(&self, status: ClaimStatus, counter: &AtomicUsize) -> ClaimStatus {
         match status {
             ClaimStatus::Held => counter.fetch_add(1, Ordering::SeqCst),
-            ClaimStatus::Lost => self.shared.lost.fetch_add(1, Ordering::SeqCst),
+            _ => self.shared.lost.fetch_add(1, Ordering::SeqCst),
         };
         self.shared.settled.add_permits(1);
         status
@@ -205,5 +205,9 @@ impl<St: Store> Store for ObservedStore<St> {
 
     fn commits_effects(&self, claim: &St::Claim) -> bool {
         self.inner.commits_effects(claim)
+    }
+
+    fn detached_limit(&self) -> Option<usize> {
+        self.inner.detached_limit()
     }
 }

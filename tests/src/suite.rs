@@ -801,6 +801,62 @@ pub async fn a_ttl_shorter_than_the_lease_still_expires_records<B: Backend>() {
     assert_eq!(h.probe.executions(), 2);
 }
 
+/// Issue 28.7: a handler that hangs is stopped at the layer's maximum handler time: its client
+/// gets a `503`, its claim is no longer renewed, and the retry that takes the key over once the
+/// lease lapses is told so (transactional mode: rolled back and free at once).
+pub async fn a_hung_handler_is_stopped_and_its_key_taken_over<B: Backend>() {
+    let h = Harness::<B>::with(|layer| {
+        layer
+            .with_max_handler_time(Duration::from_millis(300))
+            .expect("valid")
+    })
+    .await;
+    let post = || {
+        h.post("/charges", Some("k-hung"))
+            .header("content-type", "application/json")
+            .body(CHARGE)
+    };
+    let hung = tokio::time::timeout(
+        Duration::from_secs(10),
+        Reply::of(post().header("x-test-gate", "1")),
+    )
+    .await
+    .expect("the hung handler is stopped");
+    hung.assert_problem(503, "HandlerTimedOut");
+    assert!(hung.headers.contains_key("retry-after"));
+    if !B::TRANSACTIONAL {
+        Reply::of(post()).await.assert_problem(409, "InFlight");
+        h.backend.lapse_leases().await;
+    }
+    let taken = Reply::of(post()).await;
+    assert_eq!(taken.status, StatusCode::CREATED);
+    assert_eq!(taken.json()["takeover"], !B::TRANSACTIONAL);
+    assert!(Reply::of(post()).await.replayed());
+    assert_eq!(h.probe.executions(), 2);
+}
+
+/// Issue 28.10: a response whose body fails half-way is not a known outcome: nothing is stored
+/// (no record of a status without its body) and the key is released, so the retry runs again.
+pub async fn a_response_body_that_fails_releases_the_key<B: Backend>() {
+    let h = Harness::<B>::start().await;
+    // The client sees the failure: the connection ends before the head or mid-body.
+    let send = || async {
+        if let Ok(response) = h.post("/broken", Some("k-broken")).send().await {
+            assert_eq!(response.status(), StatusCode::CREATED);
+            assert!(
+                response.headers().get("idempotent-replayed").is_none(),
+                "never a replay"
+            );
+            assert!(response.bytes().await.is_err(), "the body fails");
+        }
+    };
+    send().await;
+    h.store.settled(1).await;
+    assert_eq!(h.store.completed(), 0, "nothing stored");
+    send().await;
+    assert_eq!(h.probe.executions(), 2);
+}
+
 async fn send_and_hang_up(h: &Harness<impl Backend>, key: &str) {
     let mut stream = TcpStream::connect(h.server.addr()).await.expect("connect");
     let request = format!(
@@ -924,6 +980,8 @@ macro_rules! store_suite {
                 a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out,
                 expired_records_are_new,
                 a_ttl_shorter_than_the_lease_still_expires_records,
+                a_hung_handler_is_stopped_and_its_key_taken_over,
+                a_response_body_that_fails_releases_the_key,
                 repeated_replays_skip_the_store,
                 a_disconnected_client_still_gets_its_charge_on_retry,
                 cancel_on_disconnect_releases_the_key,

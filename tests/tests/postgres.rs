@@ -933,6 +933,61 @@ mod postgres_only {
         ));
     }
 
+    /// Issue 28.1: the database refuses to store a delivered response for longer than the lease
+    /// (a trigger rejects every completion). The layer keeps the claim alive while it retries,
+    /// so a retry sent after the lease gets `409`, never a second execution; once the database
+    /// takes the record again, the retry gets the replay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_response_the_database_refuses_keeps_its_key_past_the_lease() {
+        let (db, store) = migrated().await;
+        db.pool()
+            .execute(
+                "CREATE FUNCTION idempotency.refuse_completion() RETURNS trigger
+                 LANGUAGE plpgsql AS $$ BEGIN
+                     IF NEW.status IS NOT NULL AND OLD.status IS NULL THEN
+                         RAISE EXCEPTION 'completions refused for the test';
+                     END IF;
+                     RETURN NEW;
+                 END $$;
+                 CREATE TRIGGER refuse_completion BEFORE UPDATE ON idempotency.records
+                     FOR EACH ROW EXECUTE FUNCTION idempotency.refuse_completion();",
+            )
+            .await
+            .expect("trigger");
+        let lease = Duration::from_millis(600);
+        let probe = Probe::default();
+        let layer = IdempotencyLayer::new(store)
+            .with_lease(lease)
+            .expect("lease")
+            .with_replay_cache(0);
+        let server = TestServer::start(app(layer, probe.clone())).await;
+        let client = reqwest::Client::new();
+        let first = Reply::of(post(&client, &server, "k-refused")).await;
+        assert_eq!(
+            first.status,
+            StatusCode::CREATED,
+            "delivered though not stored"
+        );
+        // The scenario is time passing: the refusal outlasts the lease three times over.
+        tokio::time::sleep(lease * 3).await;
+        Reply::of(post(&client, &server, "k-refused"))
+            .await
+            .assert_problem(409, "InFlight");
+        db.pool()
+            .execute("DROP TRIGGER refuse_completion ON idempotency.records")
+            .await
+            .expect("drop trigger");
+        wait_until(
+            &db,
+            "SELECT count(*) = 1 FROM idempotency.records WHERE status IS NOT NULL",
+        )
+        .await;
+        let retry = Reply::of(post(&client, &server, "k-refused")).await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!(retry.body, first.body);
+        assert_eq!(probe.executions(), 1);
+    }
+
     /// Polls `condition` (a query returning one boolean) until it holds: for what happens in
     /// a background task with nothing to signal it. Bounded: fails after 10 s.
     async fn wait_until(db: &TestDb, condition: &'static str) {

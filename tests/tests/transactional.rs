@@ -149,16 +149,50 @@ async fn server_errors_and_released_answers_roll_back() {
     assert!(Reply::of(t.post("k-status")).await.replayed());
 }
 
+/// Issue 28.2: a handler that catches a failed statement and answers success anyway leaves an
+/// aborted transaction: nothing can commit, so the client gets a `500` saying so, not the
+/// success nothing backs, and the key is free for the retry.
 #[tokio::test]
-async fn a_failed_commit_is_a_503_and_nothing_happened() {
+async fn a_success_over_an_aborted_transaction_is_a_500_and_nothing_happened() {
     let t = Tx::start().await;
     let reply = Reply::of(t.post("k-abort").header("x-test-abort", "1")).await;
-    reply.assert_problem(503, "StoreUnavailable");
+    reply.assert_problem(500, "TransactionAborted");
     assert_eq!(t.rows().await, 0);
     assert_eq!(t.records().await, 0);
     let retry = Reply::of(t.post("k-abort")).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(t.rows().await, 1);
+}
+
+/// Issue 28.2: a handler that catches a database error (a unique violation) and answers with a
+/// status the layer keeps (`409`) gets its answer delivered, unstored: its transaction did
+/// nothing, the key is released, and a retry runs again (and gets its `409` again), never a
+/// `503` from a commit that cannot happen.
+#[tokio::test]
+async fn a_handler_that_catches_a_database_error_is_answered_and_releases_the_key() {
+    let t = Tx::start().await;
+    t.db.pool()
+        .execute("CREATE UNIQUE INDEX charges_one_per_body ON charges (body)")
+        .await
+        .expect("unique index");
+    sqlx::query("INSERT INTO charges (idempotency_key, body) VALUES ('earlier', $1)")
+        .bind(BODY)
+        .execute(t.db.pool())
+        .await
+        .expect("earlier charge");
+    for attempt in 1..=2 {
+        let reply = Reply::of(t.post("k-dup-body").header("x-test-catch", "1")).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::CONFLICT,
+            "attempt {attempt}: {reply:?}"
+        );
+        assert_eq!(reply.json()["error"], "duplicate charge");
+        assert!(!reply.replayed());
+        assert_eq!(t.records().await, 0, "attempt {attempt}: nothing stored");
+    }
+    assert_eq!(t.rows().await, 1, "only the earlier charge");
+    assert_eq!(t.probe.executions(), 2, "the released key ran again");
 }
 
 /// Issue 28.0: a retry of a completed key gets its replay even while another request holds
@@ -391,6 +425,63 @@ async fn an_exhausted_pool_is_a_prompt_503() {
         StatusCode::CREATED
     );
     assert_eq!(t.rows().await, 3);
+}
+
+/// Issue 28.7: every pooled connection pinned by handlers whose clients hung up (each runs on,
+/// holding its transaction) does not leave requests hanging for a connection: a new key gets a
+/// prompt `503` with `Retry-After`, a replay this instance holds is answered, and once the
+/// handlers finish, new keys run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hang_ups_that_pin_the_pool_leave_every_request_answered_promptly() {
+    const POOL: u32 = 4;
+    let t = Tx::with_pool(
+        |db| {
+            PgPoolOptions::new()
+                .max_connections(POOL)
+                .connect_lazy_with(db.options().clone())
+        },
+        |store| store,
+    )
+    .await;
+    assert_eq!(
+        Reply::of(t.post("k-done")).await.status,
+        StatusCode::CREATED
+    );
+    assert!(
+        Reply::of(t.post("k-done")).await.replayed(),
+        "replayed once: now cached"
+    );
+    // Four handlers run (one per connection), then all their clients hang up.
+    let mut streams = Vec::new();
+    for i in 0..POOL {
+        let mut stream = TcpStream::connect(t.server.addr()).await.expect("connect");
+        let request = format!(
+            "POST /tx/charges HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer acct_a\r\n\
+             Idempotency-Key: k-hung-{i}\r\nX-Test-Gate: 1\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{BODY}",
+            BODY.len()
+        );
+        stream.write_all(request.as_bytes()).await.expect("write");
+        streams.push(stream);
+    }
+    t.probe.started(POOL).await;
+    drop(streams);
+    t.probe.abandoned(POOL).await;
+
+    let started = tokio::time::Instant::now();
+    let refused = Reply::of(t.post("k-new")).await;
+    refused.assert_problem(503, "Overloaded");
+    assert_eq!(refused.headers["retry-after"], "1");
+    assert!(Reply::of(t.post("k-done")).await.replayed());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "answered promptly, not after a wait for a connection"
+    );
+
+    t.probe.open_gate(POOL as usize);
+    t.store.settled(POOL).await;
+    assert_eq!(Reply::of(t.post("k-new")).await.status, StatusCode::CREATED);
+    assert_eq!(t.rows().await, 1 + i64::from(POOL) + 1);
 }
 
 #[tokio::test]

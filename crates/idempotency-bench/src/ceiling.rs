@@ -128,7 +128,7 @@ async fn claim_complete<St: Store>(store: &St, request: &ClaimRequest) -> Result
     match store.begin(request).await {
         Ok(Begin::Acquired { claim, .. }) => match store.complete(&claim, &record()).await {
             Ok(ClaimStatus::Held) => Ok(()),
-            Ok(ClaimStatus::Lost) => Err("complete: claim lost".to_owned()),
+            Ok(status) => Err(format!("complete: {status:?}")),
             Err(error) => Err(format!("complete: {error}")),
         },
         Ok(_) => Err("begin on a new key did not acquire it".to_owned()),

@@ -7,6 +7,7 @@ use std::{
 };
 
 use bytes::{Bytes, BytesMut};
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
@@ -93,7 +94,7 @@ pin_project! {
     #[project = ResponseKindProj]
     #[derive(Debug)]
     enum ResponseKind<B> {
-        Full { data: Option<Bytes> },
+        Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
         // What was read while trying to store the body, then the rest of the handler's stream.
         Prefixed { prefix: Option<Bytes>, rest: Pin<Box<B>> },
         // What was read before the handler's body failed, then the failure.
@@ -103,10 +104,12 @@ pin_project! {
 }
 
 impl<B> ResponseBody<B> {
-    pub(crate) fn full(data: Bytes) -> Self {
+    /// A whole body, and the trailers that ended it.
+    pub(crate) fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
         Self {
             kind: ResponseKind::Full {
                 data: non_empty(data),
+                trailers,
             },
         }
     }
@@ -138,7 +141,7 @@ impl<B> ResponseBody<B> {
 
 impl<B> From<Bytes> for ResponseBody<B> {
     fn from(data: Bytes) -> Self {
-        Self::full(data)
+        Self::full(data, None)
     }
 }
 
@@ -155,7 +158,12 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.project().kind.project() {
-            ResponseKindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            ResponseKindProj::Full { data, trailers } => Poll::Ready(
+                data.take()
+                    .map(Frame::data)
+                    .or_else(|| trailers.take().map(Frame::trailers))
+                    .map(Ok),
+            ),
             ResponseKindProj::Prefixed { prefix, rest } => match prefix.take() {
                 Some(prefix) => Poll::Ready(Some(Ok(Frame::data(prefix)))),
                 None => rest.as_mut().poll_frame(cx).map_err(Into::into),
@@ -170,7 +178,7 @@ where
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            ResponseKind::Full { data } => data.is_none(),
+            ResponseKind::Full { data, trailers } => data.is_none() && trailers.is_none(),
             ResponseKind::Prefixed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
             ResponseKind::Failed { prefix, error } => prefix.is_none() && error.is_none(),
             ResponseKind::Passthrough { body } => body.is_end_stream(),
@@ -179,7 +187,7 @@ where
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            ResponseKind::Full { data } => SizeHint::with_exact(len(data.as_ref())),
+            ResponseKind::Full { data, .. } => SizeHint::with_exact(len(data.as_ref())),
             ResponseKind::Prefixed { prefix, rest } => {
                 let extra = len(prefix.as_ref());
                 let inner = rest.size_hint();
@@ -211,8 +219,8 @@ fn len(data: Option<&Bytes>) -> u64 {
 /// How reading a body up to a limit ended.
 #[derive(Debug)]
 pub(crate) enum Buffered<B> {
-    /// The whole body, within the limit. Trailers, if any, are dropped.
-    Complete(Bytes),
+    /// The whole body, within the limit, and its trailers if it had any.
+    Complete(Bytes, Option<HeaderMap>),
     /// The body is longer than the limit: what was read, and the unread rest.
     TooLarge { prefix: Bytes, rest: B },
     /// The body failed after `prefix` was read.
@@ -237,10 +245,16 @@ where
     }
     let capacity = hint.upper().unwrap_or(hint.lower()).min(limit as u64) as usize;
     let mut buffer = Joined::default();
+    let mut trailers = None::<HeaderMap>;
     while let Some(frame) = body.frame().await {
         let data = match frame.map(Frame::into_data) {
             Ok(Ok(data)) => data,
-            Ok(Err(_trailers)) => continue,
+            Ok(Err(frame)) => {
+                if let Ok(more) = frame.into_trailers() {
+                    trailers.get_or_insert_with(HeaderMap::new).extend(more);
+                }
+                continue;
+            }
             Err(error) => {
                 return Buffered::Failed {
                     prefix: buffer.freeze(),
@@ -257,7 +271,7 @@ where
             };
         }
     }
-    Buffered::Complete(buffer.freeze())
+    Buffered::Complete(buffer.freeze(), trailers)
 }
 
 /// Frames joined into one buffer, copying only from the second frame on.
@@ -311,7 +325,7 @@ mod tests {
     async fn single_frame_is_taken_whole() {
         let data = Bytes::from_static(b"hello");
         match buffer(Box::pin(Full::new(data.clone())), 5).await {
-            Buffered::Complete(got) => assert_eq!(got.as_ptr(), data.as_ptr()),
+            Buffered::Complete(got, None) => assert_eq!(got.as_ptr(), data.as_ptr()),
             other => panic!("{other:?}"),
         }
     }
@@ -319,7 +333,7 @@ mod tests {
     #[tokio::test]
     async fn frames_are_joined_within_the_limit() {
         match buffer(Box::pin(chunks(&["ab", "cd", "e"])), 5).await {
-            Buffered::Complete(got) => assert_eq!(got, "abcde"),
+            Buffered::Complete(got, None) => assert_eq!(got, "abcde"),
             other => panic!("{other:?}"),
         }
     }
@@ -342,6 +356,28 @@ mod tests {
             Buffered::TooLarge { prefix, .. } => assert!(prefix.is_empty()),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// Issue 28.10: trailers reach the client (gRPC's status is one).
+    #[tokio::test]
+    async fn trailers_are_kept_and_delivered() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().unwrap());
+        let frames = vec![
+            Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"ab"))),
+            Ok(Frame::trailers(trailers.clone())),
+        ];
+        let body = StreamBody::new(futures_util::stream::iter(frames));
+        let Buffered::Complete(data, Some(kept)) = buffer(Box::pin(body), 64).await else {
+            panic!("trailers dropped");
+        };
+        assert_eq!(kept, trailers);
+        let delivered = ResponseBody::<Full<Bytes>>::full(data, Some(kept))
+            .collect()
+            .await
+            .unwrap();
+        assert_eq!(delivered.trailers(), Some(&trailers));
+        assert_eq!(delivered.to_bytes(), "ab");
     }
 
     #[tokio::test]

@@ -4,6 +4,10 @@ use std::{
     fmt,
     future::Future,
     pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
     task::{Context, Poll},
 };
 
@@ -55,9 +59,9 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     }
 
     /// A keyed request's future, boxed where it was made (moving the large state machine
-    /// would copy it); with `detach`, finished in a task of its own if this response future is
-    /// dropped first (see [`Disconnect`](crate::Disconnect)).
-    pub(crate) fn keyed<Fut>(future: Pin<Box<Fut>>, detach: bool) -> Self
+    /// would copy it); with `detach`, finished in a task of its own, counted there, if this
+    /// response future is dropped first (see [`Disconnect`](crate::Disconnect)).
+    pub(crate) fn keyed<Fut>(future: Pin<Box<Fut>>, detach: Option<Arc<Detached>>) -> Self
     where
         Fut: Future<Output = Output<B, E>> + Send + 'static,
         B: Send + 'static,
@@ -67,7 +71,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
             kind: Kind::Keyed {
                 keyed: Detachable {
                     future: Some(future),
-                    detach: detach.then_some(finish_detached::<B, E>),
+                    detach: detach.map(|count| (finish_detached::<B, E> as Spawn<B, E>, count)),
                 },
             },
         }
@@ -103,7 +107,35 @@ struct Detachable<B, E> {
     future: Option<BoxFuture<B, E>>,
     /// Spawns the unfinished future; made where `B` and `E` are known to be `Send`, which
     /// spawning needs and the response future's own bounds do not promise.
-    detach: Option<fn(BoxFuture<B, E>)>,
+    detach: Option<(Spawn<B, E>, Arc<Detached>)>,
+}
+
+type Spawn<B, E> = fn(BoxFuture<B, E>, Arc<Detached>);
+
+/// How many keyed requests are running for clients that hung up: shared by a layer's services.
+#[derive(Debug, Default)]
+pub(crate) struct Detached(AtomicUsize);
+
+impl Detached {
+    pub(crate) fn count(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// One detached request, counted until it ends (a panic included).
+struct Counted(Arc<Detached>);
+
+impl Counted {
+    fn new(detached: Arc<Detached>) -> Self {
+        detached.0.fetch_add(1, Ordering::Relaxed);
+        Self(detached)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl<B, E> Detachable<B, E> {
@@ -117,18 +149,23 @@ impl<B, E> Detachable<B, E> {
 
 impl<B, E> Drop for Detachable<B, E> {
     fn drop(&mut self) {
-        if let (Some(future), Some(detach)) = (self.future.take(), self.detach) {
-            detach(future);
+        if let (Some(future), Some((spawn, count))) = (self.future.take(), self.detach.take()) {
+            spawn(future, count);
         }
     }
 }
 
 /// Runs an abandoned keyed request to completion in a task of its own.
-fn finish_detached<B: Send + 'static, E: Send + 'static>(future: BoxFuture<B, E>) {
+fn finish_detached<B: Send + 'static, E: Send + 'static>(
+    future: BoxFuture<B, E>,
+    detached: Arc<Detached>,
+) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             tracing::debug!("client went away; finishing the request in the background");
+            let counted = Counted::new(detached);
             runtime.spawn(async move {
+                let _counted = counted;
                 // Its answer has no one to go to; what matters is that it completes.
                 let _ = future.await;
             });

@@ -1,14 +1,15 @@
 use std::{fmt, sync::Arc, time::Duration};
 
-use http::Method;
+use http::{HeaderName, Method};
 use tower_layer::Layer;
 
 use crate::{
     cache::ReplayCache,
     fingerprint::FingerprintMode,
+    future::Detached,
     policy::{Disconnect, RetentionPolicy, StoreFailure},
     scope::Scope,
-    service::Idempotency,
+    service::{Idempotency, Shared},
     store::{MemoryStore, Store},
 };
 
@@ -38,6 +39,7 @@ pub struct IdempotencyLayer<St> {
     store: Arc<St>,
     config: Arc<Config>,
     cache: Arc<ReplayCache>,
+    detached: Arc<Detached>,
 }
 
 /// The default size of the replay cache.
@@ -58,7 +60,18 @@ pub(crate) struct Config {
     pub(crate) store_failure: StoreFailure,
     pub(crate) retention: RetentionPolicy,
     pub(crate) disconnect: Disconnect,
+    pub(crate) max_detached: usize,
+    pub(crate) max_handler_time: Duration,
+    pub(crate) unstored_headers: Vec<HeaderName>,
 }
+
+/// The longest duration a setting takes: longer ones are taken as this, which is forever for
+/// every purpose here and keeps clock arithmetic and database intervals far from overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// The shortest lease: it is renewed every third of itself, and a store needs some time to
+/// answer a renewal.
+pub const MIN_LEASE: Duration = Duration::from_millis(10);
 
 impl Default for Config {
     fn default() -> Self {
@@ -75,6 +88,9 @@ impl Default for Config {
             store_failure: StoreFailure::default(),
             retention: RetentionPolicy::default(),
             disconnect: Disconnect::default(),
+            max_detached: 1024,
+            max_handler_time: Duration::from_secs(10 * 60),
+            unstored_headers: Vec::new(),
         }
     }
 }
@@ -102,6 +118,9 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_store_failure`](Self::with_store_failure) | fail closed: `503`, `Retry-After: 1` |
     /// | [`with_retention`](Self::with_retention) | [`RetentionPolicy::final_outcomes`] |
     /// | [`with_disconnect`](Self::with_disconnect) | [`Disconnect::RunToCompletion`] |
+    /// | [`with_max_detached`](Self::with_max_detached) | 1,024 handlers finishing for clients that hung up (fewer if the store says so: [`Store::detached_limit`]); past it keyed requests get `503` |
+    /// | [`with_max_handler_time`](Self::with_max_handler_time) | 10 minutes, then the handler is cancelled and its key left to lapse |
+    /// | [`with_unstored_headers`](Self::with_unstored_headers) | none besides those [`Record::capture`](crate::Record::capture) always drops |
     /// | [`with_replay_cache`](Self::with_replay_cache) | 16 MiB of replayed records kept in process; none for a store that is itself in process ([`Store::in_process`]) |
     pub fn new(store: St) -> Self {
         let cache = if store.in_process() {
@@ -113,6 +132,7 @@ impl<St: Store> IdempotencyLayer<St> {
             store: Arc::new(store),
             config: Arc::new(Config::default()),
             cache: Arc::new(ReplayCache::new(cache)),
+            detached: Arc::default(),
         }
     }
 
@@ -132,6 +152,8 @@ impl<St: Store> IdempotencyLayer<St> {
     /// its lease runs, but a completed record is replayed only until its TTL, however long the
     /// lease.
     ///
+    /// A TTL longer than [`MAX_DURATION`] is taken as that.
+    ///
     /// # Errors
     ///
     /// [`ConfigError::Zero`] for a zero TTL.
@@ -139,7 +161,7 @@ impl<St: Store> IdempotencyLayer<St> {
         if ttl.is_zero() {
             return Err(ConfigError::Zero("ttl"));
         }
-        self.config_mut().ttl = ttl;
+        self.config_mut().ttl = ttl.min(MAX_DURATION);
         Ok(self)
     }
 
@@ -149,14 +171,23 @@ impl<St: Store> IdempotencyLayer<St> {
     /// from crashes, at the cost of more renewals for long handlers. Choose it longer than your
     /// slowest handler's usual pauses between polls of its future.
     ///
+    /// A lease longer than [`MAX_DURATION`] is taken as that.
+    ///
     /// # Errors
     ///
-    /// [`ConfigError::Zero`] for a zero lease.
+    /// [`ConfigError::Zero`] for a zero lease, [`ConfigError::TooShort`] for one under
+    /// [`MIN_LEASE`].
     pub fn with_lease(mut self, lease: Duration) -> Result<Self, ConfigError> {
         if lease.is_zero() {
             return Err(ConfigError::Zero("lease"));
         }
-        self.config_mut().lease = lease;
+        if lease < MIN_LEASE {
+            return Err(ConfigError::TooShort {
+                setting: "lease",
+                min: MIN_LEASE,
+            });
+        }
+        self.config_mut().lease = lease.min(MAX_DURATION);
         Ok(self)
     }
 
@@ -207,7 +238,7 @@ impl<St: Store> IdempotencyLayer<St> {
         if timeout.is_zero() {
             return Err(ConfigError::Zero("body_timeout"));
         }
-        self.config_mut().body_timeout = timeout;
+        self.config_mut().body_timeout = timeout.min(MAX_DURATION);
         Ok(self)
     }
 
@@ -260,6 +291,47 @@ impl<St: Store> IdempotencyLayer<St> {
         self.config_mut().disconnect = policy;
         self
     }
+
+    /// How many handlers may run on for clients that hung up ([`Disconnect::RunToCompletion`])
+    /// before the layer sheds new work: while that many are still running, a keyed request gets
+    /// `503` with `Retry-After` at once, without touching the store (nothing run, nothing
+    /// claimed), unless the replay cache answers it. Handlers already detached always finish:
+    /// none is cancelled to make room.
+    ///
+    /// The limit is the smaller of this and what the store can carry
+    /// ([`Store::detached_limit`]): in transactional mode each detached handler holds a pooled
+    /// connection, and the store keeps half its pool for everyone else.
+    pub fn with_max_detached(mut self, max: usize) -> Self {
+        self.config_mut().max_detached = max;
+        self
+    }
+
+    /// How long a handler may run. Past it the layer stops renewing its lease and cancels it
+    /// (drops its future): a hung handler would otherwise hold its key forever, answering `409`
+    /// to every retry. Its client, if still there, gets `503`. The claim is not released but
+    /// left to lapse, so the retry that takes the key over is told so
+    /// ([`IdempotencyContext::takeover`](crate::IdempotencyContext::takeover)) and can look for
+    /// the cancelled attempt's partial effects; in transactional mode its writes are rolled back
+    /// and the key is free at once. A duration longer than [`MAX_DURATION`] is taken as that.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Zero`] for zero.
+    pub fn with_max_handler_time(mut self, max: Duration) -> Result<Self, ConfigError> {
+        if max.is_zero() {
+            return Err(ConfigError::Zero("max_handler_time"));
+        }
+        self.config_mut().max_handler_time = max.min(MAX_DURATION);
+        Ok(self)
+    }
+
+    /// Response headers never stored (so never replayed), besides those
+    /// [`Record::capture`](crate::Record::capture) always drops: headers that describe one
+    /// delivery or carry a secret in your app.
+    pub fn with_unstored_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config_mut().unstored_headers.extend(names);
+        self
+    }
 }
 
 impl IdempotencyLayer<MemoryStore> {
@@ -293,6 +365,7 @@ impl<St> Clone for IdempotencyLayer<St> {
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
             cache: Arc::clone(&self.cache),
+            detached: Arc::clone(&self.detached),
         }
     }
 }
@@ -312,9 +385,12 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency::new(
             inner,
-            Arc::clone(&self.store),
-            Arc::clone(&self.config),
-            Arc::clone(&self.cache),
+            Shared {
+                store: Arc::clone(&self.store),
+                config: Arc::clone(&self.config),
+                cache: Arc::clone(&self.cache),
+                detached: Arc::clone(&self.detached),
+            },
         )
     }
 }
@@ -325,6 +401,13 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
 pub enum ConfigError {
     /// A duration or limit that must be positive was zero.
     Zero(&'static str),
+    /// A duration shorter than the setting's minimum.
+    TooShort {
+        /// The setting.
+        setting: &'static str,
+        /// Its minimum.
+        min: Duration,
+    },
     /// The layer must cover at least one method.
     NoMethods,
 }
@@ -333,6 +416,12 @@ impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Zero(setting) => write!(f, "idempotency setting `{setting}` must not be zero"),
+            Self::TooShort { setting, min } => {
+                write!(
+                    f,
+                    "idempotency setting `{setting}` must be at least {min:?}"
+                )
+            }
             Self::NoMethods => f.write_str("idempotency layer must cover at least one method"),
         }
     }
@@ -367,6 +456,89 @@ mod tests {
             layer().with_body_timeout(Duration::ZERO).unwrap_err(),
             ConfigError::Zero("body_timeout")
         );
+        assert_eq!(
+            layer().with_lease(Duration::from_nanos(2)).unwrap_err(),
+            ConfigError::TooShort {
+                setting: "lease",
+                min: MIN_LEASE
+            }
+        );
+        assert_eq!(
+            layer().with_max_handler_time(Duration::ZERO).unwrap_err(),
+            ConfigError::Zero("max_handler_time")
+        );
+        let saturated = layer().with_ttl(Duration::MAX).unwrap();
+        assert_eq!(saturated.config.ttl, MAX_DURATION);
+    }
+
+    /// Issue 28.9: no setting panics, whatever the duration (`Duration::MAX` included), and a
+    /// layer built from those accepted serves a keyed request and its replay.
+    mod no_setting_panics {
+        use proptest::prelude::*;
+        use tower::ServiceExt;
+
+        use super::*;
+
+        fn any_duration() -> impl Strategy<Value = Duration> {
+            prop_oneof![
+                (any::<u64>(), 0..1_000_000_000u32).prop_map(|(s, n)| Duration::new(s, n)),
+                (0..10_000_000_000u64).prop_map(Duration::from_nanos),
+                Just(Duration::MAX),
+                Just(Duration::ZERO),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(64))]
+            #[test]
+            fn any_duration_is_refused_or_served(
+                ttl in any_duration(),
+                lease in any_duration(),
+                body_timeout in any_duration(),
+                max_handler_time in any_duration(),
+            ) {
+                let mut layer = IdempotencyLayer::memory().with_scope(Scope::single_tenant());
+                for set in [
+                    |l: IdempotencyLayer<MemoryStore>, d| l.with_ttl(d),
+                    |l: IdempotencyLayer<MemoryStore>, d| l.with_lease(d),
+                    |l: IdempotencyLayer<MemoryStore>, d| l.with_body_timeout(d),
+                    |l: IdempotencyLayer<MemoryStore>, d| l.with_max_handler_time(d),
+                ]
+                .into_iter()
+                .zip([ttl, lease, body_timeout, max_handler_time])
+                .map(|(set, d)| move |l| set(l, d))
+                {
+                    if let Ok(set) = set(layer.clone()) {
+                        layer = set;
+                    }
+                }
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .start_paused(true)
+                    .build()
+                    .unwrap();
+                runtime.block_on(async {
+                    // The handler waits once, so the heartbeat starts.
+                    let handler = tower::service_fn(|_| async {
+                        tokio::task::yield_now().await;
+                        Ok::<_, std::convert::Infallible>(http::Response::new(
+                            http_body_util::Full::new(bytes::Bytes::from_static(b"ok")),
+                        ))
+                    });
+                    let service = tower_layer::Layer::layer(&layer, handler);
+                    let request = || {
+                        http::Request::post("/")
+                            .header("idempotency-key", "k")
+                            .body(http_body_util::Full::new(bytes::Bytes::new()))
+                            .unwrap()
+                    };
+                    let first = service.clone().oneshot(request()).await.unwrap();
+                    assert_eq!(first.status(), http::StatusCode::OK);
+                    let retry = service.oneshot(request()).await.unwrap();
+                    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+                });
+            }
+        }
     }
 
     #[test]

@@ -121,7 +121,7 @@ pub use context::MissingIdempotencyContext;
 pub use fingerprint::{Fingerprint, FingerprintMode};
 pub use future::ResponseFuture;
 pub use key::{IdempotencyKey, KeyError};
-pub use layer::{ConfigError, IdempotencyLayer};
+pub use layer::{ConfigError, IdempotencyLayer, MAX_DURATION, MIN_LEASE};
 pub use policy::{Disconnect, Retention, RetentionPolicy, StoreFailure};
 pub use problem::{Rejection, RejectionKind};
 pub use record::Record;

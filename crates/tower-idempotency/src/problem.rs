@@ -28,7 +28,10 @@
 //! | [`Mismatch`](RejectionKind::Mismatch) | 422 | the key was used with another request (method, path, query or body) |
 //! | [`PrincipalMissing`](RejectionKind::PrincipalMissing) | 500 | no principal to scope the key to (a misconfiguration) |
 //! | [`HandlerPanicked`](RejectionKind::HandlerPanicked) | 500 | the handler panicked; the key is released |
+//! | [`TransactionAborted`](RejectionKind::TransactionAborted) | 500 | transactional mode: the handler answered success over a transaction one of its statements had failed; nothing committed, the key is released |
 //! | [`StoreUnavailable`](RejectionKind::StoreUnavailable) | 503 | the store failed and the layer fails closed (`Retry-After`) |
+//! | [`Overloaded`](RejectionKind::Overloaded) | 503 | too many handlers still run for clients that hung up ([`with_max_detached`](crate::IdempotencyLayer::with_max_detached)); nothing run (`Retry-After`) |
+//! | [`HandlerTimedOut`](RejectionKind::HandlerTimedOut) | 503 | the handler ran past [`with_max_handler_time`](crate::IdempotencyLayer::with_max_handler_time) and was cancelled (`Retry-After`: the lease) |
 
 use std::{borrow::Cow, fmt};
 
@@ -63,8 +66,17 @@ pub enum RejectionKind {
     PrincipalMissing,
     /// `500`: the handler panicked. Nothing was stored and the key is free again.
     HandlerPanicked,
+    /// `500`: transactional mode, the handler answered success although one of its statements
+    /// had failed in the request's transaction. Nothing was committed and the key is free again.
+    TransactionAborted,
     /// `503`: the idempotency store could not be reached. Retry after `Retry-After`.
     StoreUnavailable,
+    /// `503`: too many handlers are still finishing for clients that hung up; nothing was run.
+    /// Retry after `Retry-After`.
+    Overloaded,
+    /// `503`: the handler ran past its maximum time and was stopped. Retry after `Retry-After`,
+    /// once its lease has lapsed.
+    HandlerTimedOut,
 }
 
 impl RejectionKind {
@@ -76,8 +88,12 @@ impl RejectionKind {
             Self::InFlight => StatusCode::CONFLICT,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::PrincipalMissing | Self::HandlerPanicked => StatusCode::INTERNAL_SERVER_ERROR,
-            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::PrincipalMissing | Self::HandlerPanicked | Self::TransactionAborted => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+            Self::StoreUnavailable | Self::Overloaded | Self::HandlerTimedOut => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -93,7 +109,10 @@ impl RejectionKind {
             Self::Mismatch => "Idempotency-Key was used for a different request",
             Self::PrincipalMissing => "Idempotency scope is unavailable",
             Self::HandlerPanicked => "The request failed",
+            Self::TransactionAborted => "The request failed and nothing was committed",
             Self::StoreUnavailable => "Idempotency store is unavailable",
+            Self::Overloaded => "Too many requests are still finishing",
+            Self::HandlerTimedOut => "The request took too long and was stopped",
         }
     }
 
@@ -109,7 +128,10 @@ impl RejectionKind {
             Self::Mismatch => "mismatch",
             Self::PrincipalMissing => "principal_missing",
             Self::HandlerPanicked => "handler_panicked",
+            Self::TransactionAborted => "transaction_aborted",
             Self::StoreUnavailable => "store_unavailable",
+            Self::Overloaded => "overloaded",
+            Self::HandlerTimedOut => "handler_timed_out",
         }
     }
 
@@ -125,7 +147,10 @@ impl RejectionKind {
             Self::Mismatch => "Mismatch",
             Self::PrincipalMissing => "PrincipalMissing",
             Self::HandlerPanicked => "HandlerPanicked",
+            Self::TransactionAborted => "TransactionAborted",
             Self::StoreUnavailable => "StoreUnavailable",
+            Self::Overloaded => "Overloaded",
+            Self::HandlerTimedOut => "HandlerTimedOut",
         }
     }
 }

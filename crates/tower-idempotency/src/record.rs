@@ -24,12 +24,17 @@
 //! |---|---|
 //! | `Date` | the replay is a new message; hyper adds a fresh one |
 //! | `Set-Cookie`, `Set-Cookie2` | session secrets never go to the store, and a replay must not re-establish a session |
+//! | `Authentication-Info` | authentication state of the original exchange (RFC 9110), not of the retry |
+//! | `Clear-Site-Data` | an instruction to the client of one response; replayed, it would log out or wipe a later session |
+//! | `Age` | how long a cache held that delivery |
 //! | `Content-Length` | recomputed from the body on replay |
 //! | hop-by-hop: `Connection`, `Keep-Alive`, `Proxy-Connection`, `Transfer-Encoding`, `TE`, `Trailer`, `Upgrade`, `Proxy-Authenticate`, and any field named in `Connection` | they belong to one connection |
 //! | `Idempotent-Replayed` | set by the replay itself |
 //!
 //! Everything else, `Content-Type`, `Location`, `ETag`, `Cache-Control` and custom headers
-//! included, is kept in order, repeated fields too.
+//! included, is kept in order, repeated fields too. An app adds headers of its own to the
+//! dropped ones with
+//! [`IdempotencyLayer::with_unstored_headers`](crate::IdempotencyLayer::with_unstored_headers).
 
 use std::sync::Arc;
 
@@ -56,6 +61,15 @@ impl Record {
     /// [module documentation](self). `body` is `None` when the body was not kept (it was larger
     /// than the layer's `max_response_bytes`, or failed while being read).
     pub fn capture(parts: &response::Parts, body: Option<Bytes>) -> Self {
+        Self::capture_without(parts, body, &[])
+    }
+
+    /// [`capture`](Self::capture), dropping `unstored` headers too.
+    pub(crate) fn capture_without(
+        parts: &response::Parts,
+        body: Option<Bytes>,
+        unstored: &[HeaderName],
+    ) -> Self {
         let mut headers = HeaderMap::with_capacity(parts.headers.len());
         let connection_listed: Vec<HeaderName> = parts
             .headers
@@ -66,7 +80,10 @@ impl Record {
             .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
             .collect();
         for (name, value) in &parts.headers {
-            if !is_unrepeatable(name) && !connection_listed.contains(name) {
+            if !is_unrepeatable(name)
+                && !connection_listed.contains(name)
+                && !unstored.contains(name)
+            {
                 headers.append(name.clone(), value.clone());
             }
         }
@@ -110,10 +127,11 @@ impl Record {
 
 fn is_unrepeatable(name: &HeaderName) -> bool {
     use http::header::{
-        CONNECTION, CONTENT_LENGTH, DATE, PROXY_AUTHENTICATE, SET_COOKIE, TE, TRAILER,
+        AGE, CONNECTION, CONTENT_LENGTH, DATE, PROXY_AUTHENTICATE, SET_COOKIE, TE, TRAILER,
         TRANSFER_ENCODING, UPGRADE,
     };
     [
+        &AGE,
         &DATE,
         &SET_COOKIE,
         &CONTENT_LENGTH,
@@ -128,7 +146,11 @@ fn is_unrepeatable(name: &HeaderName) -> bool {
     .contains(&name)
         || matches!(
             name.as_str(),
-            "set-cookie2" | "keep-alive" | "proxy-connection"
+            "set-cookie2"
+                | "keep-alive"
+                | "proxy-connection"
+                | "authentication-info"
+                | "clear-site-data"
         )
 }
 
@@ -177,6 +199,9 @@ mod tests {
                 ("keep-alive", "timeout=5"),
                 ("transfer-encoding", "chunked"),
                 ("idempotent-replayed", "true"),
+                ("authentication-info", "nextnonce=\"abc\""),
+                ("clear-site-data", "\"cookies\""),
+                ("age", "30"),
                 ("x-request-cost", "3"),
             ]),
             Some(Bytes::from_static(b"{}")),
@@ -184,5 +209,17 @@ mod tests {
         let names: Vec<&str> = record.headers().keys().map(HeaderName::as_str).collect();
         assert_eq!(names, ["x-request-cost"]);
         assert_eq!(record.size(), "x-request-cost".len() + 1 + 2);
+    }
+
+    /// Issue 28.11: an app's own headers can be kept out of the store too.
+    #[test]
+    fn an_apps_unstored_headers_are_dropped() {
+        let record = Record::capture_without(
+            &parts(&[("x-session-token", "secret"), ("x-request-id", "r1")]),
+            None,
+            &[HeaderName::from_static("x-session-token")],
+        );
+        let names: Vec<&str> = record.headers().keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["x-request-id"]);
     }
 }

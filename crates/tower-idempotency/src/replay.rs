@@ -2,7 +2,9 @@
 //!
 //! A replay carries the original status, the kept headers (see [`record`](crate::record)) and
 //! the exact body bytes, plus `Idempotent-Replayed: true`; `Content-Length` is computed from the
-//! body and `Date` is added by the server, as for any response.
+//! body and `Date` is added by the server, as for any response. Trailers reach the first
+//! response's client but are not stored: a replay carries none, so an API whose outcome is in
+//! its trailers (gRPC's `grpc-status`) cannot rely on replays for it.
 //!
 //! ```
 //! use http::{HeaderMap, StatusCode};
@@ -47,13 +49,20 @@ pub fn response<B: From<Bytes>>(record: &Record) -> Response<B> {
         Some(body) => body.clone(),
         None => {
             let headers = response.headers_mut();
+            // Every header that describes the body that was not kept.
             for name in [
                 header::CONTENT_TYPE,
                 header::CONTENT_ENCODING,
                 header::CONTENT_RANGE,
+                header::CONTENT_LANGUAGE,
+                header::CONTENT_LOCATION,
+                header::CONTENT_DISPOSITION,
                 header::ETAG,
                 header::LAST_MODIFIED,
             ] {
+                headers.remove(name);
+            }
+            for name in ["content-digest", "repr-digest", "digest", "content-md5"] {
                 headers.remove(name);
             }
             headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
@@ -111,12 +120,29 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert("content-type", "application/json".parse().unwrap());
         headers.insert("location", "/v1/exports/1".parse().unwrap());
+        for (name, value) in [
+            ("content-digest", "sha-256=:AAAA:"),
+            ("content-md5", "Q2hlY2sgSW50ZWdyaXR5IQ=="),
+            ("content-disposition", "attachment; filename=export.csv"),
+            ("content-location", "/v1/exports/1.csv"),
+        ] {
+            headers.insert(name, value.parse().unwrap());
+        }
         let record = Record::from_parts(StatusCode::CREATED, headers, None);
         let response = response::<Full<Bytes>>(&record);
         assert_eq!(response.status(), StatusCode::CREATED);
         assert_eq!(response.headers()["content-type"], PROBLEM_JSON);
         assert_eq!(response.headers()["location"], "/v1/exports/1");
         assert_eq!(response.headers()["idempotent-replayed"], "true");
+        // Issue 28.11: nothing that described the dropped body is replayed with the problem.
+        for name in [
+            "content-digest",
+            "content-md5",
+            "content-disposition",
+            "content-location",
+        ] {
+            assert!(!response.headers().contains_key(name), "{name} replayed");
+        }
         let body = response.into_body().collect().await.unwrap().to_bytes();
         let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(json["type"], BODY_NOT_STORED_TYPE);

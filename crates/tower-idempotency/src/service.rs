@@ -15,7 +15,7 @@ use std::{
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use http::{Request, Response, request::Parts};
+use http::{Request, Response, Uri, request::Parts};
 use http_body::Body;
 use tower_service::Service;
 use tracing::Instrument;
@@ -25,7 +25,7 @@ use crate::{
     cache::{Hit, ReplayCache},
     context::IdempotencyContext,
     fingerprint::Fingerprint,
-    future::ResponseFuture,
+    future::{Detached, ResponseFuture},
     key::IdempotencyKey,
     layer::Config,
     metrics,
@@ -42,24 +42,31 @@ use crate::{
 /// Made by [`IdempotencyLayer`](crate::IdempotencyLayer); see the [crate documentation](crate).
 pub struct Idempotency<S, St> {
     inner: S,
-    store: Arc<St>,
-    config: Arc<Config>,
-    cache: Arc<ReplayCache>,
+    shared: Shared<St>,
+}
+
+/// What every clone of the service, and every request, shares.
+pub(crate) struct Shared<St> {
+    pub(crate) store: Arc<St>,
+    pub(crate) config: Arc<Config>,
+    pub(crate) cache: Arc<ReplayCache>,
+    pub(crate) detached: Arc<Detached>,
+}
+
+impl<St> Clone for Shared<St> {
+    fn clone(&self) -> Self {
+        Self {
+            store: Arc::clone(&self.store),
+            config: Arc::clone(&self.config),
+            cache: Arc::clone(&self.cache),
+            detached: Arc::clone(&self.detached),
+        }
+    }
 }
 
 impl<S, St> Idempotency<S, St> {
-    pub(crate) fn new(
-        inner: S,
-        store: Arc<St>,
-        config: Arc<Config>,
-        cache: Arc<ReplayCache>,
-    ) -> Self {
-        Self {
-            inner,
-            store,
-            config,
-            cache,
-        }
+    pub(crate) fn new(inner: S, shared: Shared<St>) -> Self {
+        Self { inner, shared }
     }
 }
 
@@ -67,9 +74,7 @@ impl<S: Clone, St> Clone for Idempotency<S, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            store: Arc::clone(&self.store),
-            config: Arc::clone(&self.config),
-            cache: Arc::clone(&self.cache),
+            shared: self.shared.clone(),
         }
     }
 }
@@ -79,7 +84,7 @@ impl<S: fmt::Debug, St> fmt::Debug for Idempotency<S, St> {
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
             .field("store", &std::any::type_name::<St>())
-            .field("config", &self.config)
+            .field("config", &self.shared.config)
             .finish()
     }
 }
@@ -107,7 +112,8 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        if !self.config.covers(request.method()) {
+        let config = &self.shared.config;
+        if !config.covers(request.method()) {
             return ResponseFuture::passthrough(
                 self.inner.call(request.map(RequestBody::passthrough)),
             );
@@ -116,13 +122,13 @@ where
         // Key.
         let key = match IdempotencyKey::from_headers(request.headers()) {
             Ok(Some(key)) => key,
-            Ok(None) if self.config.required => {
+            Ok(None) if config.required => {
                 return ResponseFuture::rejected(Rejection::new(
                     RejectionKind::KeyMissing,
                     format!(
                         "{} {} requires an Idempotency-Key header",
                         request.method(),
-                        request.uri().path()
+                        request_uri(request.extensions(), request.uri()).path()
                     ),
                 ));
             }
@@ -141,7 +147,7 @@ where
 
         // Scope.
         let (parts, body) = request.into_parts();
-        let Some(principal) = self.config.scope.principal(&parts) else {
+        let Some(principal) = config.scope.principal(&parts) else {
             tracing::error!(
                 "idempotent request without a principal: the authentication layer must insert a \
                  `tower_idempotency::Principal` before the idempotency layer runs (in axum, add it \
@@ -154,16 +160,15 @@ where
                  cannot be honoured; nothing was processed",
             ));
         };
-        let scope_key = ScopeKey::new(&principal, &parts.method, parts.uri.path(), &key);
+        let path = request_uri(&parts.extensions, &parts.uri).path();
+        let scope_key = ScopeKey::new(&principal, &parts.method, path, &key);
 
         // The service that was polled ready is the one that runs the handler; a fresh clone
         // takes its place (see https://docs.rs/tower/latest/tower/trait.Service.html#be-careful-when-cloning-inner-services).
         let clone = self.inner.clone();
         let keyed = Keyed {
             inner: std::mem::replace(&mut self.inner, clone),
-            store: Arc::clone(&self.store),
-            config: Arc::clone(&self.config),
-            cache: Arc::clone(&self.cache),
+            shared: self.shared.clone(),
             key,
             scope_key,
             _request_body: PhantomData,
@@ -173,19 +178,30 @@ where
             key = %scope_key,
             outcome = tracing::field::Empty,
         );
-        let detach = self.config.disconnect == Disconnect::RunToCompletion;
+        let detach = (config.disconnect == Disconnect::RunToCompletion)
+            .then(|| Arc::clone(&self.shared.detached));
         // Boxed where it is made: moving this large state machine into the response future
         // would copy it, where moving the box copies a pointer.
         ResponseFuture::keyed(Box::pin(keyed.serve(parts, body).instrument(span)), detach)
     }
 }
 
+/// The URI the client sent. Axum's `Router::nest` strips its prefix from the request's URI
+/// before inner layers see it; the original, which scopes and fingerprints a key, is then in
+/// axum's `OriginalUri` extension.
+fn request_uri<'a>(extensions: &'a http::Extensions, uri: &'a Uri) -> &'a Uri {
+    #[cfg(feature = "axum")]
+    if let Some(axum::extract::OriginalUri(original)) = extensions.get() {
+        return original;
+    }
+    let _ = extensions;
+    uri
+}
+
 /// A covered request with a valid key and scope, on its way through the store.
 struct Keyed<S, St, ReqBody> {
     inner: S,
-    store: Arc<St>,
-    config: Arc<Config>,
-    cache: Arc<ReplayCache>,
+    shared: Shared<St>,
     key: IdempotencyKey,
     scope_key: ScopeKey,
     _request_body: PhantomData<fn(ReqBody)>,
@@ -217,8 +233,9 @@ where
     )]
     fn serve(self, parts: Parts, body: ReqBody) -> impl Future<Output = Served<ResBody, S::Error>> {
         async move {
-            let limit = self.config.max_body_bytes;
-            let timeout = self.config.body_timeout;
+            let config = &*self.shared.config;
+            let limit = config.max_body_bytes;
+            let timeout = config.body_timeout;
             let body = pin!(body);
             let mut buffering = pin!(body::buffer(body, limit));
             // A small body has usually arrived with the head: only a body still on its way gets a
@@ -240,7 +257,7 @@ where
                 },
             };
             let body = match buffered {
-                Buffered::Complete(body) => body,
+                Buffered::Complete(body, _trailers) => body,
                 Buffered::TooLarge { .. } => {
                     return Ok(reject(Rejection::new(
                         RejectionKind::BodyTooLarge,
@@ -256,25 +273,34 @@ where
                 }
             };
             let fingerprint = Fingerprint::compute(
-                self.config.fingerprint,
+                config.fingerprint,
                 &parts.method,
-                &parts.uri,
+                request_uri(&parts.extensions, &parts.uri),
                 parts.headers.get(http::header::CONTENT_TYPE),
                 &body,
             );
 
             // Claim, then run, replay or refuse.
-            let begin = match claim(
-                &*self.store,
-                &self.cache,
-                &self.config,
-                self.scope_key,
-                fingerprint,
-            )
-            .await
-            {
-                Ok(begin) => begin,
-                Err(error) => return self.store_failed(&error, parts, body).await,
+            let begin = match self.shared.cached(self.scope_key, fingerprint) {
+                Some(begin) => begin,
+                None if self.shared.overloaded() => {
+                    // Handlers still finishing for clients that hung up may hold what any store
+                    // work needs (in transactional mode, every pooled connection): refuse at
+                    // once rather than queue behind them.
+                    outcome(Outcome::Overloaded);
+                    return Ok(reject(
+                        Rejection::new(
+                            RejectionKind::Overloaded,
+                            "too many requests are still finishing for clients that went away; \
+                             nothing was processed, retry with the same Idempotency-Key",
+                        )
+                        .with_retry_after(1),
+                    ));
+                }
+                None => match self.shared.claim(self.scope_key, fingerprint).await {
+                    Ok(begin) => begin,
+                    Err(error) => return self.store_failed(&error, parts, body).await,
+                },
             };
             match begin {
                 Begin::Acquired { claim, takeover } => {
@@ -315,12 +341,12 @@ where
         async move {
             let Keyed {
                 mut inner,
-                store,
-                config,
+                shared,
                 key,
                 scope_key,
                 ..
             } = self;
+            let (store, config) = (shared.store, shared.config);
             store.attach(&claim, &mut parts.extensions);
             let guard = ClaimGuard::new(Arc::clone(&store), claim);
             parts.extensions.insert(IdempotencyContext {
@@ -341,7 +367,31 @@ where
             // Pinned here and lent to the heartbeat: an `async fn` taking the future by value
             // would keep two copies of it in its state (rust-lang/rust#62958).
             let handling = pin!(AssertUnwindSafe(handler).catch_unwind());
-            let handled = with_heartbeat(&*store, guard.claim(), config.lease, handling).await;
+            let heartbeat = Heartbeat {
+                lease: config.lease,
+                max_time: config.max_handler_time,
+            };
+            let Some(handled) = heartbeat.run(&*store, guard.claim(), handling).await else {
+                // Hung: no longer renewed. The claim is left to its lease (or, in
+                // transactional mode, rolled back with the handler), so a retry takes over.
+                tracing::error!(
+                    max = ?config.max_handler_time,
+                    "handler ran past its maximum time; cancelled, and its key left to lapse"
+                );
+                guard.abandon();
+                outcome(Outcome::Abandoned);
+                return Ok(reject(
+                    Rejection::new(
+                        RejectionKind::HandlerTimedOut,
+                        format!(
+                            "the request did not finish within {:?} and was stopped; retry with \
+                             the same Idempotency-Key once its lease of {:?} has lapsed",
+                            config.max_handler_time, config.lease
+                        ),
+                    )
+                    .with_retry_after(config.lease.as_secs().max(1)),
+                ));
+            };
 
             let (mut parts, buffered) = match handled {
                 Ok(Ok(handled)) => handled,
@@ -365,12 +415,14 @@ where
                 }
             };
 
-            let retention = parts
+            let mut retention = parts
                 .extensions
                 .remove::<Retention>()
                 .unwrap_or_else(|| config.retention.decide(parts.status));
             let (kept_body, body) = match buffered {
-                Buffered::Complete(bytes) => (Some(bytes.clone()), ResponseBody::full(bytes)),
+                Buffered::Complete(bytes, trailers) => {
+                    (Some(bytes.clone()), ResponseBody::full(bytes, trailers))
+                }
                 Buffered::TooLarge { prefix, rest } => {
                     tracing::warn!(
                         limit = max_response_bytes,
@@ -379,28 +431,55 @@ where
                     (None, ResponseBody::prefixed(prefix, rest))
                 }
                 Buffered::Failed { prefix, error } => {
-                    tracing::warn!(error = %Chain(&*error), "response body failed while being stored");
+                    // Its outcome is unknown: a retry runs again rather than replay half an answer.
+                    tracing::warn!(error = %Chain(&*error), "response body failed; key released");
+                    retention = Retention::Release;
                     (None, ResponseBody::failed(prefix, error))
                 }
             };
             match retention {
                 Retention::Keep => {
-                    let record = Record::capture(&parts, kept_body);
-                    if !guard.complete(record).await {
-                        // The handler's writes were to commit with the record, and may not have.
-                        outcome(Outcome::StoreError);
-                        return Ok(reject(Rejection::new(
-                            RejectionKind::StoreUnavailable,
-                            "the request could not be confirmed as committed; retry with the same \
-                         Idempotency-Key: if it was committed the retry gets its response, \
-                         otherwise it runs again",
-                        )));
+                    let record =
+                        Record::capture_without(&parts, kept_body, &config.unstored_headers);
+                    match guard.complete(record, config.lease, config.ttl).await {
+                        Completion::Stored => outcome(if takeover {
+                            Outcome::Takeover
+                        } else {
+                            Outcome::Acquired
+                        }),
+                        Completion::NotCommitted => {
+                            // The handler's writes were to commit with the record, and may not have.
+                            outcome(Outcome::StoreError);
+                            return Ok(reject(Rejection::new(
+                                RejectionKind::StoreUnavailable,
+                                "the request could not be confirmed as committed; retry with the \
+                                 same Idempotency-Key: if it was committed the retry gets its \
+                                 response, otherwise it runs again",
+                            )));
+                        }
+                        Completion::RolledBack => {
+                            outcome(Outcome::Released);
+                            if parts.status.is_success() || parts.status.is_redirection() {
+                                // A success nothing backs: answering it would be a lie.
+                                tracing::error!(
+                                    status = %parts.status,
+                                    "the handler answered success over a failed transaction; \
+                                     nothing was committed"
+                                );
+                                return Ok(reject(Rejection::new(
+                                    RejectionKind::TransactionAborted,
+                                    "the request failed on the server and nothing was \
+                                     committed; it is safe to retry with the same \
+                                     Idempotency-Key",
+                                )));
+                            }
+                            tracing::info!(
+                                status = %parts.status,
+                                "the handler answered over a failed transaction: delivered, \
+                                 nothing committed, key released"
+                            );
+                        }
                     }
-                    outcome(if takeover {
-                        Outcome::Takeover
-                    } else {
-                        Outcome::Acquired
-                    });
                 }
                 Retention::Release => {
                     outcome(Outcome::Released);
@@ -420,7 +499,7 @@ where
     ) -> Served<ResBody, S::Error> {
         outcome(Outcome::StoreError);
         tracing::error!(error = %Chain(error), "idempotency store unavailable");
-        match self.config.store_failure {
+        match self.shared.config.store_failure {
             StoreFailure::FailClosed { retry_after_secs } => Ok(reject(
                 Rejection::new(
                     RejectionKind::StoreUnavailable,
@@ -441,85 +520,128 @@ where
     }
 }
 
-/// The key's state: from the replay cache if it holds the key's record, otherwise from the
-/// store's atomic claim (a completed record it returns is cached for the next retry).
-async fn claim<St: Store>(
-    store: &St,
-    cache: &ReplayCache,
-    config: &Config,
-    key: ScopeKey,
-    fingerprint: Fingerprint,
-) -> Result<Begin<St::Claim>, St::Error> {
-    match cache.get(&key, &fingerprint) {
-        Some(Hit::Replay(record)) => {
-            return Ok(Begin::Completed {
+impl<St: Store> Shared<St> {
+    /// Whether as many handlers run for clients that hung up as the layer allows: the smaller
+    /// of [`with_max_detached`](crate::IdempotencyLayer::with_max_detached) and the store's
+    /// [`detached_limit`](Store::detached_limit).
+    fn overloaded(&self) -> bool {
+        let configured = self.config.max_detached;
+        let limit = self
+            .store
+            .detached_limit()
+            .map_or(configured, |store| store.min(configured));
+        self.detached.count() >= limit
+    }
+
+    /// The key's state if the replay cache knows it.
+    fn cached(&self, key: ScopeKey, fingerprint: Fingerprint) -> Option<Begin<St::Claim>> {
+        match self.cache.get(&key, &fingerprint)? {
+            Hit::Replay(record) => Some(Begin::Completed {
                 record,
                 expires_in: None,
-            });
+            }),
+            Hit::Mismatch => Some(Begin::Mismatch),
         }
-        Some(Hit::Mismatch) => return Ok(Begin::Mismatch),
-        None => {}
     }
-    let request = ClaimRequest {
-        key,
-        fingerprint,
-        lease: config.lease,
-        ttl: config.ttl,
-    };
-    let begin = metrics::timed("begin", store.begin(&request)).await?;
-    if let Begin::Completed {
-        record,
-        expires_in: Some(expires_in),
-    } = &begin
-    {
-        cache.insert(key, fingerprint, record, *expires_in);
+
+    /// The key's state from the store's atomic claim; a completed record it returns is cached
+    /// for the next retry.
+    async fn claim(
+        &self,
+        key: ScopeKey,
+        fingerprint: Fingerprint,
+    ) -> Result<Begin<St::Claim>, St::Error> {
+        let request = ClaimRequest {
+            key,
+            fingerprint,
+            lease: self.config.lease,
+            ttl: self.config.ttl,
+        };
+        let begin = metrics::timed("begin", self.store.begin(&request)).await?;
+        if let Begin::Completed {
+            record,
+            expires_in: Some(expires_in),
+        } = &begin
+        {
+            self.cache.insert(key, fingerprint, record, *expires_in);
+        }
+        Ok(begin)
     }
-    Ok(begin)
 }
 
-/// Runs `future` while renewing `claim`'s lease every third of `lease`. Renewal runs beside the
-/// handler, never blocking it; a renewal that fails or finds the claim lost is logged, and the
-/// handler goes on (fencing keeps a lost claim from writing its record).
-async fn with_heartbeat<St: Store, F: Future>(
-    store: &St,
-    claim: &St::Claim,
+/// The lease a running handler's claim keeps, and how long the handler may run.
+struct Heartbeat {
     lease: Duration,
-    mut future: Pin<&mut F>,
-) -> F::Output {
-    // A handler that answers without waiting needs no heartbeat: don't even start the timer.
-    if let Poll::Ready(output) = poll_once(future.as_mut()).await {
-        return output;
-    }
-    let period = lease / 3;
-    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            biased;
-            output = &mut future => return output,
-            _ = ticker.tick() => {}
+    max_time: Duration,
+}
+
+impl Heartbeat {
+    /// Runs `future` while renewing `claim`'s lease every third of the lease; `None` when it
+    /// runs past the maximum time (it is then dropped, and its claim no longer renewed).
+    /// Renewal runs beside the handler, never blocking it; a renewal that fails or finds the
+    /// claim lost is logged, and the handler goes on (fencing keeps a lost claim from writing
+    /// its record). After a failed renewal the next comes sooner, so a lease outlives an outage
+    /// shorter than itself.
+    async fn run<St: Store, F: Future>(
+        &self,
+        store: &St,
+        claim: &St::Claim,
+        mut future: Pin<&mut F>,
+    ) -> Option<F::Output> {
+        // A handler that answers without waiting needs no heartbeat: don't even start the timer.
+        if let Poll::Ready(output) = poll_once(future.as_mut()).await {
+            return Some(output);
         }
-        let renewal = pin!(metrics::timed("renew", store.renew(claim, lease)));
-        tokio::select! {
-            biased;
-            output = &mut future => return output,
-            renewed = renewal => match renewed {
-                Ok(ClaimStatus::Held) => metrics::renewal("held"),
-                Ok(ClaimStatus::Lost) => {
+        let period = self.lease / 3;
+        let started = tokio::time::Instant::now();
+        let deadline = later(started, self.max_time);
+        let mut next = later(started, period);
+        loop {
+            tokio::select! {
+                biased;
+                output = &mut future => return Some(output),
+                () = tokio::time::sleep_until(deadline) => return None,
+                () = tokio::time::sleep_until(next) => {}
+            }
+            let renewal = pin!(metrics::timed("renew", store.renew(claim, self.lease)));
+            let renewed = tokio::select! {
+                biased;
+                output = &mut future => return Some(output),
+                renewed = renewal => renewed,
+            };
+            let now = tokio::time::Instant::now();
+            next = match renewed {
+                Ok(ClaimStatus::Held) => {
+                    metrics::renewal("held");
+                    later(now, period)
+                }
+                Ok(_) => {
                     metrics::renewal("lost");
                     tracing::warn!(
                         "lease lost while the handler runs (another request took the key over); \
                          this response will not be stored"
                     );
+                    later(now, period)
                 }
                 Err(error) => {
                     metrics::renewal("error");
                     tracing::warn!(error = %Chain(&error), "lease renewal failed");
+                    later(now, period.min(RETRY_WHILE_UNREACHABLE))
                 }
-            },
+            };
         }
     }
 }
+
+/// `at + span`, or far in the future where that would overflow.
+fn later(at: tokio::time::Instant, span: Duration) -> tokio::time::Instant {
+    at.checked_add(span)
+        .unwrap_or_else(|| at + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
+/// How soon a store that failed is tried again while a claim must be kept alive: an outage
+/// shorter than the lease never lets the lease lapse.
+const RETRY_WHILE_UNREACHABLE: Duration = Duration::from_millis(500);
 
 /// Polls `future` once, in the task's context: `Pending` leaves it to be awaited on. Used to skip
 /// setting up a timer for work that turns out to be done already.
@@ -535,15 +657,15 @@ struct ClaimGuard<St: Store> {
     claim: Option<St::Claim>,
 }
 
-/// How long the layer keeps trying to store a response after the store failed to take it.
-const COMPLETE_RETRY_DELAYS: [Duration; 6] = [
-    Duration::from_millis(100),
-    Duration::from_millis(300),
-    Duration::from_secs(1),
-    Duration::from_secs(3),
-    Duration::from_secs(10),
-    Duration::from_secs(30),
-];
+/// What became of storing a handler's response.
+enum Completion {
+    /// Stored (or storing goes on in the background while the claim is kept): deliver it.
+    Stored,
+    /// The handler's effects were to commit with the record and may not have: `503`.
+    NotCommitted,
+    /// The handler's transaction had failed: nothing committed, nothing stored, key free.
+    RolledBack,
+}
 
 impl<St: Store> ClaimGuard<St> {
     fn new(store: Arc<St>, claim: St::Claim) -> Self {
@@ -557,53 +679,43 @@ impl<St: Store> ClaimGuard<St> {
         self.claim.as_ref().expect("claim is present until settled")
     }
 
-    /// Stores the record; `false` when the handler's effects were bound to the claim
-    /// ([`Store::commits_effects`]) and did not commit, so the response must not be delivered.
+    /// Stores the record.
     ///
-    /// Otherwise a store failure does not undo what the handler did: the response is delivered
-    /// and storing is retried in the background; the claim stays held meanwhile, so no retry
-    /// runs the handler.
-    async fn complete(mut self, record: Record) -> bool {
+    /// When the handler's effects are bound to the claim ([`Store::commits_effects`]), a failure
+    /// means they did not commit. Otherwise a store failure does not undo what the handler did:
+    /// the response is delivered, and storing goes on in the background ([`keep_storing`])
+    /// with the claim kept alive meanwhile, so no retry runs the handler again.
+    async fn complete(mut self, record: Record, lease: Duration, ttl: Duration) -> Completion {
         let Some(claim) = self.claim.take() else {
-            return true;
+            return Completion::Stored;
         };
         let atomic = self.store.commits_effects(&claim);
         if let Some(body) = record.body() {
             metrics::stored_body(body.len());
         }
         match metrics::timed("complete", self.store.complete(&claim, &record)).await {
-            Ok(ClaimStatus::Held) => true,
-            Ok(ClaimStatus::Lost) => {
-                log_fenced(ClaimStatus::Lost, "complete");
-                !atomic
+            Ok(ClaimStatus::Held) => Completion::Stored,
+            Ok(ClaimStatus::RolledBack) => Completion::RolledBack,
+            Ok(status) => {
+                log_fenced(status, "complete");
+                if atomic {
+                    Completion::NotCommitted
+                } else {
+                    Completion::Stored
+                }
             }
             Err(error) if atomic => {
                 tracing::error!(
                     error = %Chain(&error),
                     "committing the request failed; it was rolled back"
                 );
-                false
+                Completion::NotCommitted
             }
             Err(error) => {
                 tracing::error!(error = %Chain(&error), "storing the response failed; retrying in the background");
                 let store = Arc::clone(&self.store);
-                tokio::spawn(
-                    async move {
-                        for delay in COMPLETE_RETRY_DELAYS {
-                            tokio::time::sleep(delay).await;
-                            match store.complete(&claim, &record).await {
-                                Ok(status) => return log_fenced(status, "complete"),
-                                Err(error) => tracing::warn!(error = %Chain(&error), "storing the response failed again"),
-                            }
-                        }
-                        tracing::error!(
-                            "gave up storing the response: once its lease lapses, a retry with \
-                             this key will run the handler again"
-                        );
-                    }
-                    .in_current_span(),
-                );
-                true
+                tokio::spawn(keep_storing(store, claim, record, lease, ttl).in_current_span());
+                Completion::Stored
             }
         }
     }
@@ -620,6 +732,11 @@ impl<St: Store> ClaimGuard<St> {
                 "releasing the key failed; it frees itself when its lease lapses"
             ),
         }
+    }
+
+    /// Lets the claim go without releasing it: it lapses with its lease.
+    fn abandon(mut self) {
+        drop(self.claim.take());
     }
 }
 
@@ -641,6 +758,66 @@ impl<St: Store> Drop for ClaimGuard<St> {
     }
 }
 
+/// Stores a delivered response the store did not take, keeping its claim alive meanwhile so that
+/// no retry takes the key over and runs the handler again: a retry gets `409` until the record is
+/// stored, then its replay. Retried promptly while the store is unreachable, with a growing
+/// pause while it answers but refuses; given up once the record would have expired anyway.
+async fn keep_storing<St: Store>(
+    store: Arc<St>,
+    claim: St::Claim,
+    record: Record,
+    lease: Duration,
+    ttl: Duration,
+) {
+    let started = tokio::time::Instant::now();
+    let renew_every = lease / 3;
+    let mut renewed: Option<tokio::time::Instant> = None;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        tokio::time::sleep(pause).await;
+        match metrics::timed("complete", store.complete(&claim, &record)).await {
+            Ok(status) => {
+                log_fenced(status, "complete");
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(error = %Chain(&error), "storing the response failed again")
+            }
+        }
+        if started.elapsed() >= ttl {
+            tracing::error!(
+                "gave up storing the response: its record would have expired by now, so a retry \
+                 with this key runs the handler again"
+            );
+            return;
+        }
+        let due = renewed.is_none_or(|at| at.elapsed() >= renew_every);
+        let reachable = if due {
+            match metrics::timed("renew", store.renew(&claim, lease)).await {
+                Ok(ClaimStatus::Held) => {
+                    renewed = Some(tokio::time::Instant::now());
+                    true
+                }
+                Ok(_) => {
+                    tracing::error!(
+                        "the key was taken over while its delivered response waited to be stored; \
+                         the handler may run twice"
+                    );
+                    return;
+                }
+                Err(_) => false,
+            }
+        } else {
+            true
+        };
+        pause = if reachable {
+            (pause * 3).min(renew_every).min(Duration::from_secs(10))
+        } else {
+            RETRY_WHILE_UNREACHABLE
+        };
+    }
+}
+
 fn log_fenced(status: ClaimStatus, operation: &str) {
     if status == ClaimStatus::Lost {
         tracing::warn!(
@@ -659,8 +836,8 @@ fn mismatch<B>() -> Response<ResponseBody<B>> {
     outcome(Outcome::Mismatch);
     reject(Rejection::new(
         RejectionKind::Mismatch,
-        "this Idempotency-Key was already used with a different request \
-         (method, path, query or body); use a new key for a new request",
+        "this Idempotency-Key was already used with a different request to this endpoint \
+         (its body or query differs); use a new key for a new request",
     ))
 }
 
@@ -684,6 +861,10 @@ pub(crate) enum Outcome {
     Mismatch,
     /// The handler ran (or failed) and the key was freed without storing a response.
     Released,
+    /// The handler ran past its maximum time: cancelled, its claim left to lapse.
+    Abandoned,
+    /// Too many handlers run for clients that hung up: `503`, nothing claimed.
+    Overloaded,
     /// The store failed at claim time.
     StoreError,
 }
@@ -697,6 +878,8 @@ impl Outcome {
             Self::Conflict => "conflict",
             Self::Mismatch => "mismatch",
             Self::Released => "released",
+            Self::Abandoned => "abandoned",
+            Self::Overloaded => "overloaded",
             Self::StoreError => "store_error",
         }
     }
@@ -765,9 +948,7 @@ mod tests {
         let service = crate::IdempotencyLayer::postgres(pool).layer(handler);
         let keyed = Keyed {
             inner: service.inner,
-            store: Arc::clone(&service.store),
-            config: Arc::clone(&service.config),
-            cache: Arc::clone(&service.cache),
+            shared: service.shared.clone(),
             key: IdempotencyKey::parse(&http::HeaderValue::from_static("k")).expect("key"),
             scope_key: ScopeKey::from_bytes([0; 32]),
             _request_body: PhantomData,
@@ -778,6 +959,46 @@ mod tests {
             size <= 8 * 1024,
             "a lease-mode request's future is {size} bytes"
         );
+    }
+
+    /// Issue 28.10: a response's trailers (gRPC's status is one) reach its client; a replay
+    /// carries none (see `replay`).
+    #[tokio::test]
+    async fn trailers_reach_the_client_and_replays_carry_none() {
+        use http_body::Frame;
+        use http_body_util::{BodyExt, Full, StreamBody};
+        use tower::ServiceExt;
+        use tower_layer::Layer;
+
+        let handler = tower::service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+            let mut trailers = http::HeaderMap::new();
+            trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+            let frames = vec![
+                Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"ok"))),
+                Ok(Frame::trailers(trailers)),
+            ];
+            Ok::<_, std::convert::Infallible>(Response::new(StreamBody::new(
+                futures_util::stream::iter(frames),
+            )))
+        });
+        let service = crate::IdempotencyLayer::memory()
+            .with_scope(crate::Scope::single_tenant())
+            .layer(handler);
+        let request = || {
+            Request::post("/")
+                .header("idempotency-key", "k")
+                .body(Full::new(Bytes::new()))
+                .unwrap()
+        };
+        let first = service.clone().oneshot(request()).await.unwrap();
+        let first = first.into_body().collect().await.unwrap();
+        assert_eq!(first.trailers().unwrap()["grpc-status"], "0");
+        assert_eq!(first.to_bytes(), "ok");
+        let replay = service.oneshot(request()).await.unwrap();
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        let replay = replay.into_body().collect().await.unwrap();
+        assert!(replay.trailers().is_none());
+        assert_eq!(replay.to_bytes(), "ok");
     }
 
     #[derive(Debug)]

@@ -687,7 +687,8 @@ async fn postgres_migrations_live_apart_and_charges_are_rows() {
                 "partitioned records",
                 "uuid scope keys",
                 "complete many",
-                "autovacuum thresholds"
+                "autovacuum thresholds",
+                "claimants and ttl"
             ]
         );
 

@@ -128,11 +128,17 @@ impl<C> Begin<C> {
 /// Whether a claim was still held when it was renewed, completed or released.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
+#[non_exhaustive]
 pub enum ClaimStatus {
     /// The operation took effect.
     Held,
     /// The claim had been taken over (or had expired and been deleted): nothing was written.
     Lost,
+    /// [`complete`](Store::complete) only, from a store whose claims carry the handler's
+    /// effects ([`Store::commits_effects`]): the handler's own work had already failed inside
+    /// the claim's transaction (it caught a database error and answered anyway), so nothing it
+    /// wrote was kept, no record was stored, and the key is free again.
+    RolledBack,
 }
 
 /// A claim on a key in a store that fences holders by token: the claim type of
@@ -203,6 +209,16 @@ pub trait Store: Send + Sync + 'static {
     /// `false`, is right for every store behind a network round trip.
     fn in_process(&self) -> bool {
         false
+    }
+
+    /// How many handlers this store can carry for clients that hung up before new requests
+    /// would starve, if it holds something scarce per claim: PostgreSQL's transactional mode,
+    /// where each claim holds a pooled connection, answers half its pool. The layer refuses new
+    /// keys past the smaller of this and
+    /// [`with_max_detached`](crate::IdempotencyLayer::with_max_detached). The default, `None`,
+    /// is right for every store whose claims hold nothing of the store's.
+    fn detached_limit(&self) -> Option<usize> {
+        None
     }
 }
 

@@ -86,13 +86,16 @@ pub struct PostgresStore {
     expiry_cursor: Arc<AtomicI64>,
     /// Lease mode's group commit of claims of new keys: the claim of each key claimed, `None`
     /// for a key that has a row already.
-    new_claims: Arc<Batcher<(ClaimRequest, Uuid), Batched<Option<Lease>>>>,
+    new_claims: Arc<ClaimBatcher>,
     /// Claim attempts being settled in the background (see [`ClaimAttempt`]), bounded by
     /// [`MAX_UNSETTLED`].
     unsettled: Arc<AtomicUsize>,
     /// Lease mode's group commit of completions.
     completions: Arc<Batcher<(Lease, Record), Batched<ClaimStatus>>>,
 }
+
+/// Lease mode's claims of new keys, each with its attempt's claimant, batched.
+type ClaimBatcher = Batcher<(ClaimRequest, Uuid), Batched<Option<Lease>>>;
 
 /// The most operations one batch writes.
 const MAX_BATCH: usize = 256;
@@ -125,7 +128,44 @@ struct Partitioning {
 #[derive(Debug)]
 pub struct PgClaim {
     lease: Lease,
-    tx: Option<Arc<TxSlot>>,
+    tx: Option<Box<TxClaim>>,
+}
+
+/// A transactional claim: its transaction, and what took its place if it could not commit.
+#[derive(Debug)]
+struct TxClaim {
+    slot: Arc<TxSlot>,
+    request: ClaimRequest,
+    fallback: std::sync::Mutex<Fallback>,
+}
+
+/// Where a transactional claim stands once its transaction failed to commit although the
+/// handler never wrote through it: the response was delivered as in lease mode, and the key is
+/// claimed again in lease mode so that it can be stored.
+#[derive(Debug, Clone, Copy)]
+enum Fallback {
+    /// The transaction is the claim.
+    None,
+    /// The transaction is gone and the key not yet claimed again.
+    Reclaim,
+    /// Claimed again, in lease mode.
+    Lease(Lease),
+}
+
+impl TxClaim {
+    fn fallback(&self) -> Fallback {
+        *self
+            .fallback
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn set_fallback(&self, fallback: Fallback) {
+        *self
+            .fallback
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = fallback;
+    }
 }
 
 impl PgClaim {
@@ -764,6 +804,103 @@ impl PostgresStore {
         Err(PostgresStoreError::Contended)
     }
 
+    async fn renew_lease(
+        &self,
+        held: &Lease,
+        lease: Duration,
+    ) -> Result<ClaimStatus, PostgresStoreError> {
+        let statement =
+            fenced_statement(self.fenced_sql().renew, held).with(Param::Interval(lease));
+        self.fenced("renew", statement, &self.pool).await
+    }
+
+    async fn complete_lease(
+        &self,
+        held: &Lease,
+        record: &Record,
+    ) -> Result<ClaimStatus, PostgresStoreError> {
+        if self.batches() && record.size() <= MAX_BATCHED_RECORD {
+            let (pool, timeout) = (self.pool.clone(), self.timeout);
+            let completed = self
+                .completions
+                .run(
+                    (*held, record.clone()),
+                    move |writer, batch| complete_many(pool.clone(), timeout, writer, batch),
+                    // Stored, whether or not anyone waits to hear it.
+                    drop,
+                )
+                .await;
+            match completed {
+                Some(Batched::Done(status)) => return Ok(status),
+                Some(Batched::TimedOut) => return Err(self.timeout_error("complete")),
+                Some(Batched::Alone) | None => {}
+            }
+        }
+        self.fenced(
+            "complete",
+            complete_statement(self.fenced_sql().complete, held, record),
+            &self.pool,
+        )
+        .await
+    }
+
+    async fn release_lease(&self, held: &Lease) -> Result<ClaimStatus, PostgresStoreError> {
+        self.fenced(
+            "release",
+            fenced_statement(self.fenced_sql().release, held),
+            &self.pool,
+        )
+        .await
+    }
+
+    /// A transactional claim that could not commit. If the handler wrote through the
+    /// transaction, that is the answer (nothing happened). If it did not, its response stands,
+    /// as in lease mode, and the claim went with the transaction: the key is claimed again in
+    /// lease mode to store it, so no retry runs the handler again meanwhile.
+    async fn failed_commit(
+        &self,
+        tx_claim: &TxClaim,
+        record: &Record,
+        error: PostgresStoreError,
+    ) -> Result<ClaimStatus, PostgresStoreError> {
+        if tx_claim.slot.was_used() {
+            return Err(error);
+        }
+        tracing::warn!(%error, "committing an unused transaction failed; claiming the key again to store the response");
+        tx_claim.set_fallback(Fallback::Reclaim);
+        match self.reclaim(tx_claim).await {
+            Ok(ClaimStatus::Held) => match tx_claim.fallback() {
+                Fallback::Lease(held) => self.complete_lease(&held, record).await,
+                // Stored already: the commit reported as failed went through.
+                _ => Ok(ClaimStatus::Held),
+            },
+            Ok(status) => Ok(status),
+            Err(_) => Err(error),
+        }
+    }
+
+    /// Claims a fallen-back transactional claim's key again, in lease mode: `Held` once it holds
+    /// it again (or finds its own record stored), `Lost` if another request got there first.
+    async fn reclaim(&self, tx_claim: &TxClaim) -> Result<ClaimStatus, PostgresStoreError> {
+        match self.begin_lease(&tx_claim.request).await? {
+            Begin::Acquired { claim, .. } => {
+                tx_claim.set_fallback(Fallback::Lease(claim.lease));
+                Ok(ClaimStatus::Held)
+            }
+            Begin::Completed { .. } => {
+                tx_claim.set_fallback(Fallback::None);
+                Ok(ClaimStatus::Held)
+            }
+            Begin::InFlight { .. } | Begin::Mismatch => {
+                tracing::error!(
+                    "another request claimed the key while its response was being stored; \
+                     the handler may run twice"
+                );
+                Ok(ClaimStatus::Lost)
+            }
+        }
+    }
+
     /// Deletes what the claim attempt `claimant` may hold on `key`: tried after each of
     /// `delays`, until a try deletes its row, so that a statement the attempt gave up on that
     /// commits late is still undone.
@@ -783,7 +920,7 @@ impl PostgresStore {
                     tracing::debug!("released a claim whose answer was lost");
                     break;
                 }
-                Ok(ClaimStatus::Lost) => {}
+                Ok(_) => {}
                 Err(error) => tracing::warn!(
                     %error,
                     "releasing a claim whose answer was lost failed; retrying"
@@ -819,7 +956,11 @@ impl PostgresStore {
                 } => Ok(Begin::Acquired {
                     claim: PgClaim {
                         lease,
-                        tx: Some(Arc::new(TxSlot::new(tx))),
+                        tx: Some(Box::new(TxClaim {
+                            slot: Arc::new(TxSlot::new(tx)),
+                            request: request.clone(),
+                            fallback: std::sync::Mutex::new(Fallback::None),
+                        })),
                     },
                     takeover,
                 }),
@@ -1336,17 +1477,16 @@ impl Store for PostgresStore {
         claim: &PgClaim,
         lease: Duration,
     ) -> Result<ClaimStatus, PostgresStoreError> {
-        if let Some(slot) = &claim.tx {
+        let Some(tx_claim) = &claim.tx else {
+            return self.renew_lease(&claim.lease, lease).await;
+        };
+        match tx_claim.fallback() {
             // The open transaction is the lease: it ends when the holder's connection does.
-            return Ok(if slot.is_settled() {
-                ClaimStatus::Lost
-            } else {
-                ClaimStatus::Held
-            });
+            Fallback::None if tx_claim.slot.is_settled() => Ok(ClaimStatus::Lost),
+            Fallback::None => Ok(ClaimStatus::Held),
+            Fallback::Reclaim => self.reclaim(tx_claim).await,
+            Fallback::Lease(held) => self.renew_lease(&held, lease).await,
         }
-        let statement =
-            fenced_statement(self.fenced_sql().renew, &claim.lease).with(Param::Interval(lease));
-        self.fenced("renew", statement, &self.pool).await
     }
 
     async fn complete(
@@ -1354,64 +1494,70 @@ impl Store for PostgresStore {
         claim: &PgClaim,
         record: &Record,
     ) -> Result<ClaimStatus, PostgresStoreError> {
-        let Some(slot) = &claim.tx else {
-            if self.batches() && record.size() <= MAX_BATCHED_RECORD {
-                let (pool, timeout) = (self.pool.clone(), self.timeout);
-                let completed = self
-                    .completions
-                    .run(
-                        (claim.lease, record.clone()),
-                        move |writer, batch| complete_many(pool.clone(), timeout, writer, batch),
-                        // Stored, whether or not anyone waits to hear it.
-                        drop,
-                    )
-                    .await;
-                match completed {
-                    Some(Batched::Done(status)) => return Ok(status),
-                    Some(Batched::TimedOut) => return Err(self.timeout_error("complete")),
-                    Some(Batched::Alone) | None => {}
-                }
-            }
-            return self
-                .fenced(
-                    "complete",
-                    complete_statement(self.fenced_sql().complete, &claim.lease, record),
-                    &self.pool,
-                )
-                .await;
+        let Some(tx_claim) = &claim.tx else {
+            return self.complete_lease(&claim.lease, record).await;
         };
+        match tx_claim.fallback() {
+            Fallback::None => {}
+            Fallback::Reclaim => {
+                return match (self.reclaim(tx_claim).await?, tx_claim.fallback()) {
+                    (ClaimStatus::Held, Fallback::Lease(held)) => {
+                        self.complete_lease(&held, record).await
+                    }
+                    // Held, with the record found stored; or lost to another request.
+                    (status, _) => Ok(status),
+                };
+            }
+            Fallback::Lease(held) => return self.complete_lease(&held, record).await,
+        }
+        let slot = &tx_claim.slot;
         let Some(mut tx) = slot
             .take()
             .map_err(|_| PostgresStoreError::TransactionHeld)?
         else {
             return Ok(ClaimStatus::Lost);
         };
-        let status = self
+        let stored = self
             .fenced(
                 "complete",
                 complete_statement(self.fenced_sql().complete, &claim.lease, record),
                 &mut *tx,
             )
-            .await?;
-        match status {
-            ClaimStatus::Held => self.timed("complete", tx.commit()).await?,
-            ClaimStatus::Lost => self.timed("complete", tx.rollback()).await?,
+            .await;
+        let status = match stored {
+            Ok(status) => status,
+            // 25P02 in_failed_sql_transaction: a statement of the handler failed, and the
+            // handler answered anyway. Nothing it wrote can commit; the key is freed.
+            Err(error) if error.sqlstate() == Some("25P02") => {
+                if let Err(error) = self.timed("complete", tx.rollback()).await {
+                    tracing::debug!(%error, "rolling back an aborted transaction failed");
+                }
+                return Ok(ClaimStatus::RolledBack);
+            }
+            Err(error) => return self.failed_commit(tx_claim, record, error).await,
+        };
+        let ended = match status {
+            ClaimStatus::Held => self.timed("complete", tx.commit()).await,
+            _ => self.timed("complete", tx.rollback()).await,
+        };
+        match ended {
+            Ok(()) => Ok(status),
+            Err(error) => self.failed_commit(tx_claim, record, error).await,
         }
-        Ok(status)
     }
 
     async fn release(&self, claim: &PgClaim) -> Result<ClaimStatus, PostgresStoreError> {
-        let Some(slot) = &claim.tx else {
-            return self
-                .fenced(
-                    "release",
-                    fenced_statement(self.fenced_sql().release, &claim.lease),
-                    &self.pool,
-                )
-                .await;
+        let Some(tx_claim) = &claim.tx else {
+            return self.release_lease(&claim.lease).await;
         };
+        match tx_claim.fallback() {
+            Fallback::None => {}
+            Fallback::Reclaim => return Ok(ClaimStatus::Lost),
+            Fallback::Lease(held) => return self.release_lease(&held).await,
+        }
         // Rolling back undoes the claim and the handler's writes together.
-        let Some(tx) = slot
+        let Some(tx) = tx_claim
+            .slot
             .take()
             .map_err(|_| PostgresStoreError::TransactionHeld)?
         else {
@@ -1422,13 +1568,22 @@ impl Store for PostgresStore {
     }
 
     fn attach(&self, claim: &PgClaim, extensions: &mut http::Extensions) {
-        if let Some(slot) = &claim.tx {
-            extensions.insert(Arc::clone(slot));
+        if let Some(tx_claim) = &claim.tx {
+            extensions.insert(Arc::clone(&tx_claim.slot));
         }
     }
 
+    /// Half the pool in transactional mode, where each claim holds a pooled connection.
+    fn detached_limit(&self) -> Option<usize> {
+        let pool = self.pool.options().get_max_connections() as usize;
+        self.transactional.then_some((pool / 2).max(1))
+    }
+
     fn commits_effects(&self, claim: &PgClaim) -> bool {
-        claim.tx.as_ref().is_some_and(|slot| slot.was_used())
+        claim
+            .tx
+            .as_ref()
+            .is_some_and(|tx_claim| tx_claim.slot.was_used())
     }
 }
 
@@ -1669,6 +1824,20 @@ impl fmt::Display for PostgresStoreError {
                  not be committed; it is rolled back (and the key freed) when the handler's task \
                  lets go of it",
             ),
+        }
+    }
+}
+
+impl PostgresStoreError {
+    /// The SQLSTATE of a database error.
+    fn sqlstate(&self) -> Option<&str> {
+        match self {
+            Self::Database(error) => error.as_database_error()?.code().map(|code| match code {
+                std::borrow::Cow::Borrowed(code) => code,
+                // sqlx hands PostgreSQL's codes out borrowed.
+                std::borrow::Cow::Owned(_) => "",
+            }),
+            _ => None,
         }
     }
 }

@@ -30,6 +30,15 @@
 //!
 //! [`FingerprintMode::Raw`] hashes the body bytes exactly, for APIs where the bytes are the
 //! meaning (signed payloads, binary uploads).
+//!
+//! # Bounded work
+//!
+//! A fingerprint costs time and memory linear in the request, whatever the request holds:
+//!
+//! * A form body or query string of more than 10,000 pairs is hashed as its raw bytes, not
+//!   decoded and sorted (Django's `DATA_UPLOAD_MAX_NUMBER_FIELDS` and PHP's `max_input_vars`
+//!   cap fields likewise, at 1,000). The pairs are counted first, without decoding; a retry
+//!   with the same bytes still matches, a reordered one is a `422`.
 
 use std::{borrow::Cow, fmt};
 
@@ -39,6 +48,13 @@ use serde::{
     de::{Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor},
 };
 use sha2::{Digest, Sha256};
+
+/// At most this many pairs of a form body or query string are decoded and sorted.
+const MAX_FORM_PAIRS: usize = 10_000;
+
+/// Hashed where the pair count goes when there were more than [`MAX_FORM_PAIRS`] and the raw
+/// bytes follow: no count of decoded pairs is this large, so the two can never collide.
+const TOO_MANY_PAIRS: u64 = u64::MAX;
 
 /// How request bodies are compared; see the [module documentation](self).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -158,12 +174,27 @@ fn put_field(hasher: &mut Sha256, bytes: &[u8]) {
 }
 
 fn put_pairs(hasher: &mut Sha256, encoded: &[u8]) {
+    if more_pairs_than(encoded, MAX_FORM_PAIRS) {
+        hasher.update(TOO_MANY_PAIRS.to_be_bytes());
+        put_field(hasher, encoded);
+        return;
+    }
     let pairs = canonical_form_pairs(encoded);
     hasher.update((pairs.len() as u64).to_be_bytes());
     for (name, value) in &pairs {
         put_field(hasher, name);
         put_field(hasher, value);
     }
+}
+
+/// Whether `encoded` holds more than `limit` pairs (non-empty `&`-separated segments), counted
+/// without decoding or allocating.
+fn more_pairs_than(encoded: &[u8], limit: usize) -> bool {
+    encoded
+        .split(|b| *b == b'&')
+        .filter(|pair| !pair.is_empty())
+        .nth(limit)
+        .is_some()
 }
 
 /// The canonical form of a JSON document (see the [module documentation](self)), computed in
@@ -354,6 +385,9 @@ pub type FormPair<'a> = (Cow<'a, [u8]>, Cow<'a, [u8]>);
 
 /// The decoded name/value pairs of a `application/x-www-form-urlencoded` string, stably sorted
 /// by name. Decoding is to bytes, not lossy UTF-8, so `%FE` and `%FF` stay different.
+///
+/// Every pair is decoded, however many there are; the fingerprint calls it only for strings of
+/// at most 10,000 pairs (see [bounded work](self#bounded-work)).
 pub fn canonical_form_pairs(encoded: &[u8]) -> Vec<FormPair<'_>> {
     let mut pairs: Vec<_> = encoded
         .split(|b| *b == b'&')
@@ -623,6 +657,97 @@ mod tests {
         assert_ne!(
             fp(FingerprintMode::Semantic, "/", JSON, "{}"),
             fp(FingerprintMode::Semantic, "/", Some("text/plain"), "{}"),
+        );
+    }
+
+    /// The fingerprint of `POST {path}` whose query (`None`: none) and form body (`None`: an
+    /// empty body of no declared type) are hashed as raw bytes. This layout is what keeps raw
+    /// bytes apart from decoded pairs: a pair count is never `u64::MAX`.
+    fn raw_pairs_fingerprint(path: &str, query: Option<&[u8]>, form: Option<&[u8]>) -> Fingerprint {
+        let raw_pairs = |hasher: &mut Sha256, bytes: &[u8]| {
+            hasher.update(u64::MAX.to_be_bytes());
+            hasher.update((bytes.len() as u64).to_be_bytes());
+            hasher.update(bytes);
+        };
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-idempotency/fingerprint/v1\0");
+        for field in [&b"POST"[..], path.as_bytes()] {
+            hasher.update((field.len() as u64).to_be_bytes());
+            hasher.update(field);
+        }
+        match query {
+            Some(query) => raw_pairs(&mut hasher, query),
+            None => hasher.update(0u64.to_be_bytes()),
+        }
+        match form {
+            Some(form) => {
+                hasher.update(b"form\0");
+                raw_pairs(&mut hasher, form);
+            }
+            None => hasher.update(b"raw\0"),
+        }
+        Fingerprint(hasher.finalize().into())
+    }
+
+    /// `n` pairs with distinct names (`0&1&…&a&b…`, hexadecimal), in order or reversed.
+    fn distinct_pairs(n: usize, reversed: bool) -> String {
+        let mut pairs: Vec<String> = (0..n).map(|i| format!("{i:x}")).collect();
+        if reversed {
+            pairs.reverse();
+        }
+        pairs.join("&")
+    }
+
+    #[test]
+    fn two_mebibyte_forms_are_hashed_as_their_bytes() {
+        // A million pairs of one byte each.
+        let repeated = "a&".repeat(1 << 20);
+        // Two hundred thousand pairs with distinct names, as a query string would have them.
+        let mut query_like = String::new();
+        for i in 0.. {
+            if query_like.len() >= 2 << 20 {
+                break;
+            }
+            query_like.push_str(&format!("field{i}=value+{i}&"));
+        }
+        for body in [&repeated, &query_like] {
+            assert_eq!(
+                fp(FingerprintMode::Semantic, "/", FORM, body),
+                raw_pairs_fingerprint("/", None, Some(body.as_bytes())),
+            );
+        }
+        let mut reordered: Vec<&str> = query_like.split('&').collect();
+        reordered.reverse();
+        assert_ne!(
+            fp(FingerprintMode::Semantic, "/", FORM, &query_like),
+            fp(FingerprintMode::Semantic, "/", FORM, &reordered.join("&")),
+            "the bytes are compared, not the pairs"
+        );
+    }
+
+    #[test]
+    fn ten_thousand_pairs_are_compared_as_pairs_and_more_as_bytes() {
+        let form = |body: &str| fp(FingerprintMode::Semantic, "/", FORM, body);
+        let most = distinct_pairs(MAX_FORM_PAIRS, false);
+        assert_eq!(form(&most), form(&distinct_pairs(MAX_FORM_PAIRS, true)));
+        // Empty segments are not pairs.
+        assert_eq!(form(&format!("&&{most}&&&")), form(&most));
+        let over = distinct_pairs(MAX_FORM_PAIRS + 1, false);
+        assert_eq!(
+            form(&over),
+            raw_pairs_fingerprint("/", None, Some(over.as_bytes()))
+        );
+        assert_ne!(form(&over), form(&distinct_pairs(MAX_FORM_PAIRS + 1, true)));
+
+        let query = |pairs: &str| fp(FingerprintMode::Semantic, &format!("/x?{pairs}"), None, "");
+        assert_eq!(query(&most), query(&distinct_pairs(MAX_FORM_PAIRS, true)));
+        assert_eq!(
+            query(&over),
+            raw_pairs_fingerprint("/x", Some(over.as_bytes()), None)
+        );
+        assert_ne!(
+            query(&over),
+            query(&distinct_pairs(MAX_FORM_PAIRS + 1, true))
         );
     }
 

@@ -39,13 +39,17 @@
 //!   decoded and sorted (Django's `DATA_UPLOAD_MAX_NUMBER_FIELDS` and PHP's `max_input_vars`
 //!   cap fields likewise, at 1,000). The pairs are counted first, without decoding; a retry
 //!   with the same bytes still matches, a reordered one is a `422`.
+//! * Sorting the members of a JSON body's objects may move at most 4 × the body's length plus
+//!   64 KiB into place in total. A document that needs more (objects out of order at every
+//!   level of a deep nesting) is hashed as its raw bytes, as a body that is not JSON is; within
+//!   this budget the canonical form is the one described above.
 
 use std::{borrow::Cow, fmt};
 
 use http::{HeaderValue, Method, Uri};
 use serde::{
     Serialize,
-    de::{Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor},
+    de::{Deserialize, DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor},
 };
 use sha2::{Digest, Sha256};
 
@@ -155,8 +159,8 @@ impl BodyKind {
     }
 }
 
-/// Hashes the canonical form of a JSON body; `false` (nothing hashed) when it is not JSON, and
-/// the caller hashes the raw bytes instead.
+/// Hashes the canonical form of a JSON body; `false` (nothing hashed) when it is not JSON or
+/// over the reordering budget, and the caller hashes the raw bytes instead.
 fn hash_json(hasher: &mut Sha256, body: &[u8]) -> bool {
     match canonical_json(body) {
         Ok(canonical) => {
@@ -200,26 +204,100 @@ fn more_pairs_than(encoded: &[u8], limit: usize) -> bool {
 /// The canonical form of a JSON document (see the [module documentation](self)), computed in
 /// one pass.
 ///
-/// Nesting deeper than serde_json's recursion limit (128) is an error, so hostile input can
-/// exhaust neither the stack nor the CPU.
+/// Nesting deeper than serde_json's recursion limit (128) is an error, and the members it moves
+/// to sort objects are bounded by the [reordering budget](self#bounded-work), so hostile input
+/// can exhaust neither the stack nor the CPU.
 ///
 /// # Errors
 ///
-/// When `input` is not a single valid JSON document.
-pub fn canonical_json(input: &[u8]) -> Result<Vec<u8>, serde_json::Error> {
-    // The canonical form is never longer than the input, except for the rare number written
-    // shorter than its canonical form (`1e9`).
-    let mut out = Vec::with_capacity(input.len());
-    let mut deserializer = serde_json::Deserializer::from_slice(input);
-    Canonical(&mut out).deserialize(&mut deserializer)?;
-    deserializer.end()?;
-    Ok(out)
+/// When `input` is not a single valid JSON document, or sorting its objects would exceed the
+/// budget.
+pub fn canonical_json(input: &[u8]) -> Result<Vec<u8>, CanonicalJsonError> {
+    let mut writer = Writer::new(input.len());
+    writer.canonicalise(input)?;
+    Ok(writer.out)
 }
 
-/// Writes the canonical form of the JSON value it is given to the end of its buffer: values
-/// are written as they are read, into one buffer, and an object's members are only moved when
-/// they arrive out of order.
-struct Canonical<'a>(&'a mut Vec<u8>);
+/// Why [`canonical_json`] gave no canonical form.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum CanonicalJsonError {
+    /// The input is not a single JSON document, or nests deeper than 128.
+    Invalid(serde_json::Error),
+    /// Sorting the members of its objects would move more than the
+    /// [reordering budget](self#bounded-work) allows; the input was not read to its end.
+    OverBudget,
+}
+
+impl fmt::Display for CanonicalJsonError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Invalid(_) => f.write_str("not a single JSON document"),
+            Self::OverBudget => f.write_str(
+                "sorting the members of its objects would move more than 4 times its length \
+                 plus 64 KiB",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for CanonicalJsonError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Invalid(error) => Some(error),
+            Self::OverBudget => None,
+        }
+    }
+}
+
+/// The bytes of out-of-order objects that canonicalising `input_len` bytes may move into place.
+fn reorder_budget(input_len: usize) -> usize {
+    input_len.saturating_mul(4).saturating_add(64 * 1024)
+}
+
+/// The canonical form being written, and what sorting objects may still cost.
+struct Writer {
+    out: Vec<u8>,
+    /// An out-of-order object's members wait here while they are written back sorted; one
+    /// buffer for every object.
+    scratch: Vec<u8>,
+    /// Bytes of out-of-order objects that may still be moved into place.
+    budget: usize,
+    /// Bytes of out-of-order objects moved into place so far.
+    moved: usize,
+    over_budget: bool,
+}
+
+impl Writer {
+    fn new(input_len: usize) -> Self {
+        Self {
+            // The canonical form is never longer than the input, except for the rare number
+            // written shorter than its canonical form (`1e9`).
+            out: Vec::with_capacity(input_len),
+            scratch: Vec::new(),
+            budget: reorder_budget(input_len),
+            moved: 0,
+            over_budget: false,
+        }
+    }
+
+    fn canonicalise(&mut self, input: &[u8]) -> Result<(), CanonicalJsonError> {
+        let mut deserializer = serde_json::Deserializer::from_slice(input);
+        let read = Canonical(self)
+            .deserialize(&mut deserializer)
+            .and_then(|()| deserializer.end());
+        match read {
+            Ok(()) => Ok(()),
+            Err(_) if self.over_budget => Err(CanonicalJsonError::OverBudget),
+            Err(error) => Err(CanonicalJsonError::Invalid(error)),
+        }
+    }
+}
+
+/// Writes the canonical form of the JSON value it is given to the end of its writer's buffer:
+/// values are written as they are read, into one buffer, and an object's members are only
+/// moved when they arrive out of order.
+struct Canonical<'a>(&'a mut Writer);
 
 impl<'de> DeserializeSeed<'de> for Canonical<'_> {
     type Value = ();
@@ -240,72 +318,75 @@ impl<'de> Visitor<'de> for Canonical<'_> {
     }
 
     fn visit_unit<E>(self) -> Result<(), E> {
-        self.0.extend_from_slice(b"null");
+        self.0.out.extend_from_slice(b"null");
         Ok(())
     }
 
     fn visit_bool<E>(self, v: bool) -> Result<(), E> {
-        self.0.extend_from_slice(if v { b"true" } else { b"false" });
+        self.0
+            .out
+            .extend_from_slice(if v { b"true" } else { b"false" });
         Ok(())
     }
 
     fn visit_i64<E>(self, v: i64) -> Result<(), E> {
-        write_json(self.0, &v);
+        write_json(&mut self.0.out, &v);
         Ok(())
     }
 
     fn visit_u64<E>(self, v: u64) -> Result<(), E> {
-        write_json(self.0, &v);
+        write_json(&mut self.0.out, &v);
         Ok(())
     }
 
     fn visit_f64<E>(self, v: f64) -> Result<(), E> {
         if v.fract() == 0.0 && v.abs() < EXACT_INTEGER_LIMIT {
             // Exact: the value is an integer below 2^53.
-            write_json(self.0, &(v as i64));
+            write_json(&mut self.0.out, &(v as i64));
             return Ok(());
         }
         // JSON numbers are finite, so serde_json writes ryu's shortest round-trip form.
-        write_json(self.0, &v);
+        write_json(&mut self.0.out, &v);
         Ok(())
     }
 
     fn visit_str<E>(self, v: &str) -> Result<(), E> {
-        write_json(self.0, v);
+        write_json(&mut self.0.out, v);
         Ok(())
     }
 
     fn visit_borrowed_str<E>(self, v: &'de str) -> Result<(), E> {
-        write_unescaped(self.0, v);
+        write_unescaped(&mut self.0.out, v);
         Ok(())
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        let out = self.0;
-        out.push(b'[');
+        let writer = self.0;
+        writer.out.push(b'[');
         let mut first = true;
         loop {
-            let comma = out.len();
+            let comma = writer.out.len();
             if !first {
-                out.push(b',');
+                writer.out.push(b',');
             }
-            if seq.next_element_seed(Canonical(out))?.is_none() {
-                out.truncate(comma);
+            if seq.next_element_seed(Canonical(&mut *writer))?.is_none() {
+                writer.out.truncate(comma);
                 break;
             }
             first = false;
         }
-        out.push(b']');
+        writer.out.push(b']');
         Ok(())
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let out = self.0;
-        let start = out.len();
-        out.push(b'{');
+        let writer = self.0;
+        let start = writer.out.len();
+        writer.out.push(b'{');
         // Each member's name and where its `"name":value` was written.
         let mut members: Vec<(Name<'de>, usize, usize)> = Vec::new();
         while let Some(name) = map.next_key::<Name<'de>>()? {
+            let out = &mut writer.out;
             if !members.is_empty() {
                 out.push(b',');
             }
@@ -315,20 +396,32 @@ impl<'de> Visitor<'de> for Canonical<'_> {
                 Cow::Owned(name) => write_json(out, name.as_str()),
             }
             out.push(b':');
-            map.next_value_seed(Canonical(&mut *out))?;
-            members.push((name, at, out.len()));
+            map.next_value_seed(Canonical(&mut *writer))?;
+            members.push((name, at, writer.out.len()));
         }
-        out.push(b'}');
+        writer.out.push(b'}');
         // Stable: members with the same name keep their order. Usually already in order.
         if !members.is_sorted_by(|(a, ..), (b, ..)| a.0 <= b.0) {
-            let written = out.split_off(start);
+            // Each level of out-of-order nesting moves everything inside it once more: the
+            // budget keeps the total linear in the input.
+            let length = writer.out.len() - start;
+            if length > writer.budget {
+                writer.over_budget = true;
+                return Err(A::Error::custom("over the reordering budget"));
+            }
+            writer.budget -= length;
+            writer.moved += length;
             members.sort_by(|(a, ..), (b, ..)| a.0.cmp(&b.0));
+            let Writer { out, scratch, .. } = writer;
+            scratch.clear();
+            scratch.extend_from_slice(&out[start..]);
+            out.truncate(start);
             out.push(b'{');
             for (i, (_, from, to)) in members.iter().enumerate() {
                 if i > 0 {
                     out.push(b',');
                 }
-                out.extend_from_slice(&written[from - start..to - start]);
+                out.extend_from_slice(&scratch[from - start..to - start]);
             }
             out.push(b'}');
         }
@@ -749,6 +842,60 @@ mod tests {
             query(&over),
             query(&distinct_pairs(MAX_FORM_PAIRS + 1, true))
         );
+    }
+
+    /// `depth` nested objects `{"z":…,"a":0}`, each out of order, around a string that pads the
+    /// document to `size` bytes: sorting moves everything inside each object once per level.
+    fn deep_unordered_json(depth: usize, size: usize) -> String {
+        let (open, close) = (r#"{"z":"#, r#","a":0}"#);
+        let padding = size.saturating_sub(depth * (open.len() + close.len()) + 2);
+        let mut doc = open.repeat(depth);
+        doc.push('"');
+        doc.push_str(&"x".repeat(padding));
+        doc.push('"');
+        doc.push_str(&close.repeat(depth));
+        doc
+    }
+
+    #[test]
+    fn deep_out_of_order_json_stops_at_the_reordering_budget() {
+        let doc = deep_unordered_json(120, 2 << 20);
+        let mut writer = Writer::new(doc.len());
+        assert!(matches!(
+            writer.canonicalise(doc.as_bytes()),
+            Err(CanonicalJsonError::OverBudget)
+        ));
+        assert!(
+            writer.moved <= reorder_budget(doc.len()),
+            "moved {} bytes for {}",
+            writer.moved,
+            doc.len()
+        );
+        assert!(matches!(
+            canonical_json(doc.as_bytes()),
+            Err(CanonicalJsonError::OverBudget)
+        ));
+        // Hashed as its raw bytes, as a body that is not JSON is.
+        assert_eq!(
+            fp(FingerprintMode::Semantic, "/", JSON, &doc),
+            fp(FingerprintMode::Semantic, "/", Some("text/plain"), &doc),
+        );
+    }
+
+    #[test]
+    fn deep_out_of_order_json_within_the_budget_is_sorted() {
+        let depth = 16;
+        let doc = deep_unordered_json(depth, 4096);
+        let open = r#"{"a":0,"z":"#;
+        let mut sorted = open.repeat(depth);
+        sorted.push('"');
+        sorted.push_str(&"x".repeat(doc.len() - depth * (open.len() + 1) - 2));
+        sorted.push('"');
+        sorted.push_str(&"}".repeat(depth));
+        let mut writer = Writer::new(doc.len());
+        writer.canonicalise(doc.as_bytes()).unwrap();
+        assert_eq!(String::from_utf8(writer.out).unwrap(), sorted);
+        assert!(writer.moved <= reorder_budget(doc.len()));
     }
 
     /// Hostile and reordered bodies: canonicalisation never panics, is a fixed point, keeps the

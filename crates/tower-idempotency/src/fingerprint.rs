@@ -43,9 +43,13 @@
 //!   64 KiB into place in total. A document that needs more (objects out of order at every
 //!   level of a deep nesting) is hashed as its raw bytes, as a body that is not JSON is; within
 //!   this budget the canonical form is the one described above.
+//! * A body over 64 KiB is fingerprinted on Tokio's blocking thread pool
+//!   ([`spawn_blocking`](tokio::task::spawn_blocking)), so it does not hold up the async
+//!   worker threads that serve other requests.
 
 use std::{borrow::Cow, fmt};
 
+use bytes::Bytes;
 use http::{HeaderValue, Method, Uri};
 use serde::{
     Serialize,
@@ -59,6 +63,10 @@ const MAX_FORM_PAIRS: usize = 10_000;
 /// Hashed where the pair count goes when there were more than [`MAX_FORM_PAIRS`] and the raw
 /// bytes follow: no count of decoded pairs is this large, so the two can never collide.
 const TOO_MANY_PAIRS: u64 = u64::MAX;
+
+/// Bodies up to this size are fingerprinted on the async worker; larger ones on the blocking
+/// thread pool.
+const INLINE_BODY_BYTES: usize = 64 * 1024;
 
 /// How request bodies are compared; see the [module documentation](self).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -121,6 +129,32 @@ impl Fingerprint {
     /// The 32 bytes.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
+    }
+}
+
+/// [`Fingerprint::compute`] for the service: inline for a body up to 64 KiB, on Tokio's blocking
+/// thread pool for a larger one (see the [module documentation](self#bounded-work)).
+pub(crate) async fn compute_for_request(
+    mode: FingerprintMode,
+    method: Method,
+    uri: Uri,
+    content_type: Option<HeaderValue>,
+    body: Bytes,
+) -> Fingerprint {
+    let inline = body.len() <= INLINE_BODY_BYTES;
+    let compute = move || Fingerprint::compute(mode, &method, &uri, content_type.as_ref(), &body);
+    let runtime = match tokio::runtime::Handle::try_current() {
+        Ok(runtime) if !inline => runtime,
+        _ => return compute(),
+    };
+    match runtime.spawn_blocking(compute.clone()).await {
+        Ok(fingerprint) => fingerprint,
+        // Cancelled by a runtime shutting down (or panicked): the request still needs its
+        // fingerprint, so it is computed here instead.
+        Err(error) => {
+            tracing::warn!(%error, "fingerprinting on the blocking pool failed; computing inline");
+            compute()
+        }
     }
 }
 
@@ -896,6 +930,63 @@ mod tests {
         writer.canonicalise(doc.as_bytes()).unwrap();
         assert_eq!(String::from_utf8(writer.out).unwrap(), sorted);
         assert!(writer.moved <= reorder_budget(doc.len()));
+    }
+
+    /// Polls `future` once.
+    async fn poll_once<F: std::future::Future>(
+        mut future: std::pin::Pin<&mut F>,
+    ) -> std::task::Poll<F::Output> {
+        std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx))).await
+    }
+
+    #[test]
+    fn large_bodies_are_fingerprinted_off_the_async_workers() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            // The one blocking thread is taken until `release` is dropped.
+            let (release, held) = std::sync::mpsc::channel::<()>();
+            let taken = tokio::task::spawn_blocking(move || {
+                let _ = held.recv();
+            });
+            let text = HeaderValue::from_static("text/plain");
+            let request = |size: usize| {
+                compute_for_request(
+                    FingerprintMode::Semantic,
+                    Method::POST,
+                    Uri::from_static("/v1/charges"),
+                    Some(text.clone()),
+                    Bytes::from(vec![b'x'; size]),
+                )
+            };
+            let expected = |size: usize| {
+                Fingerprint::compute(
+                    FingerprintMode::Semantic,
+                    &Method::POST,
+                    &Uri::from_static("/v1/charges"),
+                    Some(&text),
+                    &vec![b'x'; size],
+                )
+            };
+
+            let mut small = std::pin::pin!(request(INLINE_BODY_BYTES));
+            match poll_once(small.as_mut()).await {
+                std::task::Poll::Ready(fingerprint) => {
+                    assert_eq!(fingerprint, expected(INLINE_BODY_BYTES));
+                }
+                std::task::Poll::Pending => panic!("a 64 KiB body waited for the blocking pool"),
+            }
+            let mut large = std::pin::pin!(request(INLINE_BODY_BYTES + 1));
+            assert!(
+                poll_once(large.as_mut()).await.is_pending(),
+                "a larger body was fingerprinted on the async worker"
+            );
+            drop(release);
+            taken.await.unwrap();
+            assert_eq!(large.await, expected(INLINE_BODY_BYTES + 1));
+        });
     }
 
     /// Hostile and reordered bodies: canonicalisation never panics, is a fixed point, keeps the

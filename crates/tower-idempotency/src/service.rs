@@ -255,13 +255,14 @@ where
                     )));
                 }
             };
-            let fingerprint = Fingerprint::compute(
+            let fingerprint = crate::fingerprint::compute_for_request(
                 self.config.fingerprint,
-                &parts.method,
-                &parts.uri,
-                parts.headers.get(http::header::CONTENT_TYPE),
-                &body,
-            );
+                parts.method.clone(),
+                parts.uri.clone(),
+                parts.headers.get(http::header::CONTENT_TYPE).cloned(),
+                body.clone(),
+            )
+            .await;
 
             // Claim, then run, replay or refuse.
             let begin = match claim(

@@ -45,7 +45,8 @@
 //!   this budget the canonical form is the one described above.
 //! * A body over 64 KiB is fingerprinted on Tokio's blocking thread pool
 //!   ([`spawn_blocking`](tokio::task::spawn_blocking)), so it does not hold up the async
-//!   worker threads that serve other requests.
+//!   worker threads that serve other requests; as many at once as there are cores, the others
+//!   waiting their turn, so that concurrent hostile bodies do not multiply the memory held.
 
 use std::{borrow::Cow, fmt};
 
@@ -147,6 +148,8 @@ pub(crate) async fn compute_for_request(
         Ok(runtime) if !inline => runtime,
         _ => return compute(),
     };
+    // Beyond one per core, more at once would only hold more buffers, not finish sooner.
+    let _slot = blocking_slots().acquire().await;
     match runtime.spawn_blocking(compute.clone()).await {
         Ok(fingerprint) => fingerprint,
         // Cancelled by a runtime shutting down (or panicked): the request still needs its
@@ -156,6 +159,16 @@ pub(crate) async fn compute_for_request(
             compute()
         }
     }
+}
+
+/// Admits as many large-body fingerprints to the blocking pool at once as there are cores.
+fn blocking_slots() -> &'static tokio::sync::Semaphore {
+    static SLOTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    SLOTS.get_or_init(|| tokio::sync::Semaphore::new(cores()))
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
 impl fmt::Debug for Fingerprint {
@@ -986,6 +999,43 @@ mod tests {
             drop(release);
             taken.await.unwrap();
             assert_eq!(large.await, expected(INLINE_BODY_BYTES + 1));
+        });
+    }
+
+    #[test]
+    fn large_bodies_are_fingerprinted_one_per_core_at_a_time() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            // Every slot taken, as by as many large bodies being fingerprinted.
+            let taken = blocking_slots().acquire_many(cores() as u32).await.unwrap();
+            let body = Bytes::from(vec![b'x'; INLINE_BODY_BYTES + 1]);
+            let mut waiting = std::pin::pin!(compute_for_request(
+                FingerprintMode::Raw,
+                Method::POST,
+                Uri::from_static("/v1/charges"),
+                None,
+                body.clone(),
+            ));
+            assert!(poll_once(waiting.as_mut()).await.is_pending());
+            // The one blocking thread runs its tasks in order: had the fingerprint been handed
+            // to it, it would be done once this later task is.
+            tokio::task::spawn_blocking(|| ()).await.unwrap();
+            assert!(
+                poll_once(waiting.as_mut()).await.is_pending(),
+                "fingerprinted with every slot taken"
+            );
+            drop(taken);
+            let expected = Fingerprint::compute(
+                FingerprintMode::Raw,
+                &Method::POST,
+                &Uri::from_static("/v1/charges"),
+                None,
+                &body,
+            );
+            assert_eq!(waiting.await, expected);
         });
     }
 

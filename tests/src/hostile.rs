@@ -71,6 +71,43 @@ impl RawRequest {
     }
 }
 
+/// A form body of `size` bytes: `amount=100&currency=usd`, then `&a&a&a…`, about `size / 2`
+/// pairs. With `reordered`, the two named pairs come the other way round.
+pub fn repeated_pairs_form(size: usize, reordered: bool) -> Vec<u8> {
+    let head: &[u8] = if reordered {
+        b"currency=usd&amount=100"
+    } else {
+        b"amount=100&currency=usd"
+    };
+    let mut body = head.to_vec();
+    while body.len() + 2 <= size {
+        body.extend_from_slice(b"&a");
+    }
+    body
+}
+
+/// A JSON document of about `size` bytes: `depth` nested objects `{"z":…,"a":0}`, each with its
+/// members out of order, around a padding string. With `reordered`, the outermost object is
+/// written `{"a":0,"z":…}`: the same document, its members in another order.
+pub fn deep_unordered_json(depth: usize, size: usize, reordered: bool) -> Vec<u8> {
+    const OPEN: &[u8] = br#"{"z":"#;
+    const CLOSE: &[u8] = br#","a":0}"#;
+    let padding = size.saturating_sub(depth * (OPEN.len() + CLOSE.len()) + 2);
+    let nested = depth.saturating_sub(1);
+    let mut doc = if reordered {
+        br#"{"a":0,"z":"#.to_vec()
+    } else {
+        OPEN.to_vec()
+    };
+    doc.extend(OPEN.repeat(nested));
+    doc.push(b'"');
+    doc.resize(doc.len() + padding, b'x');
+    doc.push(b'"');
+    doc.extend(CLOSE.repeat(nested));
+    doc.extend_from_slice(if reordered { b"}" } else { CLOSE });
+    doc
+}
+
 /// A response read off a raw connection.
 #[derive(Debug, Clone)]
 pub struct RawResponse {

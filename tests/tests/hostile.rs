@@ -8,7 +8,10 @@ use std::{future::Future, time::Duration};
 use idempotency_tests::{
     app::{Probe, app},
     db::TestDb,
-    hostile::{RawRequest, RawResponse, exchange, is_closed, read_response},
+    hostile::{
+        RawRequest, RawResponse, deep_unordered_json, exchange, is_closed, read_response,
+        repeated_pairs_form,
+    },
     server::TestServer,
     suite::Reply,
 };
@@ -25,6 +28,9 @@ const TEST_BOUND: Duration = Duration::from_secs(60);
 const PROMPT: Duration = Duration::from_secs(5);
 
 const CHARGE: &str = r#"{"amount":100,"currency":"usd"}"#;
+
+/// Just under the layer's default body limit (2 MiB), and axum's.
+const NEARLY_2_MIB: usize = 2 * 1024 * 1024 - 1024;
 
 async fn bounded<F: Future>(test: F) -> F::Output {
     tokio::time::timeout(TEST_BOUND, test)
@@ -133,6 +139,8 @@ on_every_store!(
     repeated_key_is_400_and_runs_nothing,
     non_utf8_json_bodies_run_replay_and_mismatch_by_bytes,
     keys_of_255_characters_are_kept_and_256_refused,
+    form_of_a_million_pairs_is_answered_promptly,
+    deep_out_of_order_json_is_answered_promptly,
 );
 
 /// (a) `Content-Length: 1 GiB` and no body: `413` before a byte is read, not after waiting
@@ -288,6 +296,64 @@ async fn keys_of_255_characters_are_kept_and_256_refused(t: Target) {
         reply.status
     );
     assert_eq!(t.probe.executions(), 3);
+    t.assert_still_serves().await;
+}
+
+/// Sends `body` as `content_type` with key `key` to `/status/201`, and reads the answer.
+async fn post_status_201(t: &Target, key: &[u8], content_type: &[u8], body: &[u8]) -> Reply {
+    let request = RawRequest::post("/status/201")
+        .header("idempotency-key", key)
+        .header("content-type", content_type)
+        .with_body(body);
+    t.raw(&request).await.into_reply()
+}
+
+/// A form of nearly 2 MiB, `a&a&a…`, a million pairs: fingerprinted by its bytes rather
+/// than decoded and sorted, it is answered promptly and the handler runs; the same bytes
+/// replay, and the same pairs in another order are another request.
+async fn form_of_a_million_pairs_is_answered_promptly(t: Target) {
+    const FORM: &[u8] = b"application/x-www-form-urlencoded";
+    let form = repeated_pairs_form(NEARLY_2_MIB, false);
+    let first = post_status_201(&t, b"k-form", FORM, &form).await;
+    assert_eq!(first.status, 201, "body {:?}", first.body);
+    assert_eq!(t.probe.executions(), 1);
+    let retry = post_status_201(&t, b"k-form", FORM, &form).await;
+    assert!(retry.replayed(), "the same bytes are the same request");
+    assert_eq!(retry.body, first.body);
+    post_status_201(
+        &t,
+        b"k-form",
+        FORM,
+        &repeated_pairs_form(NEARLY_2_MIB, true),
+    )
+    .await
+    .assert_problem(422, "Mismatch");
+    assert_eq!(t.probe.executions(), 1);
+    t.assert_still_serves().await;
+}
+
+/// Nearly 2 MiB of JSON nested 120 objects deep, each object's members out of order:
+/// sorting it would move the whole document once per level, so past the reordering budget it
+/// is fingerprinted by its bytes. It is answered promptly, the same bytes replay, and the same
+/// document written in another order is another request.
+async fn deep_out_of_order_json_is_answered_promptly(t: Target) {
+    const JSON: &[u8] = b"application/json";
+    let doc = deep_unordered_json(120, NEARLY_2_MIB, false);
+    let first = post_status_201(&t, b"k-deep", JSON, &doc).await;
+    assert_eq!(first.status, 201, "body {:?}", first.body);
+    assert_eq!(t.probe.executions(), 1);
+    let retry = post_status_201(&t, b"k-deep", JSON, &doc).await;
+    assert!(retry.replayed(), "the same bytes are the same request");
+    assert_eq!(retry.body, first.body);
+    post_status_201(
+        &t,
+        b"k-deep",
+        JSON,
+        &deep_unordered_json(120, NEARLY_2_MIB, true),
+    )
+    .await
+    .assert_problem(422, "Mismatch");
+    assert_eq!(t.probe.executions(), 1);
     t.assert_still_serves().await;
 }
 

@@ -15,6 +15,7 @@ use std::{
 
 use axum::{
     Extension, Json, Router,
+    body::Bytes,
     extract::{Request, State},
     http::{StatusCode, header},
     middleware::{self, Next},
@@ -63,6 +64,11 @@ pub(crate) enum App {
     /// The no-I/O handler spending [`BUSY`] on the CPU first, no idempotency layer: what a
     /// microsecond of work per request costs in this benchmark.
     MemoryBareBusy,
+    /// A no-I/O handler that reads a body of any type and parses none of it, no idempotency
+    /// layer: what receiving a hostile body costs without the layer.
+    AnyBodyBare,
+    /// That handler behind `IdempotencyLayer::memory()`: the layer's own cost for the body.
+    AnyBodyMemory,
 }
 
 impl App {
@@ -74,7 +80,11 @@ impl App {
             | Self::LeaseNoCache
             | Self::LeasePartitioned
             | Self::Transactional => true,
-            Self::MemoryBare | Self::Memory | Self::MemoryBareBusy => false,
+            Self::MemoryBare
+            | Self::Memory
+            | Self::MemoryBareBusy
+            | Self::AnyBodyBare
+            | Self::AnyBodyMemory => false,
         }
     }
 
@@ -89,6 +99,8 @@ impl App {
             Self::MemoryBare => "memory-bare",
             Self::Memory => "memory",
             Self::MemoryBareBusy => "memory-bare-busy",
+            Self::AnyBodyBare => "any-body-bare",
+            Self::AnyBodyMemory => "any-body-memory",
         }
     }
 
@@ -98,7 +110,12 @@ impl App {
             Self::Lease | Self::LeaseNoCache => Some(PostgresStore::new(pool.clone())),
             Self::Transactional => Some(PostgresStore::new(pool.clone()).transactional()),
             Self::LeasePartitioned => Some(partitioned_store(pool)),
-            Self::Bare | Self::MemoryBare | Self::Memory | Self::MemoryBareBusy => None,
+            Self::Bare
+            | Self::MemoryBare
+            | Self::Memory
+            | Self::MemoryBareBusy
+            | Self::AnyBodyBare
+            | Self::AnyBodyMemory => None,
         }
     }
 }
@@ -127,6 +144,8 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
         (App::MemoryBare, _) => no_io(),
         (App::Memory, _) => no_io().layer(IdempotencyLayer::memory()),
         (App::MemoryBareBusy, _) => no_io().layer(middleware::from_fn(busy)),
+        (App::AnyBodyBare, _) => any_body(),
+        (App::AnyBodyMemory, _) => any_body().layer(IdempotencyLayer::memory()),
         (
             App::Bare | App::Lease | App::LeaseNoCache | App::LeasePartitioned | App::Transactional,
             None,
@@ -147,6 +166,12 @@ fn charges(pool: PgPool) -> Router {
 fn no_io() -> Router {
     Router::new()
         .route(CHARGES_PATH, post(create_charge_in_memory))
+        .with_state(Arc::new(AtomicU64::new(0)))
+}
+
+fn any_body() -> Router {
+    Router::new()
+        .route(CHARGES_PATH, post(create_charge_from_any_body))
         .with_state(Arc::new(AtomicU64::new(0)))
 }
 
@@ -227,6 +252,21 @@ async fn create_charge_in_memory(
     Json(new): Json<NewCharge>,
 ) -> (StatusCode, Json<Charge>) {
     let id = ids.fetch_add(1, Ordering::Relaxed) + 1;
+    created(i64::try_from(id).unwrap_or(i64::MAX), &principal, new)
+}
+
+/// Reads the whole body, whatever its type, and answers with a charge of fixed amount, parsing
+/// nothing: the body's cost is left to the layer in front.
+async fn create_charge_from_any_body(
+    State(ids): State<Arc<AtomicU64>>,
+    Extension(principal): Extension<Principal>,
+    _body: Bytes,
+) -> (StatusCode, Json<Charge>) {
+    let id = ids.fetch_add(1, Ordering::Relaxed) + 1;
+    let new = NewCharge {
+        amount: 1000,
+        currency: "usd".to_owned(),
+    };
     created(i64::try_from(id).unwrap_or(i64::MAX), &principal, new)
 }
 

@@ -75,13 +75,20 @@ pub(crate) enum Keys {
     Filled { working_set: Option<usize> },
 }
 
-/// The request body: a charge, as JSON.
+/// The request body: a charge, as JSON, or a hostile body of the kind a fingerprint must
+/// bound its work on.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum BodySize {
     /// `{"amount":1000,"currency":"usd","description":"idempotency-bench"}`.
     Small,
     /// A charge with a `metadata` string padding the body to exactly this many bytes.
     Padded(usize),
+    /// A form (`application/x-www-form-urlencoded`) of exactly this many bytes:
+    /// `amount=1000&currency=usd&a&a&a…`, one pair every two bytes.
+    RepeatedPairs(usize),
+    /// A charge whose `metadata` nests `depth` objects `{"z":…,"a":0}`, every object's members
+    /// out of order, around a string padding the body to exactly `size` bytes.
+    DeepUnordered { depth: usize, size: usize },
 }
 
 impl BodySize {
@@ -100,6 +107,42 @@ impl BodySize {
                 body.extend_from_slice(tail);
                 Bytes::from(body)
             }
+            Self::RepeatedPairs(size) => {
+                let mut body = b"amount=1000&currency=usd".to_vec();
+                body.reserve(size.saturating_sub(body.len()));
+                while body.len() + 2 <= size {
+                    body.extend_from_slice(b"&a");
+                }
+                if body.len() < size {
+                    body.push(b'&');
+                }
+                Bytes::from(body)
+            }
+            Self::DeepUnordered { depth, size } => {
+                // Out of order from the outermost object in: `metadata` before `amount`.
+                let (head, tail) = (br#"{"metadata":"#, br#","amount":1000,"currency":"usd"}"#);
+                let (open, close) = (br#"{"z":"#, br#","a":0}"#);
+                let frame = head.len() + tail.len() + depth * (open.len() + close.len()) + 2;
+                let mut body = Vec::with_capacity(size.max(frame));
+                body.extend_from_slice(head);
+                body.extend(open.repeat(depth));
+                body.push(b'"');
+                body.resize(body.len() + size.saturating_sub(frame), b'x');
+                body.push(b'"');
+                body.extend(close.repeat(depth));
+                body.extend_from_slice(tail);
+                Bytes::from(body)
+            }
+        }
+    }
+
+    /// The `Content-Type` the body is sent with.
+    pub(crate) fn content_type(self) -> HeaderValue {
+        match self {
+            Self::Small | Self::Padded(_) | Self::DeepUnordered { .. } => {
+                HeaderValue::from_static("application/json")
+            }
+            Self::RepeatedPairs(_) => HeaderValue::from_static("application/x-www-form-urlencoded"),
         }
     }
 }
@@ -189,7 +232,7 @@ impl Plan {
         *request.uri_mut() = Uri::from_static(CHARGES_PATH);
         let headers = request.headers_mut();
         headers.insert(HOST, self.hosts[connection % self.hosts.len()].clone());
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(CONTENT_TYPE, self.workload.body.content_type());
         headers.insert(AUTHORIZATION, self.accounts[account].clone());
         headers.insert(
             "idempotency-key",
@@ -389,6 +432,26 @@ mod tests {
         assert_eq!(body.len(), 1 << 20);
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(value["amount"], 1000);
+    }
+
+    #[test]
+    fn hostile_bodies_have_the_exact_size_and_shape() {
+        let form = BodySize::RepeatedPairs(2 << 20).bytes();
+        assert_eq!(form.len(), 2 << 20);
+        assert!(form.starts_with(b"amount=1000&currency=usd&a&a&"));
+        assert!(form.split(|b| *b == b'&').count() > 1_000_000);
+
+        let size = 2 << 20;
+        let json = BodySize::DeepUnordered { depth: 120, size }.bytes();
+        assert_eq!(json.len(), size);
+        let value: serde_json::Value = serde_json::from_slice(&json).unwrap();
+        assert_eq!(value["amount"], 1000);
+        let mut inner = &value["metadata"];
+        for _ in 0..120 {
+            assert_eq!(inner["a"], 0);
+            inner = &inner["z"];
+        }
+        assert!(inner.is_string());
     }
 
     #[test]

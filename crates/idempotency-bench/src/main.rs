@@ -13,7 +13,7 @@
 //!
 //! The report (markdown) goes to stdout, progress to stderr: `... > bench.md` keeps the table.
 //! A full run with the defaults (10 s per scenario after 2 s of warm-up, 32 connections,
-//! 3 rounds, every core scenario) takes about 6 minutes. The [scale scenarios](#scale-scenarios)
+//! 3 rounds, every core scenario) takes about 8 minutes. The [scale scenarios](#scale-scenarios)
 //! run only when named. Short runs
 //! (`--duration-secs 3 --warmup-secs 1`) check that everything works; published numbers come
 //! from a long run on a quiet machine. It is not a test, and CI only builds it.
@@ -62,6 +62,13 @@
 //! | `store-ceiling` | bare | the store's `begin` + `complete` for new keys, through sqlx, no HTTP |
 //! | `store-lookup` | bare | the store's `begin` on completed keys (a replay's lookup), no HTTP |
 //! | `large-bodies` | — | 1 MiB JSON bodies through the lease layer at 64 connections |
+//! | `hostile-bare` | — | nearly 2 MiB forms `a&a&a…` (a million pairs) to a no-I/O handler that parses no body, no layer, 16 connections |
+//! | `hostile-form` | hostile-bare | the same behind `IdempotencyLayer::memory()`: the fingerprint of a million pairs |
+//! | `hostile-json` | hostile-bare | nearly 2 MiB of JSON nested 120 objects deep, each out of order, behind `IdempotencyLayer::memory()` |
+//!
+//! The `hostile-*` scenarios are there for the server's CPU time per request and peak RSS on
+//! bodies built to make a fingerprint expensive (see `tower_idempotency::fingerprint`); their
+//! baseline receives bodies of the same size without the layer.
 //!
 //! `replay` runs with the layer's default 16 MiB replay cache, and each connection retries 16
 //! keys, so after each key's first retry it measures the cache, not the store; the scale

@@ -170,6 +170,18 @@ const CACHED_REPLAYS: Workload = Workload {
     body: BodySize::Small,
 };
 
+/// The hostile bodies' size: just under the layer's default limit (2 MiB), and axum's.
+const HOSTILE_BODY_BYTES: usize = 2 * 1024 * 1024 - 1024;
+
+/// The hostile-body scenarios' fixed concurrency.
+const HOSTILE_CONNECTIONS: usize = 16;
+
+/// New keys, each request a nearly 2 MiB form of a million pairs.
+const HOSTILE_FORM: Workload = Workload {
+    keys: Keys::Fresh,
+    body: BodySize::RepeatedPairs(HOSTILE_BODY_BYTES),
+};
+
 /// Every scenario, in the order a round runs them (odd rounds run them backwards).
 pub(crate) static SCENARIOS: &[Scenario] = &[
     Scenario {
@@ -275,6 +287,51 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         // At most one buffered copy of each body: 64 × 2 MiB + 64 MiB.
         scale: false,
         targets: &[Target::PeakRss(64 * 2 * MIB + 64 * MIB)],
+    },
+    Scenario {
+        name: "hostile-bare",
+        about: "nearly 2 MiB form bodies, `a&a&a…` (a million pairs), to a handler that reads any \
+                body and parses none, without the layer, at 16 connections: the hostile bodies' baseline",
+        baseline: None,
+        runner: Runner::Http(Http {
+            connections: Some(HOSTILE_CONNECTIONS),
+            ..Http::new(App::AnyBodyBare, HOSTILE_FORM)
+        }),
+        scale: false,
+        targets: &[],
+    },
+    Scenario {
+        name: "hostile-form",
+        about: "the same form bodies behind IdempotencyLayer::memory(): the fingerprint's cost for \
+                a million pairs (CPU per request, peak RSS)",
+        baseline: Some("hostile-bare"),
+        runner: Runner::Http(Http {
+            connections: Some(HOSTILE_CONNECTIONS),
+            ..Http::new(App::AnyBodyMemory, HOSTILE_FORM)
+        }),
+        scale: false,
+        targets: &[],
+    },
+    Scenario {
+        name: "hostile-json",
+        about: "nearly 2 MiB JSON bodies nested 120 objects deep, every object's members out of \
+                order, behind IdempotencyLayer::memory() (its baseline receives forms of the same size)",
+        baseline: Some("hostile-bare"),
+        runner: Runner::Http(Http {
+            connections: Some(HOSTILE_CONNECTIONS),
+            ..Http::new(
+                App::AnyBodyMemory,
+                Workload {
+                    keys: Keys::Fresh,
+                    body: BodySize::DeepUnordered {
+                        depth: 120,
+                        size: HOSTILE_BODY_BYTES,
+                    },
+                },
+            )
+        }),
+        scale: false,
+        targets: &[],
     },
     // The scale scenarios (issue 7): opt-in, see `--scenarios scale`.
     Scenario {

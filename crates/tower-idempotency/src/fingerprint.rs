@@ -30,15 +30,44 @@
 //!
 //! [`FingerprintMode::Raw`] hashes the body bytes exactly, for APIs where the bytes are the
 //! meaning (signed payloads, binary uploads).
+//!
+//! # Bounded work
+//!
+//! A fingerprint costs time and memory linear in the request, whatever the request holds:
+//!
+//! * A form body or query string of more than 10,000 pairs is hashed as its raw bytes, not
+//!   decoded and sorted (Django's `DATA_UPLOAD_MAX_NUMBER_FIELDS` and PHP's `max_input_vars`
+//!   cap fields likewise, at 1,000). The pairs are counted first, without decoding; a retry
+//!   with the same bytes still matches, a reordered one is a `422`.
+//! * Sorting the members of a JSON body's objects may move at most 4 × the body's length plus
+//!   64 KiB into place in total. A document that needs more (objects out of order at every
+//!   level of a deep nesting) is hashed as its raw bytes, as a body that is not JSON is; within
+//!   this budget the canonical form is the one described above.
+//! * A body over 64 KiB is fingerprinted on Tokio's blocking thread pool
+//!   ([`spawn_blocking`](tokio::task::spawn_blocking)), so it does not hold up the async
+//!   worker threads that serve other requests; as many at once as there are cores, the others
+//!   waiting their turn, so that concurrent hostile bodies do not multiply the memory held.
 
 use std::{borrow::Cow, fmt};
 
+use bytes::Bytes;
 use http::{HeaderValue, Method, Uri};
 use serde::{
     Serialize,
-    de::{Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor},
+    de::{Deserialize, DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor},
 };
 use sha2::{Digest, Sha256};
+
+/// At most this many pairs of a form body or query string are decoded and sorted.
+const MAX_FORM_PAIRS: usize = 10_000;
+
+/// Hashed where the pair count goes when there were more than [`MAX_FORM_PAIRS`] and the raw
+/// bytes follow: no count of decoded pairs is this large, so the two can never collide.
+const TOO_MANY_PAIRS: u64 = u64::MAX;
+
+/// Bodies up to this size are fingerprinted on the async worker; larger ones on the blocking
+/// thread pool.
+const INLINE_BODY_BYTES: usize = 64 * 1024;
 
 /// How request bodies are compared; see the [module documentation](self).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -104,6 +133,44 @@ impl Fingerprint {
     }
 }
 
+/// [`Fingerprint::compute`] for the service: inline for a body up to 64 KiB, on Tokio's blocking
+/// thread pool for a larger one (see the [module documentation](self#bounded-work)).
+pub(crate) async fn compute_for_request(
+    mode: FingerprintMode,
+    method: Method,
+    uri: Uri,
+    content_type: Option<HeaderValue>,
+    body: Bytes,
+) -> Fingerprint {
+    let inline = body.len() <= INLINE_BODY_BYTES;
+    let compute = move || Fingerprint::compute(mode, &method, &uri, content_type.as_ref(), &body);
+    let runtime = match tokio::runtime::Handle::try_current() {
+        Ok(runtime) if !inline => runtime,
+        _ => return compute(),
+    };
+    // Beyond one per core, more at once would only hold more buffers, not finish sooner.
+    let _slot = blocking_slots().acquire().await;
+    match runtime.spawn_blocking(compute.clone()).await {
+        Ok(fingerprint) => fingerprint,
+        // Cancelled by a runtime shutting down (or panicked): the request still needs its
+        // fingerprint, so it is computed here instead.
+        Err(error) => {
+            tracing::warn!(%error, "fingerprinting on the blocking pool failed; computing inline");
+            compute()
+        }
+    }
+}
+
+/// Admits as many large-body fingerprints to the blocking pool at once as there are cores.
+fn blocking_slots() -> &'static tokio::sync::Semaphore {
+    static SLOTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    SLOTS.get_or_init(|| tokio::sync::Semaphore::new(cores()))
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Fingerprint(")?;
@@ -139,8 +206,8 @@ impl BodyKind {
     }
 }
 
-/// Hashes the canonical form of a JSON body; `false` (nothing hashed) when it is not JSON, and
-/// the caller hashes the raw bytes instead.
+/// Hashes the canonical form of a JSON body; `false` (nothing hashed) when it is not JSON or
+/// over the reordering budget, and the caller hashes the raw bytes instead.
 fn hash_json(hasher: &mut Sha256, body: &[u8]) -> bool {
     match canonical_json(body) {
         Ok(canonical) => {
@@ -158,6 +225,11 @@ fn put_field(hasher: &mut Sha256, bytes: &[u8]) {
 }
 
 fn put_pairs(hasher: &mut Sha256, encoded: &[u8]) {
+    if more_pairs_than(encoded, MAX_FORM_PAIRS) {
+        hasher.update(TOO_MANY_PAIRS.to_be_bytes());
+        put_field(hasher, encoded);
+        return;
+    }
     let pairs = canonical_form_pairs(encoded);
     hasher.update((pairs.len() as u64).to_be_bytes());
     for (name, value) in &pairs {
@@ -166,29 +238,113 @@ fn put_pairs(hasher: &mut Sha256, encoded: &[u8]) {
     }
 }
 
+/// Whether `encoded` holds more than `limit` pairs (non-empty `&`-separated segments), counted
+/// without decoding or allocating.
+fn more_pairs_than(encoded: &[u8], limit: usize) -> bool {
+    encoded
+        .split(|b| *b == b'&')
+        .filter(|pair| !pair.is_empty())
+        .nth(limit)
+        .is_some()
+}
+
 /// The canonical form of a JSON document (see the [module documentation](self)), computed in
 /// one pass.
 ///
-/// Nesting deeper than serde_json's recursion limit (128) is an error, so hostile input can
-/// exhaust neither the stack nor the CPU.
+/// Nesting deeper than serde_json's recursion limit (128) is an error, and the members it moves
+/// to sort objects are bounded by the [reordering budget](self#bounded-work), so hostile input
+/// can exhaust neither the stack nor the CPU.
 ///
 /// # Errors
 ///
-/// When `input` is not a single valid JSON document.
-pub fn canonical_json(input: &[u8]) -> Result<Vec<u8>, serde_json::Error> {
-    // The canonical form is never longer than the input, except for the rare number written
-    // shorter than its canonical form (`1e9`).
-    let mut out = Vec::with_capacity(input.len());
-    let mut deserializer = serde_json::Deserializer::from_slice(input);
-    Canonical(&mut out).deserialize(&mut deserializer)?;
-    deserializer.end()?;
-    Ok(out)
+/// When `input` is not a single valid JSON document, or sorting its objects would exceed the
+/// budget.
+pub fn canonical_json(input: &[u8]) -> Result<Vec<u8>, CanonicalJsonError> {
+    let mut writer = Writer::new(input.len());
+    writer.canonicalise(input)?;
+    Ok(writer.out)
 }
 
-/// Writes the canonical form of the JSON value it is given to the end of its buffer: values
-/// are written as they are read, into one buffer, and an object's members are only moved when
-/// they arrive out of order.
-struct Canonical<'a>(&'a mut Vec<u8>);
+/// Why [`canonical_json`] gave no canonical form.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum CanonicalJsonError {
+    /// The input is not a single JSON document, or nests deeper than 128.
+    Invalid(serde_json::Error),
+    /// Sorting the members of its objects would move more than the
+    /// [reordering budget](self#bounded-work) allows; the input was not read to its end.
+    OverBudget,
+}
+
+impl fmt::Display for CanonicalJsonError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Invalid(_) => f.write_str("not a single JSON document"),
+            Self::OverBudget => f.write_str(
+                "sorting the members of its objects would move more than 4 times its length \
+                 plus 64 KiB",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for CanonicalJsonError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Invalid(error) => Some(error),
+            Self::OverBudget => None,
+        }
+    }
+}
+
+/// The bytes of out-of-order objects that canonicalising `input_len` bytes may move into place.
+fn reorder_budget(input_len: usize) -> usize {
+    input_len.saturating_mul(4).saturating_add(64 * 1024)
+}
+
+/// The canonical form being written, and what sorting objects may still cost.
+struct Writer {
+    out: Vec<u8>,
+    /// An out-of-order object's members wait here while they are written back sorted; one
+    /// buffer for every object.
+    scratch: Vec<u8>,
+    /// Bytes of out-of-order objects that may still be moved into place.
+    budget: usize,
+    /// Bytes of out-of-order objects moved into place so far.
+    moved: usize,
+    over_budget: bool,
+}
+
+impl Writer {
+    fn new(input_len: usize) -> Self {
+        Self {
+            // The canonical form is never longer than the input, except for the rare number
+            // written shorter than its canonical form (`1e9`).
+            out: Vec::with_capacity(input_len),
+            scratch: Vec::new(),
+            budget: reorder_budget(input_len),
+            moved: 0,
+            over_budget: false,
+        }
+    }
+
+    fn canonicalise(&mut self, input: &[u8]) -> Result<(), CanonicalJsonError> {
+        let mut deserializer = serde_json::Deserializer::from_slice(input);
+        let read = Canonical(self)
+            .deserialize(&mut deserializer)
+            .and_then(|()| deserializer.end());
+        match read {
+            Ok(()) => Ok(()),
+            Err(_) if self.over_budget => Err(CanonicalJsonError::OverBudget),
+            Err(error) => Err(CanonicalJsonError::Invalid(error)),
+        }
+    }
+}
+
+/// Writes the canonical form of the JSON value it is given to the end of its writer's buffer:
+/// values are written as they are read, into one buffer, and an object's members are only
+/// moved when they arrive out of order.
+struct Canonical<'a>(&'a mut Writer);
 
 impl<'de> DeserializeSeed<'de> for Canonical<'_> {
     type Value = ();
@@ -209,72 +365,75 @@ impl<'de> Visitor<'de> for Canonical<'_> {
     }
 
     fn visit_unit<E>(self) -> Result<(), E> {
-        self.0.extend_from_slice(b"null");
+        self.0.out.extend_from_slice(b"null");
         Ok(())
     }
 
     fn visit_bool<E>(self, v: bool) -> Result<(), E> {
-        self.0.extend_from_slice(if v { b"true" } else { b"false" });
+        self.0
+            .out
+            .extend_from_slice(if v { b"true" } else { b"false" });
         Ok(())
     }
 
     fn visit_i64<E>(self, v: i64) -> Result<(), E> {
-        write_json(self.0, &v);
+        write_json(&mut self.0.out, &v);
         Ok(())
     }
 
     fn visit_u64<E>(self, v: u64) -> Result<(), E> {
-        write_json(self.0, &v);
+        write_json(&mut self.0.out, &v);
         Ok(())
     }
 
     fn visit_f64<E>(self, v: f64) -> Result<(), E> {
         if v.fract() == 0.0 && v.abs() < EXACT_INTEGER_LIMIT {
             // Exact: the value is an integer below 2^53.
-            write_json(self.0, &(v as i64));
+            write_json(&mut self.0.out, &(v as i64));
             return Ok(());
         }
         // JSON numbers are finite, so serde_json writes ryu's shortest round-trip form.
-        write_json(self.0, &v);
+        write_json(&mut self.0.out, &v);
         Ok(())
     }
 
     fn visit_str<E>(self, v: &str) -> Result<(), E> {
-        write_json(self.0, v);
+        write_json(&mut self.0.out, v);
         Ok(())
     }
 
     fn visit_borrowed_str<E>(self, v: &'de str) -> Result<(), E> {
-        write_unescaped(self.0, v);
+        write_unescaped(&mut self.0.out, v);
         Ok(())
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        let out = self.0;
-        out.push(b'[');
+        let writer = self.0;
+        writer.out.push(b'[');
         let mut first = true;
         loop {
-            let comma = out.len();
+            let comma = writer.out.len();
             if !first {
-                out.push(b',');
+                writer.out.push(b',');
             }
-            if seq.next_element_seed(Canonical(out))?.is_none() {
-                out.truncate(comma);
+            if seq.next_element_seed(Canonical(&mut *writer))?.is_none() {
+                writer.out.truncate(comma);
                 break;
             }
             first = false;
         }
-        out.push(b']');
+        writer.out.push(b']');
         Ok(())
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let out = self.0;
-        let start = out.len();
-        out.push(b'{');
+        let writer = self.0;
+        let start = writer.out.len();
+        writer.out.push(b'{');
         // Each member's name and where its `"name":value` was written.
         let mut members: Vec<(Name<'de>, usize, usize)> = Vec::new();
         while let Some(name) = map.next_key::<Name<'de>>()? {
+            let out = &mut writer.out;
             if !members.is_empty() {
                 out.push(b',');
             }
@@ -284,20 +443,32 @@ impl<'de> Visitor<'de> for Canonical<'_> {
                 Cow::Owned(name) => write_json(out, name.as_str()),
             }
             out.push(b':');
-            map.next_value_seed(Canonical(&mut *out))?;
-            members.push((name, at, out.len()));
+            map.next_value_seed(Canonical(&mut *writer))?;
+            members.push((name, at, writer.out.len()));
         }
-        out.push(b'}');
+        writer.out.push(b'}');
         // Stable: members with the same name keep their order. Usually already in order.
         if !members.is_sorted_by(|(a, ..), (b, ..)| a.0 <= b.0) {
-            let written = out.split_off(start);
+            // Each level of out-of-order nesting moves everything inside it once more: the
+            // budget keeps the total linear in the input.
+            let length = writer.out.len() - start;
+            if length > writer.budget {
+                writer.over_budget = true;
+                return Err(A::Error::custom("over the reordering budget"));
+            }
+            writer.budget -= length;
+            writer.moved += length;
             members.sort_by(|(a, ..), (b, ..)| a.0.cmp(&b.0));
+            let Writer { out, scratch, .. } = writer;
+            scratch.clear();
+            scratch.extend_from_slice(&out[start..]);
+            out.truncate(start);
             out.push(b'{');
             for (i, (_, from, to)) in members.iter().enumerate() {
                 if i > 0 {
                     out.push(b',');
                 }
-                out.extend_from_slice(&written[from - start..to - start]);
+                out.extend_from_slice(&scratch[from - start..to - start]);
             }
             out.push(b'}');
         }
@@ -354,6 +525,9 @@ pub type FormPair<'a> = (Cow<'a, [u8]>, Cow<'a, [u8]>);
 
 /// The decoded name/value pairs of a `application/x-www-form-urlencoded` string, stably sorted
 /// by name. Decoding is to bytes, not lossy UTF-8, so `%FE` and `%FF` stay different.
+///
+/// Every pair is decoded, however many there are; the fingerprint calls it only for strings of
+/// at most 10,000 pairs (see [bounded work](self#bounded-work)).
 pub fn canonical_form_pairs(encoded: &[u8]) -> Vec<FormPair<'_>> {
     let mut pairs: Vec<_> = encoded
         .split(|b| *b == b'&')
@@ -624,6 +798,245 @@ mod tests {
             fp(FingerprintMode::Semantic, "/", JSON, "{}"),
             fp(FingerprintMode::Semantic, "/", Some("text/plain"), "{}"),
         );
+    }
+
+    /// The fingerprint of `POST {path}` whose query (`None`: none) and form body (`None`: an
+    /// empty body of no declared type) are hashed as raw bytes. This layout is what keeps raw
+    /// bytes apart from decoded pairs: a pair count is never `u64::MAX`.
+    fn raw_pairs_fingerprint(path: &str, query: Option<&[u8]>, form: Option<&[u8]>) -> Fingerprint {
+        let raw_pairs = |hasher: &mut Sha256, bytes: &[u8]| {
+            hasher.update(u64::MAX.to_be_bytes());
+            hasher.update((bytes.len() as u64).to_be_bytes());
+            hasher.update(bytes);
+        };
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-idempotency/fingerprint/v1\0");
+        for field in [&b"POST"[..], path.as_bytes()] {
+            hasher.update((field.len() as u64).to_be_bytes());
+            hasher.update(field);
+        }
+        match query {
+            Some(query) => raw_pairs(&mut hasher, query),
+            None => hasher.update(0u64.to_be_bytes()),
+        }
+        match form {
+            Some(form) => {
+                hasher.update(b"form\0");
+                raw_pairs(&mut hasher, form);
+            }
+            None => hasher.update(b"raw\0"),
+        }
+        Fingerprint(hasher.finalize().into())
+    }
+
+    /// `n` pairs with distinct names (`0&1&…&a&b…`, hexadecimal), in order or reversed.
+    fn distinct_pairs(n: usize, reversed: bool) -> String {
+        let mut pairs: Vec<String> = (0..n).map(|i| format!("{i:x}")).collect();
+        if reversed {
+            pairs.reverse();
+        }
+        pairs.join("&")
+    }
+
+    #[test]
+    fn two_mebibyte_forms_are_hashed_as_their_bytes() {
+        // A million pairs of one byte each.
+        let repeated = "a&".repeat(1 << 20);
+        // Two hundred thousand pairs with distinct names, as a query string would have them.
+        let mut query_like = String::new();
+        for i in 0.. {
+            if query_like.len() >= 2 << 20 {
+                break;
+            }
+            query_like.push_str(&format!("field{i}=value+{i}&"));
+        }
+        for body in [&repeated, &query_like] {
+            assert_eq!(
+                fp(FingerprintMode::Semantic, "/", FORM, body),
+                raw_pairs_fingerprint("/", None, Some(body.as_bytes())),
+            );
+        }
+        let mut reordered: Vec<&str> = query_like.split('&').collect();
+        reordered.reverse();
+        assert_ne!(
+            fp(FingerprintMode::Semantic, "/", FORM, &query_like),
+            fp(FingerprintMode::Semantic, "/", FORM, &reordered.join("&")),
+            "the bytes are compared, not the pairs"
+        );
+    }
+
+    #[test]
+    fn ten_thousand_pairs_are_compared_as_pairs_and_more_as_bytes() {
+        let form = |body: &str| fp(FingerprintMode::Semantic, "/", FORM, body);
+        let most = distinct_pairs(MAX_FORM_PAIRS, false);
+        assert_eq!(form(&most), form(&distinct_pairs(MAX_FORM_PAIRS, true)));
+        // Empty segments are not pairs.
+        assert_eq!(form(&format!("&&{most}&&&")), form(&most));
+        let over = distinct_pairs(MAX_FORM_PAIRS + 1, false);
+        assert_eq!(
+            form(&over),
+            raw_pairs_fingerprint("/", None, Some(over.as_bytes()))
+        );
+        assert_ne!(form(&over), form(&distinct_pairs(MAX_FORM_PAIRS + 1, true)));
+
+        let query = |pairs: &str| fp(FingerprintMode::Semantic, &format!("/x?{pairs}"), None, "");
+        assert_eq!(query(&most), query(&distinct_pairs(MAX_FORM_PAIRS, true)));
+        assert_eq!(
+            query(&over),
+            raw_pairs_fingerprint("/x", Some(over.as_bytes()), None)
+        );
+        assert_ne!(
+            query(&over),
+            query(&distinct_pairs(MAX_FORM_PAIRS + 1, true))
+        );
+    }
+
+    /// `depth` nested objects `{"z":…,"a":0}`, each out of order, around a string that pads the
+    /// document to `size` bytes: sorting moves everything inside each object once per level.
+    fn deep_unordered_json(depth: usize, size: usize) -> String {
+        let (open, close) = (r#"{"z":"#, r#","a":0}"#);
+        let padding = size.saturating_sub(depth * (open.len() + close.len()) + 2);
+        let mut doc = open.repeat(depth);
+        doc.push('"');
+        doc.push_str(&"x".repeat(padding));
+        doc.push('"');
+        doc.push_str(&close.repeat(depth));
+        doc
+    }
+
+    #[test]
+    fn deep_out_of_order_json_stops_at_the_reordering_budget() {
+        let doc = deep_unordered_json(120, 2 << 20);
+        let mut writer = Writer::new(doc.len());
+        assert!(matches!(
+            writer.canonicalise(doc.as_bytes()),
+            Err(CanonicalJsonError::OverBudget)
+        ));
+        assert!(
+            writer.moved <= reorder_budget(doc.len()),
+            "moved {} bytes for {}",
+            writer.moved,
+            doc.len()
+        );
+        assert!(matches!(
+            canonical_json(doc.as_bytes()),
+            Err(CanonicalJsonError::OverBudget)
+        ));
+        // Hashed as its raw bytes, as a body that is not JSON is.
+        assert_eq!(
+            fp(FingerprintMode::Semantic, "/", JSON, &doc),
+            fp(FingerprintMode::Semantic, "/", Some("text/plain"), &doc),
+        );
+    }
+
+    #[test]
+    fn deep_out_of_order_json_within_the_budget_is_sorted() {
+        let depth = 16;
+        let doc = deep_unordered_json(depth, 4096);
+        let open = r#"{"a":0,"z":"#;
+        let mut sorted = open.repeat(depth);
+        sorted.push('"');
+        sorted.push_str(&"x".repeat(doc.len() - depth * (open.len() + 1) - 2));
+        sorted.push('"');
+        sorted.push_str(&"}".repeat(depth));
+        let mut writer = Writer::new(doc.len());
+        writer.canonicalise(doc.as_bytes()).unwrap();
+        assert_eq!(String::from_utf8(writer.out).unwrap(), sorted);
+        assert!(writer.moved <= reorder_budget(doc.len()));
+    }
+
+    /// Polls `future` once.
+    async fn poll_once<F: std::future::Future>(
+        mut future: std::pin::Pin<&mut F>,
+    ) -> std::task::Poll<F::Output> {
+        std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx))).await
+    }
+
+    #[test]
+    fn large_bodies_are_fingerprinted_off_the_async_workers() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            // The one blocking thread is taken until `release` is dropped.
+            let (release, held) = std::sync::mpsc::channel::<()>();
+            let taken = tokio::task::spawn_blocking(move || {
+                let _ = held.recv();
+            });
+            let text = HeaderValue::from_static("text/plain");
+            let request = |size: usize| {
+                compute_for_request(
+                    FingerprintMode::Semantic,
+                    Method::POST,
+                    Uri::from_static("/v1/charges"),
+                    Some(text.clone()),
+                    Bytes::from(vec![b'x'; size]),
+                )
+            };
+            let expected = |size: usize| {
+                Fingerprint::compute(
+                    FingerprintMode::Semantic,
+                    &Method::POST,
+                    &Uri::from_static("/v1/charges"),
+                    Some(&text),
+                    &vec![b'x'; size],
+                )
+            };
+
+            let mut small = std::pin::pin!(request(INLINE_BODY_BYTES));
+            match poll_once(small.as_mut()).await {
+                std::task::Poll::Ready(fingerprint) => {
+                    assert_eq!(fingerprint, expected(INLINE_BODY_BYTES));
+                }
+                std::task::Poll::Pending => panic!("a 64 KiB body waited for the blocking pool"),
+            }
+            let mut large = std::pin::pin!(request(INLINE_BODY_BYTES + 1));
+            assert!(
+                poll_once(large.as_mut()).await.is_pending(),
+                "a larger body was fingerprinted on the async worker"
+            );
+            drop(release);
+            taken.await.unwrap();
+            assert_eq!(large.await, expected(INLINE_BODY_BYTES + 1));
+        });
+    }
+
+    #[test]
+    fn large_bodies_are_fingerprinted_one_per_core_at_a_time() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            // Every slot taken, as by as many large bodies being fingerprinted.
+            let taken = blocking_slots().acquire_many(cores() as u32).await.unwrap();
+            let body = Bytes::from(vec![b'x'; INLINE_BODY_BYTES + 1]);
+            let mut waiting = std::pin::pin!(compute_for_request(
+                FingerprintMode::Raw,
+                Method::POST,
+                Uri::from_static("/v1/charges"),
+                None,
+                body.clone(),
+            ));
+            assert!(poll_once(waiting.as_mut()).await.is_pending());
+            // The one blocking thread runs its tasks in order: had the fingerprint been handed
+            // to it, it would be done once this later task is.
+            tokio::task::spawn_blocking(|| ()).await.unwrap();
+            assert!(
+                poll_once(waiting.as_mut()).await.is_pending(),
+                "fingerprinted with every slot taken"
+            );
+            drop(taken);
+            let expected = Fingerprint::compute(
+                FingerprintMode::Raw,
+                &Method::POST,
+                &Uri::from_static("/v1/charges"),
+                None,
+                &body,
+            );
+            assert_eq!(waiting.await, expected);
+        });
     }
 
     /// Hostile and reordered bodies: canonicalisation never panics, is a fixed point, keeps the

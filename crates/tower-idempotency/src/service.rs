@@ -272,13 +272,14 @@ where
                     )));
                 }
             };
-            let fingerprint = Fingerprint::compute(
+            let fingerprint = crate::fingerprint::compute_for_request(
                 config.fingerprint,
-                &parts.method,
-                request_uri(&parts.extensions, &parts.uri),
-                parts.headers.get(http::header::CONTENT_TYPE),
-                &body,
-            );
+                parts.method.clone(),
+                request_uri(&parts.extensions, &parts.uri).clone(),
+                parts.headers.get(http::header::CONTENT_TYPE).cloned(),
+                body.clone(),
+            )
+            .await;
 
             // Claim, then run, replay or refuse.
             let begin = match self.shared.cached(self.scope_key, fingerprint) {

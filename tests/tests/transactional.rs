@@ -484,6 +484,34 @@ async fn hang_ups_that_pin_the_pool_leave_every_request_answered_promptly() {
     assert_eq!(t.rows().await, 1 + i64::from(POOL) + 1);
 }
 
+/// Issue 28.2: a handler that never took its transaction, whose commit then fails (its
+/// connection lost): its response stands, as in lease mode, so the key is claimed again to
+/// store it, and the retry gets the replay instead of running the handler a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unused_transaction_that_fails_to_commit_still_keeps_its_key() {
+    let t = Tx::start().await;
+    let request = tokio::spawn(Reply::of(
+        post(&t.client, &t.server, "/tx/untransacted", "k-unused").header("x-test-gate", "1"),
+    ));
+    t.probe.started(1).await;
+    let terminated: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+    )
+    .fetch_all(t.db.pool())
+    .await
+    .expect("terminate");
+    assert_eq!(terminated, [true], "the request's transaction, and only it");
+    t.probe.open_gate(1);
+    let first = request.await.expect("task");
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let retry = Reply::of(post(&t.client, &t.server, "/tx/untransacted", "k-unused")).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(t.probe.executions(), 1);
+    assert_eq!(t.rows().await, 1);
+}
+
 #[tokio::test]
 async fn a_handler_without_the_transaction_still_works() {
     let t = Tx::start().await;

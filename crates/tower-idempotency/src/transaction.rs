@@ -36,8 +36,11 @@
 //! | handler panics | key released; writes it already committed stay | everything rolled back; key free |
 //! | handler answers 5xx or a "nothing done" 4xx | key released; its writes stay | everything rolled back; key free |
 //! | process killed (SIGKILL) mid-handler | key blocked until the lease lapses (30 s), then a retry runs again, possibly after partial writes | PostgreSQL aborts the transaction: no writes, key free at once |
-//! | database lost before or at commit | response delivered, storing retried in the background | `503`: the commit is in doubt, and the retry settles it (the stored response if it committed, a clean run if not) |
+//! | database lost before or at commit | response delivered, storing retried in the background with the claim kept alive, so a retry gets `409` until the record is stored, then the replay | `503`: the commit is in doubt, and the retry settles it (the stored response if it committed, a clean run if not). A handler that never took its `IdempotentTx` is answered as in lease mode: the key is claimed again to store its response |
+//! | handler catches a failed statement of its own and answers | its answer is stored as usual | the transaction is aborted, so nothing can commit: a kept error status (`402`, `404`, `409`...) is delivered unstored and the key released; a success is a `500` problem (`TransactionAborted`) |
+//! | handler hangs past [`with_max_handler_time`](crate::IdempotencyLayer::with_max_handler_time) | cancelled, `503`; its lease lapses, then a retry takes over | cancelled, `503`; rolled back, key free at once |
 //! | client disconnects | handler finishes, record stored | handler finishes, everything commits |
+//! | many clients disconnect | handlers finish detached; past [`with_max_detached`](crate::IdempotencyLayer::with_max_detached), keyed requests get a prompt `503` | the same, with the limit at most half the pool: detached handlers never starve the others of connections |
 //! | duplicate while in flight | `409` | `409` at once (an advisory lock is tried first; nothing waits on the open transaction) |
 //! | same key, another payload, while in flight | `422` | `409` (the uncommitted claim cannot be compared); `422` once it commits |
 //!

@@ -37,7 +37,7 @@ pin_project! {
     #[project = KindProj]
     enum Kind<F, B, E> {
         Passthrough { #[pin] future: F },
-        Rejected { rejection: Option<Rejection> },
+        Rejected { response: Option<Response<ResponseBody<B>>> },
         Keyed { keyed: Detachable<B, E> },
     }
 }
@@ -49,11 +49,14 @@ impl<F, B, E> ResponseFuture<F, B, E> {
         }
     }
 
-    pub(crate) fn rejected(rejection: Rejection) -> Self {
-        crate::metrics::rejected(rejection.kind());
+    /// A refusal, rendered already (see [`Rejection`]).
+    pub(crate) fn rejected(response: Response<ResponseBody<B>>) -> Self {
+        if let Some(rejection) = response.extensions().get::<Rejection>() {
+            crate::metrics::rejected(rejection.kind());
+        }
         Self {
             kind: Kind::Rejected {
-                rejection: Some(rejection),
+                response: Some(response),
             },
         }
     }
@@ -89,9 +92,8 @@ where
             KindProj::Passthrough { future } => future
                 .poll(cx)
                 .map(|result| result.map(|response| response.map(ResponseBody::passthrough))),
-            KindProj::Rejected { rejection } => {
-                let rejection = rejection.take().expect("polled after completion");
-                Poll::Ready(Ok(rejection.into_response()))
+            KindProj::Rejected { response } => {
+                Poll::Ready(Ok(response.take().expect("polled after completion")))
             }
             KindProj::Keyed { keyed } => keyed.poll(cx),
         }

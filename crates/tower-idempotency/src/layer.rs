@@ -8,6 +8,7 @@ use crate::{
     fingerprint::FingerprintMode,
     future::Detached,
     policy::{Disconnect, RetentionPolicy, StoreFailure},
+    problem::{Rejection, Rendering},
     scope::Scope,
     service::{Idempotency, Shared},
     store::{MemoryStore, Store},
@@ -63,6 +64,7 @@ pub(crate) struct Config {
     pub(crate) max_detached: usize,
     pub(crate) max_handler_time: Duration,
     pub(crate) unstored_headers: Vec<HeaderName>,
+    pub(crate) rendering: Rendering,
 }
 
 /// The longest duration a setting takes: longer ones are taken as this, which is forever for
@@ -91,6 +93,7 @@ impl Default for Config {
             max_detached: 1024,
             max_handler_time: Duration::from_secs(10 * 60),
             unstored_headers: Vec::new(),
+            rendering: Rendering::default(),
         }
     }
 }
@@ -121,6 +124,7 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_max_detached`](Self::with_max_detached) | 1,024 handlers finishing for clients that hung up (fewer if the store says so: [`Store::detached_limit`]); past it keyed requests get `503` |
     /// | [`with_max_handler_time`](Self::with_max_handler_time) | 10 minutes, then the handler is cancelled and its key left to lapse |
     /// | [`with_unstored_headers`](Self::with_unstored_headers) | none besides those [`Record::capture`](crate::Record::capture) always drops |
+    /// | [`with_rejection_response`](Self::with_rejection_response), [`with_problem_type_base`](Self::with_problem_type_base) | RFC 9457 problem documents whose `type` is this crate's documentation of the refusal |
     /// | [`with_replay_cache`](Self::with_replay_cache) | 16 MiB of replayed records kept in process; none for a store that is itself in process ([`Store::in_process`]) |
     pub fn new(store: St) -> Self {
         let cache = if store.in_process() {
@@ -323,6 +327,53 @@ impl<St: Store> IdempotencyLayer<St> {
         }
         self.config_mut().max_handler_time = max.min(MAX_DURATION);
         Ok(self)
+    }
+
+    /// Where the `type` URIs of the layer's problem documents point: `base` followed by the
+    /// refusal's [`RejectionKind::label`](crate::RejectionKind::label) (`in_flight`,
+    /// `mismatch`...), so they lead to your API's own documentation
+    /// (`https://api.example.com/docs/errors#` gives `https://api.example.com/docs/errors#mismatch`).
+    /// By default they point at this crate's documentation of each kind.
+    pub fn with_problem_type_base(mut self, base: impl Into<String>) -> Self {
+        self.config_mut().rendering.type_base = Some(base.into().into());
+        self
+    }
+
+    /// Renders the layer's refusals (`400`, `408`, `409`, `413`, `422`, `500`, `503`) as your
+    /// API's own errors instead of RFC 9457 problem documents. `render` gets the typed
+    /// [`Rejection`] (its kind, status, detail and `Retry-After`) and returns the response;
+    /// the layer adds `Retry-After` and `Cache-Control: no-store` when it did not set them,
+    /// and keeps the rejection in the response's extensions for outer layers.
+    ///
+    /// ```
+    /// use axum::http::{Response, header};
+    /// use bytes::Bytes;
+    /// use tower_idempotency::{IdempotencyLayer, RejectionKind};
+    ///
+    /// // The app's envelope: `{"error": {"code": ..., "message": ...}}`.
+    /// let layer = IdempotencyLayer::memory().with_rejection_response(|rejection| {
+    ///     let code = match rejection.kind() {
+    ///         RejectionKind::InFlight => "request_in_progress",
+    ///         RejectionKind::Mismatch => "idempotency_key_reused",
+    ///         other => other.label(),
+    ///     };
+    ///     let body = serde_json::json!({
+    ///         "error": { "code": code, "message": rejection.detail() }
+    ///     });
+    ///     Response::builder()
+    ///         .status(rejection.kind().status())
+    ///         .header(header::CONTENT_TYPE, "application/json")
+    ///         .body(Bytes::from(body.to_string()))
+    ///         .expect("a valid response")
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn with_rejection_response<F>(mut self, render: F) -> Self
+    where
+        F: Fn(&Rejection) -> http::Response<bytes::Bytes> + Send + Sync + 'static,
+    {
+        self.config_mut().rendering.custom = Some(Arc::new(render));
+        self
     }
 
     /// Response headers never stored (so never replayed), besides those

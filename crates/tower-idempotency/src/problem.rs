@@ -33,7 +33,7 @@
 //! | [`Overloaded`](RejectionKind::Overloaded) | 503 | too many handlers still run for clients that hung up ([`with_max_detached`](crate::IdempotencyLayer::with_max_detached)); nothing run (`Retry-After`) |
 //! | [`HandlerTimedOut`](RejectionKind::HandlerTimedOut) | 503 | the handler ran past [`with_max_handler_time`](crate::IdempotencyLayer::with_max_handler_time) and was cancelled (`Retry-After`: the lease) |
 
-use std::{borrow::Cow, fmt};
+use std::{borrow::Cow, fmt, sync::Arc};
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
@@ -164,12 +164,13 @@ pub struct Rejection {
 }
 
 impl Rejection {
-    /// A rejection of `kind` with a `detail` for this occurrence. `409` and `503` carry
-    /// `Retry-After: 1` unless [`with_retry_after`](Self::with_retry_after) says otherwise.
+    /// A rejection of `kind` with a `detail` for this occurrence. `409`, and `503` for a store
+    /// outage or overload, carry `Retry-After: 1` unless
+    /// [`with_retry_after`](Self::with_retry_after) says otherwise.
     pub fn new(kind: RejectionKind, detail: impl Into<Cow<'static, str>>) -> Self {
         let retry_after = matches!(
             kind,
-            RejectionKind::InFlight | RejectionKind::StoreUnavailable
+            RejectionKind::InFlight | RejectionKind::StoreUnavailable | RejectionKind::Overloaded
         )
         .then_some(1);
         Self {
@@ -201,34 +202,95 @@ impl Rejection {
         self.retry_after
     }
 
+    /// The problem `type` URI: `base` followed by the kind's [`label`](RejectionKind::label)
+    /// (an app's own documentation, see
+    /// [`with_problem_type_base`](crate::IdempotencyLayer::with_problem_type_base)), or without
+    /// a base this crate's documentation of the kind.
+    pub fn problem_type(&self, base: Option<&str>) -> String {
+        match base {
+            Some(base) => format!("{base}{}", self.kind.label()),
+            None => format!("{PROBLEM_TYPE_BASE}{}", self.kind.name()),
+        }
+    }
+
+    /// The RFC 9457 members of the problem document (`type`, `title`, `status`, `detail`), for
+    /// an app that renders its refusals itself and adds members of its own.
+    pub fn problem(&self, type_base: Option<&str>) -> serde_json::Map<String, serde_json::Value> {
+        let mut problem = serde_json::Map::new();
+        problem.insert("type".into(), self.problem_type(type_base).into());
+        problem.insert("title".into(), self.kind.title().into());
+        problem.insert("status".into(), self.kind.status().as_u16().into());
+        problem.insert("detail".into(), self.detail.as_ref().into());
+        problem
+    }
+
     /// The problem document, as JSON bytes.
     pub fn to_json(&self) -> Bytes {
-        let status = self.kind.status();
-        let body = serde_json::json!({
-            "type": format!("{PROBLEM_TYPE_BASE}{}", self.kind.name()),
-            "title": self.kind.title(),
-            "status": status.as_u16(),
-            "detail": self.detail,
-        });
-        // Serialising a `Value` of strings and a number cannot fail. A final newline, as curl
-        // users expect.
-        let mut json = serde_json::to_vec(&body).unwrap_or_default();
-        json.push(b'\n');
-        Bytes::from(json)
+        problem_bytes(&self.problem(None))
     }
 
     /// The problem response, with a copy of `self` in its extensions.
     pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
-        let mut response = Response::new(B::from(self.to_json()));
-        *response.status_mut() = self.kind.status();
+        Rendering::default().render(self)
+    }
+}
+
+/// A JSON object as bytes, with a final newline, as curl users expect.
+fn problem_bytes(problem: &serde_json::Map<String, serde_json::Value>) -> Bytes {
+    // Serialising a map of JSON values cannot fail.
+    let mut json = serde_json::to_vec(problem).unwrap_or_default();
+    json.push(b'\n');
+    Bytes::from(json)
+}
+
+/// How the layer turns a [`Rejection`] into a response: an RFC 9457 problem document (its
+/// `type` under the app's base, if it set one), or the app's own rendering.
+#[derive(Clone, Default)]
+pub(crate) struct Rendering {
+    pub(crate) type_base: Option<Arc<str>>,
+    pub(crate) custom: Option<Arc<RenderFn>>,
+}
+
+/// An app's rendering of the layer's refusals.
+pub(crate) type RenderFn = dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync;
+
+impl Rendering {
+    /// The response for `rejection`. Whatever renders it, the response carries the rejection
+    /// in its extensions, `Retry-After` when the rejection has one and `Cache-Control: no-store`,
+    /// unless the app's rendering set them itself.
+    pub(crate) fn render<B: From<Bytes>>(&self, rejection: Rejection) -> Response<B> {
+        let mut response = match &self.custom {
+            Some(render) => render(&rejection).map(B::from),
+            None => {
+                let problem = rejection.problem(self.type_base.as_deref());
+                let mut response = Response::new(B::from(problem_bytes(&problem)));
+                *response.status_mut() = rejection.kind.status();
+                response
+                    .headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+                response
+            }
+        };
         let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        if let Some(seconds) = self.retry_after {
+        if !headers.contains_key(header::CACHE_CONTROL) {
+            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        }
+        if let Some(seconds) = rejection.retry_after
+            && !headers.contains_key(header::RETRY_AFTER)
+        {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
-        response.extensions_mut().insert(self);
+        response.extensions_mut().insert(rejection);
         response
+    }
+}
+
+impl fmt::Debug for Rendering {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rendering")
+            .field("type_base", &self.type_base)
+            .field("custom", &self.custom.as_ref().map(|_| ".."))
+            .finish()
     }
 }
 

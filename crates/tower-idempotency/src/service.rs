@@ -123,14 +123,14 @@ where
         let key = match IdempotencyKey::from_headers(request.headers()) {
             Ok(Some(key)) => key,
             Ok(None) if config.required => {
-                return ResponseFuture::rejected(Rejection::new(
+                return ResponseFuture::rejected(config.rendering.render(Rejection::new(
                     RejectionKind::KeyMissing,
                     format!(
                         "{} {} requires an Idempotency-Key header",
                         request.method(),
                         request_uri(request.extensions(), request.uri()).path()
                     ),
-                ));
+                )));
             }
             Ok(None) => {
                 return ResponseFuture::passthrough(
@@ -138,10 +138,11 @@ where
                 );
             }
             Err(error) => {
-                return ResponseFuture::rejected(Rejection::new(
-                    RejectionKind::KeyInvalid,
-                    error.to_string(),
-                ));
+                return ResponseFuture::rejected(
+                    config
+                        .rendering
+                        .render(Rejection::new(RejectionKind::KeyInvalid, error.to_string())),
+                );
             }
         };
 
@@ -154,11 +155,11 @@ where
                  with `.layer(...)` after the idempotency layer), or configure \
                  `IdempotencyLayer::with_scope`"
             );
-            return ResponseFuture::rejected(Rejection::new(
+            return ResponseFuture::rejected(config.rendering.render(Rejection::new(
                 RejectionKind::PrincipalMissing,
                 "the server could not determine who this request is for, so its Idempotency-Key \
                  cannot be honoured; nothing was processed",
-            ));
+            )));
         };
         let path = request_uri(&parts.extensions, &parts.uri).path();
         let scope_key = ScopeKey::new(&principal, &parts.method, path, &key);
@@ -246,30 +247,41 @@ where
                 Poll::Pending => match tokio::time::timeout(timeout, buffering).await {
                     Ok(buffered) => buffered,
                     Err(_) => {
-                        return Ok(reject(Rejection::new(
-                            RejectionKind::BodyTimeout,
-                            format!(
-                                "the request body did not arrive within {timeout:?}; nothing was \
+                        return Ok(reject(
+                            config,
+                            Rejection::new(
+                                RejectionKind::BodyTimeout,
+                                format!(
+                                    "the request body did not arrive within {timeout:?}; nothing was \
                              processed"
+                                ),
                             ),
-                        )));
+                        ));
                     }
                 },
             };
             let body = match buffered {
                 Buffered::Complete(body, _trailers) => body,
                 Buffered::TooLarge { .. } => {
-                    return Ok(reject(Rejection::new(
-                        RejectionKind::BodyTooLarge,
-                        format!("the request body exceeds {limit} bytes; nothing was processed"),
-                    )));
+                    return Ok(reject(
+                        config,
+                        Rejection::new(
+                            RejectionKind::BodyTooLarge,
+                            format!(
+                                "the request body exceeds {limit} bytes; nothing was processed"
+                            ),
+                        ),
+                    ));
                 }
                 Buffered::Failed { error, .. } => {
                     tracing::debug!(error = %Chain(&*error), "request body could not be read");
-                    return Ok(reject(Rejection::new(
-                        RejectionKind::BodyUnreadable,
-                        "the request body could not be read; nothing was processed",
-                    )));
+                    return Ok(reject(
+                        config,
+                        Rejection::new(
+                            RejectionKind::BodyUnreadable,
+                            "the request body could not be read; nothing was processed",
+                        ),
+                    ));
                 }
             };
             let fingerprint = crate::fingerprint::compute_for_request(
@@ -290,6 +302,7 @@ where
                     // once rather than queue behind them.
                     outcome(Outcome::Overloaded);
                     return Ok(reject(
+                        config,
                         Rejection::new(
                             RejectionKind::Overloaded,
                             "too many requests are still finishing for clients that went away; \
@@ -316,13 +329,16 @@ where
                 Begin::Completed { record, .. } => Ok(replayed(&record)),
                 Begin::InFlight { .. } => {
                     outcome(Outcome::Conflict);
-                    Ok(reject(Rejection::new(
-                        RejectionKind::InFlight,
-                        "a request with this Idempotency-Key is still being processed; \
+                    Ok(reject(
+                        config,
+                        Rejection::new(
+                            RejectionKind::InFlight,
+                            "a request with this Idempotency-Key is still being processed; \
                      retry after the Retry-After delay to get its response",
-                    )))
+                        ),
+                    ))
                 }
-                Begin::Mismatch => Ok(mismatch()),
+                Begin::Mismatch => Ok(mismatch(config)),
             }
         }
     }
@@ -348,6 +364,7 @@ where
                 ..
             } = self;
             let (store, config) = (shared.store, shared.config);
+            let config = &*config;
             store.attach(&claim, &mut parts.extensions);
             let guard = ClaimGuard::new(Arc::clone(&store), claim);
             parts.extensions.insert(IdempotencyContext {
@@ -382,6 +399,7 @@ where
                 guard.abandon();
                 outcome(Outcome::Abandoned);
                 return Ok(reject(
+                    config,
                     Rejection::new(
                         RejectionKind::HandlerTimedOut,
                         format!(
@@ -408,11 +426,14 @@ where
                     );
                     outcome(Outcome::Released);
                     guard.release().await;
-                    return Ok(reject(Rejection::new(
-                        RejectionKind::HandlerPanicked,
-                        "the request failed on the server and was not completed; \
+                    return Ok(reject(
+                        config,
+                        Rejection::new(
+                            RejectionKind::HandlerPanicked,
+                            "the request failed on the server and was not completed; \
                      it is safe to retry with the same Idempotency-Key",
-                    )));
+                        ),
+                    ));
                 }
             };
 
@@ -451,12 +472,15 @@ where
                         Completion::NotCommitted => {
                             // The handler's writes were to commit with the record, and may not have.
                             outcome(Outcome::StoreError);
-                            return Ok(reject(Rejection::new(
-                                RejectionKind::StoreUnavailable,
-                                "the request could not be confirmed as committed; retry with the \
+                            return Ok(reject(
+                                config,
+                                Rejection::new(
+                                    RejectionKind::StoreUnavailable,
+                                    "the request could not be confirmed as committed; retry with the \
                                  same Idempotency-Key: if it was committed the retry gets its \
                                  response, otherwise it runs again",
-                            )));
+                                ),
+                            ));
                         }
                         Completion::RolledBack => {
                             outcome(Outcome::Released);
@@ -467,12 +491,15 @@ where
                                     "the handler answered success over a failed transaction; \
                                      nothing was committed"
                                 );
-                                return Ok(reject(Rejection::new(
-                                    RejectionKind::TransactionAborted,
-                                    "the request failed on the server and nothing was \
+                                return Ok(reject(
+                                    config,
+                                    Rejection::new(
+                                        RejectionKind::TransactionAborted,
+                                        "the request failed on the server and nothing was \
                                      committed; it is safe to retry with the same \
                                      Idempotency-Key",
-                                )));
+                                    ),
+                                ));
                             }
                             tracing::info!(
                                 status = %parts.status,
@@ -500,8 +527,10 @@ where
     ) -> Served<ResBody, S::Error> {
         outcome(Outcome::StoreError);
         tracing::error!(error = %Chain(error), "idempotency store unavailable");
-        match self.shared.config.store_failure {
+        let config = Arc::clone(&self.shared.config);
+        match config.store_failure {
             StoreFailure::FailClosed { retry_after_secs } => Ok(reject(
+                &config,
                 Rejection::new(
                     RejectionKind::StoreUnavailable,
                     "the idempotency store is unavailable, so the request was not processed; \
@@ -833,18 +862,21 @@ fn replayed<B>(record: &Record) -> Response<ResponseBody<B>> {
     replay::response(record)
 }
 
-fn mismatch<B>() -> Response<ResponseBody<B>> {
+fn mismatch<B>(config: &Config) -> Response<ResponseBody<B>> {
     outcome(Outcome::Mismatch);
-    reject(Rejection::new(
-        RejectionKind::Mismatch,
-        "this Idempotency-Key was already used with a different request to this endpoint \
+    reject(
+        config,
+        Rejection::new(
+            RejectionKind::Mismatch,
+            "this Idempotency-Key was already used with a different request to this endpoint \
          (its body or query differs); use a new key for a new request",
-    ))
+        ),
+    )
 }
 
-fn reject<B>(rejection: Rejection) -> Response<ResponseBody<B>> {
+fn reject<B>(config: &Config, rejection: Rejection) -> Response<ResponseBody<B>> {
     metrics::rejected(rejection.kind());
-    rejection.into_response()
+    config.rendering.render(rejection)
 }
 
 /// What became of a keyed request: the `outcome` field of the `idempotency` span.

@@ -26,6 +26,7 @@ pub struct ObservedStore<St> {
 struct Shared {
     down: AtomicBool,
     begins: AtomicUsize,
+    begun: Semaphore,
     settled: Semaphore,
     completed: AtomicUsize,
     released: AtomicUsize,
@@ -49,6 +50,7 @@ impl<St> ObservedStore<St> {
             shared: Arc::new(Shared {
                 down: AtomicBool::new(false),
                 begins: AtomicUsize::new(0),
+                begun: Semaphore::new(0),
                 settled: Semaphore::new(0),
                 completed: AtomicUsize::new(0),
                 released: AtomicUsize::new(0),
@@ -72,6 +74,15 @@ impl<St> ObservedStore<St> {
         tokio::time::timeout(Duration::from_secs(30), self.shared.settled.acquire_many(n))
             .await
             .expect("claims settled within 30 s")
+            .expect("open")
+            .forget();
+    }
+
+    /// Waits until `n` more calls to `begin` have been answered by the store.
+    pub async fn begun(&self, n: u32) {
+        tokio::time::timeout(Duration::from_secs(30), self.shared.begun.acquire_many(n))
+            .await
+            .expect("begins answered within 30 s")
             .expect("open")
             .forget();
     }
@@ -161,10 +172,9 @@ impl<St: Store> Store for ObservedStore<St> {
     async fn begin(&self, request: &ClaimRequest) -> Result<Begin<St::Claim>, Self::Error> {
         self.shared.begins.fetch_add(1, Ordering::SeqCst);
         self.check().map_err(ObservedError::Down)?;
-        self.inner
-            .begin(request)
-            .await
-            .map_err(ObservedError::Inner)
+        let begun = self.inner.begin(request).await;
+        self.shared.begun.add_permits(1);
+        begun.map_err(ObservedError::Inner)
     }
 
     async fn renew(&self, claim: &St::Claim, lease: Duration) -> Result<ClaimStatus, Self::Error> {
@@ -209,5 +219,9 @@ impl<St: Store> Store for ObservedStore<St> {
 
     fn detached_limit(&self) -> Option<usize> {
         self.inner.detached_limit()
+    }
+
+    fn watch_in_flight(&self) -> tower_idempotency::store::InFlightWatch {
+        self.inner.watch_in_flight()
     }
 }

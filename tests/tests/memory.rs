@@ -111,3 +111,35 @@ async fn a_full_memory_store_refuses_new_keys_and_keeps_replaying() {
     assert!(!after.replayed());
     assert_eq!(h.probe.executions(), kept.len() + 1);
 }
+
+/// Issue 29.3: waiting is bounded: past `with_max_waiting` waiters, a duplicate gets its `409`
+/// at once instead of waiting.
+#[tokio::test(flavor = "current_thread")]
+async fn past_the_most_waiters_a_duplicate_is_409_at_once() {
+    use idempotency_tests::suite::{Harness, Reply};
+
+    idempotency_tests::init_tracing();
+    let h = Harness::<Unbounded>::with(|layer| {
+        layer
+            .with_in_flight_wait(Duration::from_secs(30))
+            .with_max_waiting(1)
+    })
+    .await;
+    let post = || h.post("/charges", Some("k-crowd")).body("{}");
+    let first = tokio::spawn(Reply::of(post().header("x-test-gate", "1")));
+    h.probe.started(1).await;
+    h.store.begun(1).await;
+    let waiting = tokio::spawn(Reply::of(post()));
+    h.store.begun(2).await;
+    let started = tokio::time::Instant::now();
+    Reply::of(post()).await.assert_problem(409, "InFlight");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "refused at once"
+    );
+    h.probe.open_gate(1);
+    let first = first.await.expect("task");
+    let waited = waiting.await.expect("task");
+    assert!(waited.replayed());
+    assert_eq!(waited.body, first.body);
+}

@@ -42,7 +42,10 @@ impl PostgresFixture for Bounced {
             .connect_with(bouncer.options(&db))
             .await
             .expect("connect through pgbouncer");
-        let store = PostgresStore::new(pool).without_prepared_statements();
+        // `LISTEN` does not work through transaction pooling: waiting duplicates poll.
+        let store = PostgresStore::new(pool)
+            .without_prepared_statements()
+            .with_in_flight_polling(std::time::Duration::from_millis(50));
         Self { db, store }
     }
 

@@ -988,6 +988,75 @@ mod postgres_only {
         assert_eq!(probe.executions(), 1);
     }
 
+    /// Issue 29.3 across instances: the first request (slow: 1.5 s) runs on instance A; its
+    /// duplicate, sent to instance B, waits (5 s at most) and gets A's replay as soon as A
+    /// commits, woken by PostgreSQL's `NOTIFY`, not by its once-a-second re-read; the handler
+    /// runs once.
+    async fn a_duplicate_on_another_instance_is_woken_when_the_first_commits(transactional: bool) {
+        use idempotency_tests::store::ObservedStore;
+
+        let (db, _) = migrated().await;
+        let mode = |store: PostgresStore| {
+            if transactional {
+                store.transactional()
+            } else {
+                store
+            }
+        };
+        let probe = Probe::default();
+        let a = TestServer::start(app(
+            IdempotencyLayer::new(mode(PostgresStore::new(instance_pool(&db).await)))
+                .with_in_flight_wait(Duration::from_secs(5)),
+            probe.clone(),
+        ))
+        .await;
+        let b_store = ObservedStore::new(mode(PostgresStore::new(instance_pool(&db).await)));
+        let b = TestServer::start(app(
+            IdempotencyLayer::new(b_store.clone()).with_in_flight_wait(Duration::from_secs(5)),
+            probe.clone(),
+        ))
+        .await;
+        let client = reqwest::Client::new();
+        let first = tokio::spawn(Reply::of(
+            post(&client, &a, "k-across").header("x-test-gate", "1"),
+        ));
+        probe.started(1).await;
+        let duplicate = tokio::spawn({
+            let request = post(&client, &b, "k-across");
+            async move {
+                let reply = Reply::of(request).await;
+                (reply, tokio::time::Instant::now())
+            }
+        });
+        // Found in flight, subscribed, found in flight again: it waits.
+        b_store.begun(2).await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        probe.open_gate(1);
+        let first = first.await.expect("task");
+        let answered = tokio::time::Instant::now();
+        let (duplicate, duplicate_answered) = duplicate.await.expect("task");
+        assert_eq!(first.status, StatusCode::CREATED);
+        assert!(duplicate.replayed(), "{duplicate:?}");
+        assert_eq!(duplicate.body, first.body);
+        let behind = duplicate_answered.saturating_duration_since(answered);
+        assert!(
+            behind < Duration::from_millis(300),
+            "the duplicate was answered {behind:?} after the first: woken by a re-read, not by NOTIFY"
+        );
+        assert_eq!(probe.executions(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_duplicate_on_another_instance_is_woken_when_the_first_commits_in_lease_mode() {
+        a_duplicate_on_another_instance_is_woken_when_the_first_commits(false).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_duplicate_on_another_instance_is_woken_when_the_first_commits_in_transactional_mode()
+    {
+        a_duplicate_on_another_instance_is_woken_when_the_first_commits(true).await;
+    }
+
     /// Polls `condition` (a query returning one boolean) until it holds: for what happens in
     /// a background task with nothing to signal it. Bounded: fails after 10 s.
     async fn wait_until(db: &TestDb, condition: &'static str) {

@@ -10,7 +10,7 @@ use crate::{
     policy::{Disconnect, RetentionPolicy, StoreFailure},
     problem::{Rejection, Rendering},
     scope::Scope,
-    service::{Idempotency, Shared},
+    service::{Idempotency, Shared, Waiting},
     store::{MemoryStore, Store},
 };
 
@@ -41,6 +41,7 @@ pub struct IdempotencyLayer<St> {
     config: Arc<Config>,
     cache: Arc<ReplayCache>,
     detached: Arc<Detached>,
+    waiting: Arc<Waiting>,
 }
 
 /// The default size of the replay cache.
@@ -65,6 +66,9 @@ pub(crate) struct Config {
     pub(crate) max_handler_time: Duration,
     pub(crate) unstored_headers: Vec<HeaderName>,
     pub(crate) rendering: Rendering,
+    /// Zero: a duplicate of a key in flight gets `409` at once.
+    pub(crate) in_flight_wait: Duration,
+    pub(crate) max_waiting: usize,
 }
 
 /// The longest duration a setting takes: longer ones are taken as this, which is forever for
@@ -94,6 +98,8 @@ impl Default for Config {
             max_handler_time: Duration::from_secs(10 * 60),
             unstored_headers: Vec::new(),
             rendering: Rendering::default(),
+            in_flight_wait: Duration::ZERO,
+            max_waiting: 1024,
         }
     }
 }
@@ -125,6 +131,8 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_max_handler_time`](Self::with_max_handler_time) | 10 minutes, then the handler is cancelled and its key left to lapse |
     /// | [`with_unstored_headers`](Self::with_unstored_headers) | none besides those [`Record::capture`](crate::Record::capture) always drops |
     /// | [`with_rejection_response`](Self::with_rejection_response), [`with_problem_type_base`](Self::with_problem_type_base) | RFC 9457 problem documents whose `type` is this crate's documentation of the refusal |
+    /// | [`with_in_flight_wait`](Self::with_in_flight_wait) | none: a duplicate of a key in flight gets `409` at once |
+    /// | [`with_max_waiting`](Self::with_max_waiting) | 1,024 requests waiting at once |
     /// | [`with_replay_cache`](Self::with_replay_cache) | 16 MiB of replayed records kept in process; none for a store that is itself in process ([`Store::in_process`]) |
     pub fn new(store: St) -> Self {
         let cache = if store.in_process() {
@@ -137,6 +145,7 @@ impl<St: Store> IdempotencyLayer<St> {
             config: Arc::new(Config::default()),
             cache: Arc::new(ReplayCache::new(cache)),
             detached: Arc::default(),
+            waiting: Arc::default(),
         }
     }
 
@@ -376,6 +385,31 @@ impl<St: Store> IdempotencyLayer<St> {
         self
     }
 
+    /// How long a duplicate of a key in flight waits for the first request to finish instead of
+    /// getting `409` at once: it then gets the first request's replay as soon as it is stored, or
+    /// runs itself if the first was released (a `400`, a `5xx`...). After `wait`, `409` as
+    /// without it. Zero, the default, is the IETF draft's behaviour: `409` at once.
+    ///
+    /// A waiting request holds no database connection: the store wakes it when the key settles
+    /// ([`Store::watch_in_flight`]; the PostgreSQL store through `LISTEN`/`NOTIFY`, across
+    /// instances), or it reads the key again every so often. At most
+    /// [`with_max_waiting`](Self::with_max_waiting) requests wait at once; past that, `409`.
+    pub fn with_in_flight_wait(mut self, wait: Duration) -> Self {
+        let wait = wait.min(MAX_DURATION);
+        if !wait.is_zero() {
+            self.waiting = Arc::new(Waiting::new(self.store.watch_in_flight()));
+        }
+        self.config_mut().in_flight_wait = wait;
+        self
+    }
+
+    /// How many requests may wait for keys in flight at once (default 1,024); see
+    /// [`with_in_flight_wait`](Self::with_in_flight_wait).
+    pub fn with_max_waiting(mut self, max: usize) -> Self {
+        self.config_mut().max_waiting = max;
+        self
+    }
+
     /// Response headers never stored (so never replayed), besides those
     /// [`Record::capture`](crate::Record::capture) always drops: headers that describe one
     /// delivery or carry a secret in your app.
@@ -417,6 +451,7 @@ impl<St> Clone for IdempotencyLayer<St> {
             config: Arc::clone(&self.config),
             cache: Arc::clone(&self.cache),
             detached: Arc::clone(&self.detached),
+            waiting: Arc::clone(&self.waiting),
         }
     }
 }
@@ -441,6 +476,7 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
                 config: Arc::clone(&self.config),
                 cache: Arc::clone(&self.cache),
                 detached: Arc::clone(&self.detached),
+                waiting: Arc::clone(&self.waiting),
             },
         )
     }

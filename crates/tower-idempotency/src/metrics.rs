@@ -44,9 +44,12 @@
 //! | `idempotency_store_batch_size` | histogram | `operation`: `claim`, `complete` | [`PostgresStore`](crate::store::PostgresStore)'s group commit: requests sharing each statement; about 1 under load means requests are spread too thin to share (many instances, little concurrency each) |
 //! | `idempotency_expired_deleted_total` | counter | | expiry keeps up (compare with the rate of new keys) |
 //! | `idempotency_expiry_errors_total` | counter | | the expiry loop is failing: the table grows |
+//! | `idempotency_in_flight_waits_total` | counter | `result`: `replayed`, `acquired`, `mismatch`, `timed_out`, `full` | duplicates that waited for their key ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)): `timed_out`, the wait is shorter than the handlers; `full`, more duplicates wait than `with_max_waiting` allows |
 
 /// Keyed requests by outcome.
 pub const REQUESTS: &str = "idempotency_requests_total";
+/// Duplicates that waited for their key in flight, by how the wait ended.
+pub const IN_FLIGHT_WAITS: &str = "idempotency_in_flight_waits_total";
 /// Refusals by kind.
 pub const REJECTIONS: &str = "idempotency_rejections_total";
 /// Store operation latency, in seconds.
@@ -101,6 +104,10 @@ mod record {
     pub(crate) fn expiry_error() {
         metrics::counter!(super::EXPIRY_ERRORS).increment(1);
     }
+
+    pub(crate) fn waited(result: &'static str) {
+        metrics::counter!(super::IN_FLIGHT_WAITS, "result" => result).increment(1);
+    }
 }
 
 #[cfg(not(feature = "metrics"))]
@@ -115,6 +122,7 @@ mod record {
     pub(crate) fn batch(_: &'static str, _: usize) {}
     pub(crate) fn expired_deleted(_: u64) {}
     pub(crate) fn expiry_error() {}
+    pub(crate) fn waited(_: &'static str) {}
 }
 
 pub(crate) use record::*;

@@ -8,7 +8,10 @@ use std::{
     marker::PhantomData,
     panic::AssertUnwindSafe,
     pin::{Pin, pin},
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
     task::{Context, Poll},
     time::Duration,
 };
@@ -34,7 +37,7 @@ use crate::{
     record::Record,
     replay,
     scope::ScopeKey,
-    store::{Begin, ClaimRequest, ClaimStatus, Store},
+    store::{Begin, ClaimRequest, ClaimStatus, InFlightWatch, Store},
 };
 
 /// Middleware that runs each keyed request once and replays its response to retries.
@@ -51,6 +54,41 @@ pub(crate) struct Shared<St> {
     pub(crate) config: Arc<Config>,
     pub(crate) cache: Arc<ReplayCache>,
     pub(crate) detached: Arc<Detached>,
+    pub(crate) waiting: Arc<Waiting>,
+}
+
+/// The requests waiting for keys in flight, and how the store wakes them.
+#[derive(Debug, Default)]
+pub(crate) struct Waiting {
+    watch: Option<InFlightWatch>,
+    count: AtomicUsize,
+}
+
+impl Waiting {
+    pub(crate) fn new(watch: InFlightWatch) -> Self {
+        Self {
+            watch: Some(watch),
+            count: AtomicUsize::new(0),
+        }
+    }
+
+    /// A place among the waiters, unless `max` already wait.
+    fn enter(&self, max: usize) -> Option<WaitingSlot<'_>> {
+        self.count
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| WaitingSlot(self))
+    }
+}
+
+struct WaitingSlot<'a>(&'a Waiting);
+
+impl Drop for WaitingSlot<'_> {
+    fn drop(&mut self) {
+        self.0.count.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl<St> Clone for Shared<St> {
@@ -60,6 +98,7 @@ impl<St> Clone for Shared<St> {
             config: Arc::clone(&self.config),
             cache: Arc::clone(&self.cache),
             detached: Arc::clone(&self.detached),
+            waiting: Arc::clone(&self.waiting),
         }
     }
 }
@@ -316,6 +355,19 @@ where
                     Err(error) => return self.store_failed(&error, parts, body).await,
                 },
             };
+            let begin = match begin {
+                Begin::InFlight { .. } if !config.in_flight_wait.is_zero() => {
+                    match self
+                        .shared
+                        .wait_while_in_flight(self.scope_key, fingerprint)
+                        .await
+                    {
+                        Ok(begin) => begin,
+                        Err(error) => return self.store_failed(&error, parts, body).await,
+                    }
+                }
+                begin => begin,
+            };
             match begin {
                 Begin::Acquired { claim, takeover } => {
                     if takeover {
@@ -561,6 +613,58 @@ impl<St: Store> Shared<St> {
             .detached_limit()
             .map_or(configured, |store| store.min(configured));
         self.detached.count() >= limit
+    }
+
+    /// Waits, up to the layer's in-flight wait, for a key in flight to settle: its replay once
+    /// it completed, the claim if it was released, or still `InFlight` when the wait is over or
+    /// too many wait already.
+    async fn wait_while_in_flight(
+        &self,
+        key: ScopeKey,
+        fingerprint: Fingerprint,
+    ) -> Result<Begin<St::Claim>, St::Error> {
+        let in_flight = Begin::InFlight {
+            lease_remaining: None,
+        };
+        let Some(_slot) = self.waiting.enter(self.config.max_waiting) else {
+            metrics::waited("full");
+            return Ok(in_flight);
+        };
+        let deadline = later(tokio::time::Instant::now(), self.config.in_flight_wait);
+        let (mut subscription, notifier, poll) = match &self.waiting.watch {
+            Some(InFlightWatch::Notified(notifier)) => (
+                Some(notifier.subscribe(&key)),
+                Some(notifier),
+                Duration::ZERO,
+            ),
+            Some(InFlightWatch::Polled(every)) => (None, None, *every),
+            None => (None, None, Duration::from_millis(100)),
+        };
+        loop {
+            // Read after subscribing: a settlement in between still wakes the next wait.
+            let begin = self.claim(key, fingerprint).await?;
+            let now = tokio::time::Instant::now();
+            if !matches!(begin, Begin::InFlight { .. }) || now >= deadline {
+                metrics::waited(match &begin {
+                    Begin::InFlight { .. } => "timed_out",
+                    Begin::Acquired { .. } => "acquired",
+                    Begin::Completed { .. } => "replayed",
+                    Begin::Mismatch => "mismatch",
+                });
+                return Ok(begin);
+            }
+            let poll = notifier.map_or(poll, |notifier| notifier.poll_interval());
+            let next = later(now, poll).min(deadline);
+            match &mut subscription {
+                Some(subscription) => {
+                    tokio::select! {
+                        () = subscription.notified() => {}
+                        () = tokio::time::sleep_until(next) => {}
+                    }
+                }
+                None => tokio::time::sleep_until(next).await,
+            }
+        }
     }
 
     /// The key's state if the replay cache knows it.

@@ -688,7 +688,8 @@ async fn postgres_migrations_live_apart_and_charges_are_rows() {
                 "uuid scope keys",
                 "complete many",
                 "autovacuum thresholds",
-                "claimants and ttl"
+                "claimants and ttl",
+                "settled notifications"
             ]
         );
 

@@ -10,7 +10,9 @@ use std::{
 
 use tokio::time::Instant;
 
-use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Lease, Store};
+use super::{
+    Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, InFlightWatch, Lease, Notifier, Store,
+};
 use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
 /// An in-process [`Store`]: for single-process applications, development and unit tests.
@@ -81,6 +83,8 @@ struct Inner {
     shards: Box<[Shard]>,
     /// Set by [`MemoryStore::with_max_bytes`]; without it nothing is counted.
     budget: Option<Budget>,
+    /// Requests waiting for a key in flight, woken when it is completed or released.
+    notifier: Notifier,
 }
 
 /// What a bounded store counts. `used` changes under the lock of the shard whose records it
@@ -211,6 +215,7 @@ impl Default for Inner {
         Self {
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             budget: None,
+            notifier: Notifier::new(),
         }
     }
 }
@@ -437,17 +442,21 @@ impl Store for MemoryStore {
     ) -> Result<ClaimStatus, MemoryStoreError> {
         // Packed outside the lock.
         let packed = Packed::pack(record);
-        Ok(self.with_held(claim, |mut held| {
+        let status = self.with_held(claim, |mut held| {
             self.count(packed.bytes.len(), 0);
             held.get_mut().state = State::Completed(packed);
-        }))
+        });
+        self.inner.notifier.notify(&claim.key);
+        Ok(status)
     }
 
     async fn release(&self, claim: &Lease) -> Result<ClaimStatus, MemoryStoreError> {
-        Ok(self.with_held(claim, |held| {
+        let status = self.with_held(claim, |held| {
             let (_, entry) = held.remove_entry();
             self.count(0, entry.bytes());
-        }))
+        });
+        self.inner.notifier.notify(&claim.key);
+        Ok(status)
     }
 
     /// `true`: a replay is read from this process's memory, so the layer's replay cache would
@@ -455,6 +464,11 @@ impl Store for MemoryStore {
     /// beyond its limit).
     fn in_process(&self) -> bool {
         true
+    }
+
+    /// Waiters are woken in process, as keys are completed or released.
+    fn watch_in_flight(&self) -> InFlightWatch {
+        InFlightWatch::Notified(self.inner.notifier.clone())
     }
 }
 

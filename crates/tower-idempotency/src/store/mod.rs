@@ -58,10 +58,12 @@ mod batch;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod memory;
+mod notify;
 #[cfg(feature = "postgres")]
 mod postgres;
 
 pub use memory::{MemoryStore, MemoryStoreError};
+pub use notify::{InFlightWatch, Notifier, POLL_WHILE_NOT_LIVE};
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::PgTransaction;
 #[cfg(feature = "postgres")]
@@ -219,6 +221,15 @@ pub trait Store: Send + Sync + 'static {
     /// is right for every store whose claims hold nothing of the store's.
     fn detached_limit(&self) -> Option<usize> {
         None
+    }
+
+    /// How a request that waits for a key in flight
+    /// ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)) learns that the
+    /// key may have settled. Called once, when a layer that waits is built on the store: a store
+    /// that can wake waiters starts doing so and returns the [`Notifier`] it wakes whenever it
+    /// completes or releases a key. The default has waiters read the key again every 100 ms.
+    fn watch_in_flight(&self) -> InFlightWatch {
+        InFlightWatch::Polled(std::time::Duration::from_millis(100))
     }
 }
 

@@ -5,7 +5,7 @@ use std::{
     pin::Pin,
     sync::{
         Arc, LazyLock,
-        atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -18,7 +18,10 @@ use sqlx::{
     postgres::PgRow, types::Uuid,
 };
 
-use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Lease, Store, batch::Batcher};
+use super::{
+    Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, InFlightWatch, Lease, Notifier, Store,
+    batch::Batcher,
+};
 use crate::{record::Record, scope::ScopeKey, transaction::TxSlot};
 
 /// The [`Store`] for production: PostgreSQL, shared by every instance of the application.
@@ -90,6 +93,11 @@ pub struct PostgresStore {
     /// Claim attempts being settled in the background (see [`ClaimAttempt`]), bounded by
     /// [`MAX_UNSETTLED`].
     unsettled: Arc<AtomicUsize>,
+    /// How duplicates waiting for a key in flight are woken (see
+    /// [`watch_in_flight`](Store::watch_in_flight)).
+    notifications: Arc<Notifications>,
+    /// Waiters poll every so often instead ([`with_in_flight_polling`](Self::with_in_flight_polling)).
+    in_flight_polling: Option<Duration>,
     /// Lease mode's group commit of completions.
     completions: Arc<Batcher<(Lease, Record), Batched<ClaimStatus>>>,
 }
@@ -291,23 +299,61 @@ macro_rules! fenced_statements {
                      expires_at = greatest(expires_at, now() + $3::interval)
                  WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
             ),
-            complete: concat!(
-                "UPDATE idempotency.",
-                $table,
-                "
-                 SET status = $3, header_names = $4, header_values = $5, body = $6,
-                     lease_until = NULL, completed_at = now()
-                 WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+            complete: concat!("", complete!($table)),
+            complete_notify: concat!(
+                "WITH settled AS (",
+                complete!($table),
+                " RETURNING scope_key) ",
+                NOTIFY_SETTLED!()
             ),
-            release: concat!(
-                "DELETE FROM idempotency.",
-                $table,
-                "
-                 WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+            release: concat!("", release!($table)),
+            release_notify: concat!(
+                "WITH settled AS (",
+                release!($table),
+                " RETURNING scope_key) ",
+                NOTIFY_SETTLED!()
             ),
         }
     };
 }
+
+macro_rules! complete {
+    ($table:literal) => {
+        concat!(
+            "UPDATE idempotency.",
+            $table,
+            "
+             SET status = $3, header_names = $4, header_values = $5, body = $6,
+                 lease_until = NULL, completed_at = now()
+             WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+        )
+    };
+}
+
+macro_rules! release {
+    ($table:literal) => {
+        concat!(
+            "DELETE FROM idempotency.",
+            $table,
+            "
+             WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+        )
+    };
+}
+
+/// Tells the listeners of every instance that the keys of `settled` settled, when the
+/// statement's transaction commits (see [`PostgresStore::watch_in_flight`]).
+macro_rules! NOTIFY_SETTLED {
+    () => {
+        "SELECT pg_notify('idempotency_settled', scope_key::text) FROM settled"
+    };
+}
+
+/// The channel of [`NOTIFY_SETTLED`]: its payload is a record's key.
+const SETTLED_CHANNEL: &str = "idempotency_settled";
+
+/// [`NOTIFY_SETTLED`] for one key, on its own (after a rollback, which notifies nothing).
+const NOTIFY_ONE: &str = "SELECT pg_notify('idempotency_settled', $1::text)";
 
 /// Lease mode's group commit of claims (see [`PostgresStore`]): inserts the keys that have no
 /// row, each with its own fencing token, and returns them. The keys come sorted, so two batches
@@ -329,13 +375,15 @@ RETURNING scope_key, token
 /// two flat arrays, each record's headers being the slice `[first:last]` of them (empty when
 /// `last < first`).
 const COMPLETE_MANY: &str =
-    "SELECT scope_key, token FROM idempotency.complete_many($1, $2, $3, $4, $5, $6, $7, $8)";
+    "SELECT scope_key, token FROM idempotency.complete_many($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
-/// The statements that act on a held claim.
+/// The statements that act on a held claim; `_notify` variants also wake waiting duplicates.
 struct Fenced {
     renew: &'static str,
     complete: &'static str,
+    complete_notify: &'static str,
     release: &'static str,
+    release_notify: &'static str,
 }
 
 const FENCED: Fenced = fenced_statements!("records");
@@ -403,6 +451,8 @@ impl PostgresStore {
             new_claims: Arc::new(Batcher::new(MAX_BATCH).skipping_abandoned()),
             completions: Arc::new(Batcher::new(MAX_BATCH)),
             unsettled: Arc::default(),
+            notifications: Arc::default(),
+            in_flight_polling: None,
         }
     }
 
@@ -450,6 +500,16 @@ impl PostgresStore {
     #[must_use]
     pub fn without_prepared_statements(mut self) -> Self {
         self.prepared = false;
+        self
+    }
+
+    /// Has duplicates that wait for a key in flight
+    /// ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)) read the key again
+    /// every `interval` instead of being woken by `LISTEN`/`NOTIFY`: for PgBouncer in
+    /// transaction pooling mode, through which `LISTEN` does not work.
+    #[must_use]
+    pub fn with_in_flight_polling(mut self, interval: Duration) -> Self {
+        self.in_flight_polling = Some(interval);
         self
     }
 
@@ -821,11 +881,15 @@ impl PostgresStore {
     ) -> Result<ClaimStatus, PostgresStoreError> {
         if self.batches() && record.size() <= MAX_BATCHED_RECORD {
             let (pool, timeout) = (self.pool.clone(), self.timeout);
+            let notifications = Arc::clone(&self.notifications);
             let completed = self
                 .completions
                 .run(
                     (*held, record.clone()),
-                    move |writer, batch| complete_many(pool.clone(), timeout, writer, batch),
+                    move |writer, batch| {
+                        let notify = notifications.emit();
+                        complete_many(pool.clone(), timeout, notify, writer, batch)
+                    },
                     // Stored, whether or not anyone waits to hear it.
                     drop,
                 )
@@ -838,19 +902,44 @@ impl PostgresStore {
         }
         self.fenced(
             "complete",
-            complete_statement(self.fenced_sql().complete, held, record),
+            complete_statement(self.complete_sql(), held, record),
             &self.pool,
         )
         .await
     }
 
     async fn release_lease(&self, held: &Lease) -> Result<ClaimStatus, PostgresStoreError> {
-        self.fenced(
-            "release",
-            fenced_statement(self.fenced_sql().release, held),
-            &self.pool,
-        )
-        .await
+        let sql = if self.notifications.emit() {
+            self.fenced_sql().release_notify
+        } else {
+            self.fenced_sql().release
+        };
+        self.fenced("release", fenced_statement(sql, held), &self.pool)
+            .await
+    }
+
+    /// The fenced completion, announcing the key to waiting duplicates if any may wait.
+    fn complete_sql(&self) -> &'static str {
+        if self.notifications.emit() {
+            self.fenced_sql().complete_notify
+        } else {
+            self.fenced_sql().complete
+        }
+    }
+
+    /// Wakes the duplicates waiting for `key` after a rollback freed it (a rollback notifies
+    /// nothing). Best effort: a waiter that misses it reads the key again within a second.
+    async fn notify_released(&self, key: &ScopeKey) {
+        if !self.notifications.emit() {
+            return;
+        }
+        let statement = Statement::new(NOTIFY_ONE).with(Param::Key(stored_key(key)));
+        if let Err(error) = self
+            .timed("release", statement.execute(self.prepared, &self.pool))
+            .await
+        {
+            tracing::debug!(%error, "could not announce a released key");
+        }
     }
 
     /// A transactional claim that could not commit. If the handler wrote through the
@@ -1065,6 +1154,7 @@ const FLUSH_BOUND: Duration = Duration::from_secs(30);
 async fn complete_many(
     pool: PgPool,
     timeout: Duration,
+    notify: bool,
     mut writer: BatchWriter,
     batch: Vec<(Lease, Record)>,
 ) -> (BatchWriter, Vec<Batched<ClaimStatus>>) {
@@ -1099,7 +1189,8 @@ async fn complete_many(
         .bind(firsts)
         .bind(lasts)
         .bind(names)
-        .bind(values);
+        .bind(values)
+        .bind(notify);
     let held = match written(query, &pool, timeout, &mut writer).await {
         Ok(held) => held,
         Err(failed) => return (writer, vec![failed; batch.len()]),
@@ -1221,6 +1312,80 @@ fn complete_statement<'a>(
         .with(Param::Texts(names))
         .with(Param::BytesList(values))
         .with(Param::OptionalBytes(record.body().map(|b| b.as_ref())))
+}
+
+/// The store's side of [`InFlightWatch::Notified`]: whether its statements announce settled
+/// keys, and the listener that wakes this process's waiters.
+#[derive(Debug, Default)]
+struct Notifications {
+    emit: AtomicBool,
+    listening: AtomicBool,
+    notifier: Notifier,
+}
+
+impl Notifications {
+    fn emit(&self) -> bool {
+        self.emit.load(Ordering::Relaxed)
+    }
+
+    /// Starts the listener, once, if there is a runtime to run it on (else at the next call).
+    fn listen(self: &Arc<Self>, pool: &PgPool) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.listening.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Until it listens, waiters poll.
+        self.notifier.set_live(false);
+        runtime.spawn(listen(Arc::downgrade(self), pool.clone()));
+    }
+}
+
+/// Wakes this process's waiters whenever any instance announces a settled key; while it cannot
+/// listen (connecting, or reconnecting after a lost connection) waiters poll. Ends once the
+/// store is dropped.
+async fn listen(notifications: std::sync::Weak<Notifications>, pool: PgPool) {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let Some(notifier) = notifications.upgrade().map(|n| n.notifier.clone()) else {
+            return;
+        };
+        let listener = async {
+            let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+            listener.listen(SETTLED_CHANNEL).await?;
+            Ok::<_, sqlx::Error>(listener)
+        };
+        let mut listener = match listener.await {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for settled keys; waiters poll meanwhile");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        pause = Duration::from_millis(100);
+        notifier.set_live(true);
+        loop {
+            // Wakes now and then to notice that the store is gone.
+            let received = tokio::time::timeout(Duration::from_secs(1), listener.try_recv()).await;
+            match received {
+                Ok(Ok(Some(notification))) => {
+                    if let Ok(key) = notification.payload().parse::<Uuid>() {
+                        notifier.notify_prefix(*key.as_bytes());
+                    }
+                }
+                // The connection was lost: what was announced meanwhile is lost too.
+                Ok(Ok(None) | Err(_)) => {
+                    notifier.set_live(false);
+                    break;
+                }
+                Err(_) if notifications.strong_count() == 0 => return,
+                Err(_) => {}
+            }
+        }
+    }
 }
 
 /// The most claim attempts settled in the background at once (see [`ClaimAttempt`]); past it,
@@ -1520,7 +1685,7 @@ impl Store for PostgresStore {
         let stored = self
             .fenced(
                 "complete",
-                complete_statement(self.fenced_sql().complete, &claim.lease, record),
+                complete_statement(self.complete_sql(), &claim.lease, record),
                 &mut *tx,
             )
             .await;
@@ -1532,6 +1697,7 @@ impl Store for PostgresStore {
                 if let Err(error) = self.timed("complete", tx.rollback()).await {
                     tracing::debug!(%error, "rolling back an aborted transaction failed");
                 }
+                self.notify_released(&claim.lease.key).await;
                 return Ok(ClaimStatus::RolledBack);
             }
             Err(error) => return self.failed_commit(tx_claim, record, error).await,
@@ -1564,6 +1730,7 @@ impl Store for PostgresStore {
             return Ok(ClaimStatus::Lost);
         };
         self.timed("release", tx.rollback()).await?;
+        self.notify_released(&claim.lease.key).await;
         Ok(ClaimStatus::Held)
     }
 
@@ -1571,6 +1738,20 @@ impl Store for PostgresStore {
         if let Some(tx_claim) = &claim.tx {
             extensions.insert(Arc::clone(&tx_claim.slot));
         }
+    }
+
+    /// `LISTEN`/`NOTIFY`: from now on, every completion and release of this store (and of every
+    /// other instance whose layer waits) announces its key on the channel
+    /// `idempotency_settled`, and one connection of the pool listens to it, shared by all the
+    /// waiters of this process. With
+    /// [`with_in_flight_polling`](PostgresStore::with_in_flight_polling), waiters poll instead.
+    fn watch_in_flight(&self) -> InFlightWatch {
+        if let Some(interval) = self.in_flight_polling {
+            return InFlightWatch::Polled(interval);
+        }
+        self.notifications.emit.store(true, Ordering::Relaxed);
+        self.notifications.listen(&self.pool);
+        InFlightWatch::Notified(self.notifications.notifier.clone())
     }
 
     /// Half the pool in transactional mode, where each claim holds a pooled connection.

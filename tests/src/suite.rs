@@ -909,6 +909,168 @@ pub async fn a_wait_that_runs_out_is_409<B: Backend>() {
     assert_eq!(h.probe.executions(), 1);
 }
 
+/// Issue 30.1: an API keeps its own header name; `Idempotency-Key` is then just another header.
+pub async fn a_key_in_the_apis_own_header_is_honoured<B: Backend>() {
+    let h = Harness::<B>::with(|layer| {
+        layer.with_header(http::HeaderName::from_static("x-idempotency-key"))
+    })
+    .await;
+    let post = || {
+        h.post("/charges", None)
+            .header("x-idempotency-key", "\"k-own\"")
+            .body(CHARGE)
+    };
+    let first = Reply::of(post()).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = Reply::of(post()).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    // The standard header is not read: both run, unprotected.
+    for _ in 0..2 {
+        let plain = Reply::of(h.post("/charges", Some("k-own")).body(CHARGE)).await;
+        assert!(!plain.replayed());
+    }
+    assert_eq!(h.probe.executions(), 3);
+}
+
+/// Issue 30.1: a webhook receiver keyed by the event id in the JSON body applies each event
+/// once, however often it is delivered, one after another or at once.
+pub async fn a_webhook_keyed_by_its_event_id_is_applied_once<B: Backend>() {
+    let h = Harness::<B>::with(|layer| {
+        layer.with_key_from_request(|_, body| {
+            let event: serde_json::Value = serde_json::from_slice(body).ok()?;
+            Some(event.get("id")?.as_str()?.to_owned())
+        })
+    })
+    .await;
+    let deliver = |event: &str| {
+        h.post("/charges", None)
+            .header("content-type", "application/json")
+            .body(format!(r#"{{"id":"{event}","type":"charge.succeeded"}}"#))
+    };
+    for _ in 0..3 {
+        let delivered = Reply::of(deliver("evt_1")).await;
+        assert_eq!(delivered.status, StatusCode::CREATED);
+    }
+    let mut at_once = JoinSet::new();
+    for _ in 0..8 {
+        at_once.spawn(Reply::of(deliver("evt_2")));
+    }
+    while let Some(delivered) = at_once.join_next().await {
+        let status = delivered.expect("task").status;
+        assert!(
+            status == StatusCode::CREATED || status == StatusCode::CONFLICT,
+            "{status}"
+        );
+    }
+    let after = Reply::of(deliver("evt_2")).await;
+    assert!(after.replayed());
+    // An event without an id is no idempotent request: it runs, unprotected.
+    let anonymous = Reply::of(h.post("/charges", None).body("{}")).await;
+    assert_eq!(anonymous.status, StatusCode::CREATED);
+    assert_eq!(
+        h.probe.executions(),
+        3,
+        "evt_1 once, evt_2 once, the anonymous one"
+    );
+}
+
+/// Issue 30.2: a key that breaks the app's rule is a `400` naming it, and reaches no store.
+pub async fn a_key_that_breaks_the_rule_is_400_and_stores_nothing<B: Backend>() {
+    let h =
+        Harness::<B>::with(|layer| layer.with_key_rule(tower_idempotency::KeyRule::uuid())).await;
+    let refused = Reply::of(h.post("/charges", Some("order-1042")).body(CHARGE)).await;
+    refused.assert_problem(400, "KeyInvalid");
+    assert!(
+        refused.json()["detail"]
+            .as_str()
+            .is_some_and(|detail| detail.contains("`uuid`")),
+        "{:?}",
+        refused.json()
+    );
+    assert_eq!(h.store.begins(), 0, "nothing reached the store");
+    let uuid = "8e03978e-40d5-43e8-bc93-6894a57f9324";
+    assert_eq!(
+        Reply::of(h.post("/charges", Some(uuid)).body(CHARGE))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    assert_eq!(h.probe.executions(), 1);
+}
+
+/// Issue 30.3: by default a key is per endpoint (another endpoint's key runs); scoped to the
+/// principal across endpoints, the same key on another endpoint is a `422`.
+pub async fn a_key_reaches_across_endpoints_only_when_scoped_so<B: Backend>() {
+    let per_endpoint = Harness::<B>::start().await;
+    let first = Reply::of(per_endpoint.post("/charges", Some("k-ep")).body(CHARGE)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let other = Reply::of(per_endpoint.post("/binary", Some("k-ep")).body(CHARGE)).await;
+    assert_eq!(other.status, StatusCode::ACCEPTED, "another endpoint's key");
+
+    let across = Harness::<B>::with(|layer| {
+        layer.with_scope(tower_idempotency::Scope::principal_extension().across_endpoints())
+    })
+    .await;
+    let first = Reply::of(across.post("/charges", Some("k-ep")).body(CHARGE)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    Reply::of(across.post("/binary", Some("k-ep")).body(CHARGE))
+        .await
+        .assert_problem(422, "Mismatch");
+    assert!(
+        Reply::of(across.post("/charges", Some("k-ep")).body(CHARGE))
+            .await
+            .replayed()
+    );
+    // Principals still never meet.
+    let other_account = Reply::of(
+        across
+            .post_as("acct_b", "/binary", Some("k-ep"))
+            .body(CHARGE),
+    )
+    .await;
+    assert_eq!(other_account.status, StatusCode::ACCEPTED);
+}
+
+/// Issue 30.4: fields left out of the fingerprint may change between retries; headers taken
+/// in may not.
+pub async fn fingerprints_leave_out_fields_and_take_in_headers<B: Backend>() {
+    let h = Harness::<B>::with(|layer| {
+        layer
+            .with_fingerprint_excluding(["/client_sent_at", "/meta/trace"])
+            .expect("pointers")
+            .with_fingerprint_headers([http::HeaderName::from_static("stripe-version")])
+    })
+    .await;
+    let json = |sent: &str, trace: &str, version: &str| {
+        h.post("/charges", Some("k-fp"))
+            .header("content-type", "application/json")
+            .header("stripe-version", version)
+            .body(format!(
+                r#"{{"amount":100,"client_sent_at":"{sent}","meta":{{"trace":"{trace}","k":1}}}}"#
+            ))
+    };
+    let first = Reply::of(json("10:00", "t1", "2024-06-20")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = Reply::of(json("10:01", "t2", "2024-06-20")).await;
+    assert!(retry.replayed(), "only left-out fields changed: {retry:?}");
+    Reply::of(json("10:00", "t1", "2025-01-01"))
+        .await
+        .assert_problem(422, "Mismatch");
+    let form = |sent: &str, amount: u32| {
+        h.post("/charges", Some("k-fp-form"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .header("stripe-version", "2024-06-20")
+            .body(format!("amount={amount}&client_sent_at={sent}"))
+    };
+    assert_eq!(Reply::of(form("1", 100)).await.status, StatusCode::CREATED);
+    assert!(Reply::of(form("2", 100)).await.replayed());
+    Reply::of(form("1", 200))
+        .await
+        .assert_problem(422, "Mismatch");
+    assert_eq!(h.probe.executions(), 2);
+}
+
 async fn send_and_hang_up(h: &Harness<impl Backend>, key: &str) {
     let mut stream = TcpStream::connect(h.server.addr()).await.expect("connect");
     let request = format!(
@@ -1037,6 +1199,11 @@ macro_rules! store_suite {
                 a_waiting_duplicate_gets_the_first_ones_replay,
                 a_waiting_duplicate_runs_when_the_first_is_released,
                 a_wait_that_runs_out_is_409,
+                a_key_in_the_apis_own_header_is_honoured,
+                a_webhook_keyed_by_its_event_id_is_applied_once,
+                a_key_that_breaks_the_rule_is_400_and_stores_nothing,
+                a_key_reaches_across_endpoints_only_when_scoped_so,
+                fingerprints_leave_out_fields_and_take_in_headers,
                 repeated_replays_skip_the_store,
                 a_disconnected_client_still_gets_its_charge_on_retry,
                 cancel_on_disconnect_releases_the_key,

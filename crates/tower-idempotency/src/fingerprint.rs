@@ -31,6 +31,21 @@
 //! [`FingerprintMode::Raw`] hashes the body bytes exactly, for APIs where the bytes are the
 //! meaning (signed payloads, binary uploads).
 //!
+//! # What it covers
+//!
+//! By default: the method, the path, the query and the body, and no request header. Two
+//! settings change that, for APIs whose retries legitimately differ, or whose identical bodies
+//! mean different things:
+//!
+//! * [`with_fingerprint_excluding`](crate::IdempotencyLayer::with_fingerprint_excluding) leaves
+//!   body fields out, by JSON Pointer (`/client_sent_at`, `/metadata/trace_id`); for a form
+//!   body, a top-level pointer (`/trace_id`) names a field. A client timestamp or trace id that
+//!   changes on every retry then does not make the retry a `422`. (Not in
+//!   [`FingerprintMode::Raw`], where the bytes are the meaning.)
+//! * [`with_fingerprint_headers`](crate::IdempotencyLayer::with_fingerprint_headers) takes
+//!   request headers in (`Stripe-Version`, `Accept`): a retry under another API version is then
+//!   a `422` rather than the replay of a body of the old version.
+//!
 //! # Bounded work
 //!
 //! A fingerprint costs time and memory linear in the request, whatever the request holds:
@@ -51,7 +66,7 @@
 use std::{borrow::Cow, fmt};
 
 use bytes::Bytes;
-use http::{HeaderValue, Method, Uri};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 use serde::{
     Serialize,
     de::{Deserialize, DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor},
@@ -133,20 +148,133 @@ impl Fingerprint {
     }
 }
 
-/// [`Fingerprint::compute`] for the service: inline for a body up to 64 KiB, on Tokio's blocking
-/// thread pool for a larger one (see the [module documentation](self#bounded-work)).
+/// What a request's fingerprint covers, as the layer is configured: the mode, body fields left
+/// out and request headers taken in (see the [module documentation](self#what-it-covers)).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Coverage {
+    pub(crate) mode: FingerprintMode,
+    /// JSON Pointers (RFC 6901) of body fields left out.
+    pub(crate) excluded: Vec<String>,
+    pub(crate) headers: Vec<HeaderName>,
+}
+
+impl Coverage {
+    /// The fingerprint of a request, [`Fingerprint::compute`]'s when nothing is left out or
+    /// taken in.
+    pub(crate) fn fingerprint(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Fingerprint {
+        let content_type = headers.get(http::header::CONTENT_TYPE);
+        if self.excluded.is_empty() && self.headers.is_empty() {
+            return Fingerprint::compute(self.mode, method, uri, content_type, body);
+        }
+        let trimmed;
+        let body = match (self.mode, BodyKind::of(content_type)) {
+            (FingerprintMode::Semantic, BodyKind::Json) if !self.excluded.is_empty() => {
+                match without_json_fields(body, &self.excluded) {
+                    Some(without) => {
+                        trimmed = without;
+                        &trimmed[..]
+                    }
+                    None => body,
+                }
+            }
+            (FingerprintMode::Semantic, BodyKind::Form) if !self.excluded.is_empty() => {
+                trimmed = without_form_fields(body, &self.excluded);
+                &trimmed[..]
+            }
+            _ => body,
+        };
+        let Fingerprint(body_only) =
+            Fingerprint::compute(self.mode, method, uri, content_type, body);
+        if self.headers.is_empty() {
+            return Fingerprint(body_only);
+        }
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-idempotency/fingerprint/headers/v1\0");
+        hasher.update(body_only);
+        for name in &self.headers {
+            put_field(&mut hasher, name.as_str().as_bytes());
+            let values = headers.get_all(name);
+            hasher.update((values.iter().count() as u64).to_be_bytes());
+            for value in values {
+                put_field(&mut hasher, value.as_bytes());
+            }
+        }
+        Fingerprint(hasher.finalize().into())
+    }
+
+    /// The headers a fingerprint reads, for a copy made to fingerprint elsewhere.
+    fn relevant_headers(&self, headers: &HeaderMap) -> HeaderMap {
+        let mut relevant = HeaderMap::new();
+        for name in std::iter::once(&http::header::CONTENT_TYPE).chain(&self.headers) {
+            for value in headers.get_all(name) {
+                relevant.append(name.clone(), value.clone());
+            }
+        }
+        relevant
+    }
+}
+
+/// `body` without the members at `pointers`, re-serialised: `None` when it is not JSON (the
+/// caller then hashes it as it is). Only object members are removed; a pointer that names
+/// nothing, or an array element, is ignored.
+fn without_json_fields(body: &[u8], pointers: &[String]) -> Option<Vec<u8>> {
+    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    for pointer in pointers {
+        let Some((parent, last)) = pointer.rsplit_once('/') else {
+            continue;
+        };
+        let last = last.replace("~1", "/").replace("~0", "~");
+        if let Some(serde_json::Value::Object(members)) = value.pointer_mut(parent) {
+            members.remove(&last);
+        }
+    }
+    serde_json::to_vec(&value).ok()
+}
+
+/// A form body without the fields named by top-level pointers (`/name`), re-encoded pair by pair
+/// as it came.
+fn without_form_fields(body: &[u8], pointers: &[String]) -> Vec<u8> {
+    let names: Vec<String> = pointers
+        .iter()
+        .filter_map(|pointer| pointer.strip_prefix('/'))
+        .filter(|name| !name.contains('/'))
+        .map(|name| name.replace("~1", "/").replace("~0", "~"))
+        .collect();
+    let kept: Vec<&[u8]> = body
+        .split(|b| *b == b'&')
+        .filter(|pair| {
+            let name = pair.split(|b| *b == b'=').next().unwrap_or_default();
+            !names
+                .iter()
+                .any(|excluded| *form_decode(name) == *excluded.as_bytes())
+        })
+        .collect();
+    kept.join(&b'&')
+}
+
+/// The fingerprint of a request for the service: inline for a body up to 64 KiB, on Tokio's
+/// blocking thread pool for a larger one (see the [module documentation](self#bounded-work)).
 pub(crate) async fn compute_for_request(
-    mode: FingerprintMode,
-    method: Method,
-    uri: Uri,
-    content_type: Option<HeaderValue>,
-    body: Bytes,
+    coverage: &Coverage,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &Bytes,
 ) -> Fingerprint {
-    let inline = body.len() <= INLINE_BODY_BYTES;
-    let compute = move || Fingerprint::compute(mode, &method, &uri, content_type.as_ref(), &body);
     let runtime = match tokio::runtime::Handle::try_current() {
-        Ok(runtime) if !inline => runtime,
-        _ => return compute(),
+        Ok(runtime) if body.len() > INLINE_BODY_BYTES => runtime,
+        _ => return coverage.fingerprint(method, uri, headers, body),
+    };
+    let compute = {
+        let (coverage, method, uri) = (coverage.clone(), method.clone(), uri.clone());
+        let (headers, body) = (coverage.relevant_headers(headers), body.clone());
+        move || coverage.fingerprint(&method, &uri, &headers, &body)
     };
     // Beyond one per core, more at once would only hold more buffers, not finish sooner.
     let _slot = blocking_slots().acquire().await;
@@ -965,15 +1093,17 @@ mod tests {
                 let _ = held.recv();
             });
             let text = HeaderValue::from_static("text/plain");
-            let request = |size: usize| {
-                compute_for_request(
-                    FingerprintMode::Semantic,
-                    Method::POST,
-                    Uri::from_static("/v1/charges"),
-                    Some(text.clone()),
-                    Bytes::from(vec![b'x'; size]),
-                )
-            };
+            let (coverage, method, uri) = (
+                Coverage::default(),
+                Method::POST,
+                Uri::from_static("/v1/charges"),
+            );
+            let mut headers = HeaderMap::new();
+            headers.insert(http::header::CONTENT_TYPE, text.clone());
+            let (small_body, large_body) = (
+                Bytes::from(vec![b'x'; INLINE_BODY_BYTES]),
+                Bytes::from(vec![b'x'; INLINE_BODY_BYTES + 1]),
+            );
             let expected = |size: usize| {
                 Fingerprint::compute(
                     FingerprintMode::Semantic,
@@ -984,14 +1114,26 @@ mod tests {
                 )
             };
 
-            let mut small = std::pin::pin!(request(INLINE_BODY_BYTES));
+            let mut small = std::pin::pin!(compute_for_request(
+                &coverage,
+                &method,
+                &uri,
+                &headers,
+                &small_body
+            ));
             match poll_once(small.as_mut()).await {
                 std::task::Poll::Ready(fingerprint) => {
                     assert_eq!(fingerprint, expected(INLINE_BODY_BYTES));
                 }
                 std::task::Poll::Pending => panic!("a 64 KiB body waited for the blocking pool"),
             }
-            let mut large = std::pin::pin!(request(INLINE_BODY_BYTES + 1));
+            let mut large = std::pin::pin!(compute_for_request(
+                &coverage,
+                &method,
+                &uri,
+                &headers,
+                &large_body
+            ));
             assert!(
                 poll_once(large.as_mut()).await.is_pending(),
                 "a larger body was fingerprinted on the async worker"
@@ -1012,12 +1154,17 @@ mod tests {
             // Every slot taken, as by as many large bodies being fingerprinted.
             let taken = blocking_slots().acquire_many(cores() as u32).await.unwrap();
             let body = Bytes::from(vec![b'x'; INLINE_BODY_BYTES + 1]);
-            let mut waiting = std::pin::pin!(compute_for_request(
-                FingerprintMode::Raw,
+            let coverage = Coverage {
+                mode: FingerprintMode::Raw,
+                ..Coverage::default()
+            };
+            let (method, uri, headers) = (
                 Method::POST,
                 Uri::from_static("/v1/charges"),
-                None,
-                body.clone(),
+                HeaderMap::new(),
+            );
+            let mut waiting = std::pin::pin!(compute_for_request(
+                &coverage, &method, &uri, &headers, &body
             ));
             assert!(poll_once(waiting.as_mut()).await.is_pending());
             // The one blocking thread runs its tasks in order: had the fingerprint been handed

@@ -25,7 +25,7 @@
 //! printable ASCII without spaces or quotes. Empty values, values longer than [`MAX_KEY_LEN`]
 //! characters and repeated header lines are rejected; the layer answers those with `400`.
 
-use std::{fmt, sync::Arc};
+use std::{borrow::Cow, fmt, sync::Arc};
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -48,7 +48,17 @@ impl IdempotencyKey {
     ///
     /// A [`KeyError`] when the header is repeated or its value is not a valid key.
     pub fn from_headers(headers: &HeaderMap) -> Result<Option<Self>, KeyError> {
-        let mut values = headers.get_all(&IDEMPOTENCY_KEY).iter();
+        Self::from_header(headers, &IDEMPOTENCY_KEY)
+    }
+
+    /// Reads the key from the header `name` (an API's own, such as `X-Idempotency-Key`), by the
+    /// same rules: `Ok(None)` when the header is absent.
+    ///
+    /// # Errors
+    ///
+    /// A [`KeyError`] when the header is repeated or its value is not a valid key.
+    pub fn from_header(headers: &HeaderMap, name: &HeaderName) -> Result<Option<Self>, KeyError> {
+        let mut values = headers.get_all(name).iter();
         let Some(value) = values.next() else {
             return Ok(None);
         };
@@ -126,6 +136,84 @@ impl fmt::Debug for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "IdempotencyKey(<{} chars>)", self.0.len())
     }
+}
+
+/// A rule an API's keys must follow, beyond the header's syntax; set with
+/// [`IdempotencyLayer::with_key_rule`](crate::IdempotencyLayer::with_key_rule). A key that breaks
+/// it is refused with `400`, naming the rule, and nothing is stored.
+///
+/// The IETF draft's security considerations recommend unguessable keys; [`KeyRule::uuid`]
+/// enforces the usual choice.
+///
+/// ```
+/// use tower_idempotency::KeyRule;
+///
+/// let uuid = KeyRule::uuid();
+/// assert!(uuid.accepts("8e03978e-40d5-43e8-bc93-6894a57f9324"));
+/// assert!(!uuid.accepts("order-1042"));
+///
+/// let prefixed = KeyRule::from_fn("ik_ prefix", |key| key.starts_with("ik_"));
+/// assert!(prefixed.accepts("ik_1"));
+/// ```
+#[derive(Clone)]
+pub struct KeyRule {
+    name: Cow<'static, str>,
+    check: Arc<dyn Fn(&str) -> bool + Send + Sync>,
+    format: Option<&'static str>,
+}
+
+impl KeyRule {
+    /// Keys are UUIDs, in their usual text form: 32 hexadecimal digits in groups of 8-4-4-4-12
+    /// (any version, either case), as Stripe's SDKs generate.
+    pub fn uuid() -> Self {
+        Self {
+            name: Cow::Borrowed("uuid"),
+            check: Arc::new(is_uuid),
+            format: Some("uuid"),
+        }
+    }
+
+    /// Keys for which `check` returns `true`; `name` identifies the rule in the `400` problem.
+    pub fn from_fn<F>(name: impl Into<Cow<'static, str>>, check: F) -> Self
+    where
+        F: Fn(&str) -> bool + Send + Sync + 'static,
+    {
+        Self {
+            name: name.into(),
+            check: Arc::new(check),
+            format: None,
+        }
+    }
+
+    /// The rule's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The OpenAPI `format` the rule amounts to, if any (`uuid`).
+    pub fn format(&self) -> Option<&'static str> {
+        self.format
+    }
+
+    /// Whether `key` follows the rule.
+    pub fn accepts(&self, key: &str) -> bool {
+        (self.check)(key)
+    }
+}
+
+impl fmt::Debug for KeyRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("KeyRule").field(&self.name).finish()
+    }
+}
+
+fn is_uuid(key: &str) -> bool {
+    let bytes = key.as_bytes();
+    bytes.len() == 36
+        && bytes.iter().enumerate().all(|(i, b)| match i {
+            8 | 13 | 18 | 23 => *b == b'-',
+            _ => b.is_ascii_hexdigit(),
+        })
 }
 
 /// Why an `Idempotency-Key` header was rejected.
@@ -221,6 +309,52 @@ mod tests {
     #[test]
     fn sf_string_parameters_are_ignored() {
         assert_eq!(parse("\"abc\";v=1").unwrap().as_str(), "abc");
+    }
+
+    /// Issue 30.2: the UUID rule takes UUIDs in either case and nothing else.
+    #[test]
+    fn the_uuid_rule_takes_uuids_only() {
+        let rule = KeyRule::uuid();
+        for good in [
+            "8e03978e-40d5-43e8-bc93-6894a57f9324",
+            "8E03978E-40D5-43E8-BC93-6894A57F9324",
+            "00000000-0000-0000-0000-000000000000",
+        ] {
+            assert!(rule.accepts(good), "{good}");
+        }
+        for bad in [
+            "",
+            "order-1",
+            "8e03978e40d543e8bc936894a57f9324",
+            "8e03978e-40d5-43e8-bc93-6894a57f932",
+            "8e03978e-40d5-43e8-bc93-6894a57f93245",
+            "8e03978e-40d5-43e8-bc93_6894a57f9324",
+            "ge03978e-40d5-43e8-bc93-6894a57f9324",
+            "{8e03978e-40d5-43e8-bc93-6894a57f9324}",
+        ] {
+            assert!(!rule.accepts(bad), "{bad}");
+        }
+        assert_eq!(rule.format(), Some("uuid"));
+    }
+
+    #[test]
+    fn a_named_header_is_read_by_the_same_rules() {
+        let name = HeaderName::from_static("x-idempotency-key");
+        let mut headers = HeaderMap::new();
+        headers.insert(&name, HeaderValue::from_static("\"k1\""));
+        assert_eq!(
+            IdempotencyKey::from_header(&headers, &name)
+                .unwrap()
+                .unwrap()
+                .as_str(),
+            "k1"
+        );
+        assert_eq!(IdempotencyKey::from_headers(&headers), Ok(None));
+        headers.append(&name, HeaderValue::from_static("k2"));
+        assert_eq!(
+            IdempotencyKey::from_header(&headers, &name),
+            Err(KeyError::Repeated)
+        );
     }
 
     #[test]

@@ -5,8 +5,9 @@ use tower_layer::Layer;
 
 use crate::{
     cache::ReplayCache,
-    fingerprint::FingerprintMode,
+    fingerprint::{Coverage, FingerprintMode},
     future::Detached,
+    key::KeyRule,
     policy::{Disconnect, RetentionPolicy, StoreFailure},
     problem::{Rejection, Rendering},
     scope::Scope,
@@ -58,7 +59,9 @@ pub(crate) struct Config {
     pub(crate) body_timeout: Duration,
     pub(crate) max_response_bytes: usize,
     pub(crate) scope: Scope,
-    pub(crate) fingerprint: FingerprintMode,
+    pub(crate) fingerprint: Coverage,
+    pub(crate) key_source: KeySource,
+    pub(crate) key_rule: Option<KeyRule>,
     pub(crate) store_failure: StoreFailure,
     pub(crate) retention: RetentionPolicy,
     pub(crate) disconnect: Disconnect,
@@ -69,6 +72,32 @@ pub(crate) struct Config {
     /// Zero: a duplicate of a key in flight gets `409` at once.
     pub(crate) in_flight_wait: Duration,
     pub(crate) max_waiting: usize,
+}
+
+/// Where a request's key comes from.
+#[derive(Clone)]
+pub(crate) enum KeySource {
+    Header(HeaderName),
+    Request(Arc<KeyFn>),
+}
+
+/// An app's way to take a key from the request.
+pub(crate) type KeyFn =
+    dyn Fn(&http::request::Parts, &bytes::Bytes) -> Option<String> + Send + Sync;
+
+impl Default for KeySource {
+    fn default() -> Self {
+        Self::Header(crate::key::IDEMPOTENCY_KEY.clone())
+    }
+}
+
+impl fmt::Debug for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Header(name) => f.debug_tuple("Header").field(name).finish(),
+            Self::Request(_) => f.write_str("Request(..)"),
+        }
+    }
 }
 
 /// The longest duration a setting takes: longer ones are taken as this, which is forever for
@@ -90,7 +119,9 @@ impl Default for Config {
             body_timeout: Duration::from_secs(30),
             max_response_bytes: 1024 * 1024,
             scope: Scope::default(),
-            fingerprint: FingerprintMode::default(),
+            fingerprint: Coverage::default(),
+            key_source: KeySource::default(),
+            key_rule: None,
             store_failure: StoreFailure::default(),
             retention: RetentionPolicy::default(),
             disconnect: Disconnect::default(),
@@ -123,7 +154,10 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_body_timeout`](Self::with_body_timeout) | 30 seconds to receive the whole body (slower: `408`) |
     /// | [`with_max_response_bytes`](Self::with_max_response_bytes) | 1 MiB (larger: delivered, body not stored) |
     /// | [`with_scope`](Self::with_scope) | the [`Principal`](crate::Principal) request extension |
+    /// | [`with_header`](Self::with_header), [`with_key_from_request`](Self::with_key_from_request) | the `Idempotency-Key` header |
+    /// | [`with_key_rule`](Self::with_key_rule) | none: any key the header's syntax allows |
     /// | [`with_fingerprint`](Self::with_fingerprint) | [`FingerprintMode::Semantic`] |
+    /// | [`with_fingerprint_excluding`](Self::with_fingerprint_excluding), [`with_fingerprint_headers`](Self::with_fingerprint_headers) | the method, path, query and whole body; no header |
     /// | [`with_store_failure`](Self::with_store_failure) | fail closed: `503`, `Retry-After: 1` |
     /// | [`with_retention`](Self::with_retention) | [`RetentionPolicy::final_outcomes`] |
     /// | [`with_disconnect`](Self::with_disconnect) | [`Disconnect::RunToCompletion`] |
@@ -272,7 +306,79 @@ impl<St: Store> IdempotencyLayer<St> {
 
     /// How request payloads are compared; see [`FingerprintMode`].
     pub fn with_fingerprint(mut self, mode: FingerprintMode) -> Self {
-        self.config_mut().fingerprint = mode;
+        self.config_mut().fingerprint.mode = mode;
+        self
+    }
+
+    /// Leaves body fields out of the fingerprint, by JSON Pointer (RFC 6901): `/client_sent_at`,
+    /// `/metadata/trace_id`; for a form body, a top-level pointer names a field. A retry that
+    /// differs only in them is the same request. See [`fingerprint`](crate::fingerprint).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidPointer`] for a pointer that does not start with `/`.
+    pub fn with_fingerprint_excluding(
+        mut self,
+        pointers: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Result<Self, ConfigError> {
+        for pointer in pointers {
+            let pointer = pointer.into();
+            if !pointer.starts_with('/') {
+                return Err(ConfigError::InvalidPointer(pointer));
+            }
+            self.config_mut().fingerprint.excluded.push(pointer);
+        }
+        Ok(self)
+    }
+
+    /// Takes request headers into the fingerprint (an API version such as `Stripe-Version`,
+    /// `Accept`): a retry whose values differ is another request, `422`. See
+    /// [`fingerprint`](crate::fingerprint).
+    pub fn with_fingerprint_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config_mut().fingerprint.headers.extend(names);
+        self
+    }
+
+    /// Reads the key from the header `name` instead of `Idempotency-Key` (`X-Idempotency-Key`, or
+    /// a vendor's such as PayPal's `PayPal-Request-Id`), by the same parsing rules and limits.
+    pub fn with_header(mut self, name: HeaderName) -> Self {
+        self.config_mut().key_source = KeySource::Header(name);
+        self
+    }
+
+    /// Takes the key from the request with `key`, which sees the request head and its whole
+    /// body: a webhook receiver deduplicates deliveries by the event's id in the JSON body, as
+    /// Stripe, GitHub and Shopify redeliver them. `None` is a request without a key (`400` if
+    /// [`required`](Self::required), else run unprotected). The key is checked as a header's
+    /// would be (length, characters, [`with_key_rule`](Self::with_key_rule)).
+    ///
+    /// Every covered request's body is then read before the key is known, so requests without
+    /// a key are bound by [`with_max_body_bytes`](Self::with_max_body_bytes) too.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, Scope};
+    ///
+    /// // Stripe's events carry their id at the top of the body.
+    /// let layer = IdempotencyLayer::memory()
+    ///     .with_scope(Scope::single_tenant())
+    ///     .with_key_from_request(|_, body| {
+    ///         let event: serde_json::Value = serde_json::from_slice(body).ok()?;
+    ///         Some(event.get("id")?.as_str()?.to_owned())
+    ///     });
+    /// # let _ = layer;
+    /// ```
+    pub fn with_key_from_request<F>(mut self, key: F) -> Self
+    where
+        F: Fn(&http::request::Parts, &bytes::Bytes) -> Option<String> + Send + Sync + 'static,
+    {
+        self.config_mut().key_source = KeySource::Request(Arc::new(key));
+        self
+    }
+
+    /// A rule every key must follow ([`KeyRule::uuid`], or one of the app's); a key that breaks
+    /// it gets `400` naming the rule, and nothing is stored.
+    pub fn with_key_rule(mut self, rule: KeyRule) -> Self {
+        self.config_mut().key_rule = Some(rule);
         self
     }
 
@@ -497,6 +603,8 @@ pub enum ConfigError {
     },
     /// The layer must cover at least one method.
     NoMethods,
+    /// A JSON Pointer must be empty or start with `/`.
+    InvalidPointer(String),
 }
 
 impl fmt::Display for ConfigError {
@@ -510,6 +618,12 @@ impl fmt::Display for ConfigError {
                 )
             }
             Self::NoMethods => f.write_str("idempotency layer must cover at least one method"),
+            Self::InvalidPointer(pointer) => {
+                write!(
+                    f,
+                    "`{pointer}` is not a JSON Pointer: it must start with `/`"
+                )
+            }
         }
     }
 }

@@ -48,7 +48,8 @@
 //! | first request with a key | the handler runs once; its response is stored and returned |
 //! | retry after it completed | the stored status, headers and body, plus `Idempotent-Replayed: true` |
 //! | retry while the first is still running | `409` problem, `Retry-After: 1` |
-//! | same key, different method, path, query or body | `422` problem; the stored record is untouched |
+//! | same key and endpoint, different query or body | `422` problem; the stored record is untouched |
+//! | same key, another endpoint (method or path) | another key: it runs; `422` with [`Scope::across_endpoints`] |
 //! | key missing where [`required`](IdempotencyLayer::required) | `400` problem |
 //! | key malformed, empty, over 255 characters, repeated | `400` problem |
 //! | body over `max_body_bytes` (declared or streamed) | `413` problem, nothing run |
@@ -120,7 +121,7 @@ pub use context::IdempotencyContext;
 pub use context::MissingIdempotencyContext;
 pub use fingerprint::{Fingerprint, FingerprintMode};
 pub use future::ResponseFuture;
-pub use key::{IdempotencyKey, KeyError};
+pub use key::{IdempotencyKey, KeyError, KeyRule};
 pub use layer::{ConfigError, IdempotencyLayer, MAX_DURATION, MIN_LEASE};
 pub use policy::{Disconnect, Retention, RetentionPolicy, StoreFailure};
 pub use problem::{Rejection, RejectionKind};

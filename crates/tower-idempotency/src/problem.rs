@@ -25,7 +25,7 @@
 //! | [`BodyTimeout`](RejectionKind::BodyTimeout) | 408 | the body did not arrive within `body_timeout` |
 //! | [`InFlight`](RejectionKind::InFlight) | 409 | the first request with this key is still running (`Retry-After: 1`) |
 //! | [`BodyTooLarge`](RejectionKind::BodyTooLarge) | 413 | the body exceeds `max_body_bytes` |
-//! | [`Mismatch`](RejectionKind::Mismatch) | 422 | the key was used with another request (method, path, query or body) |
+//! | [`Mismatch`](RejectionKind::Mismatch) | 422 | the key was used with another request to the endpoint (query or body; also method or path with [`Scope::across_endpoints`](crate::Scope::across_endpoints)) |
 //! | [`PrincipalMissing`](RejectionKind::PrincipalMissing) | 500 | no principal to scope the key to (a misconfiguration) |
 //! | [`HandlerPanicked`](RejectionKind::HandlerPanicked) | 500 | the handler panicked; the key is released |
 //! | [`TransactionAborted`](RejectionKind::TransactionAborted) | 500 | transactional mode: the handler answered success over a transaction one of its statements had failed; nothing committed, the key is released |

@@ -97,10 +97,26 @@ impl fmt::Debug for Principal {
     }
 }
 
-/// Where the layer finds the [`Principal`] of a request; set with
+/// Where the layer finds the [`Principal`] of a request, and how far a key reaches; set with
 /// [`IdempotencyLayer::with_scope`](crate::IdempotencyLayer::with_scope).
+///
+/// # One key per endpoint, or per principal
+///
+/// By default a key is scoped to its principal **and endpoint** (method and path): the same key
+/// sent to another endpoint names another operation and runs. That suits clients that make up
+/// keys per endpoint, or reuse a key for the steps of one workflow (`POST /orders` then
+/// `POST /orders/1/pay`).
+///
+/// [`across_endpoints`](Self::across_endpoints) scopes keys to the principal alone, with the
+/// method and path in the fingerprint instead: a key reused on another endpoint is then a `422`
+/// mismatch, as Stripe's API answers. Choose it when keys identify one operation whatever the
+/// endpoint (a UUID per call, as payment SDKs make), so that a client bug sending one key to two
+/// endpoints is caught rather than run twice.
 #[derive(Clone, Default)]
-pub struct Scope(ScopeSource);
+pub struct Scope {
+    source: ScopeSource,
+    across_endpoints: bool,
+}
 
 type PrincipalFn = dyn Fn(&Parts) -> Option<Principal> + Send + Sync;
 
@@ -117,13 +133,16 @@ impl Scope {
     /// authentication layer. A request without one is refused (see the
     /// [module documentation](self)).
     pub fn principal_extension() -> Self {
-        Self(ScopeSource::Extension)
+        Self::default()
     }
 
     /// Every request belongs to the same principal. Only for applications with a single tenant
     /// (or none): every client shares one key space.
     pub fn single_tenant() -> Self {
-        Self(ScopeSource::SingleTenant)
+        Self {
+            source: ScopeSource::SingleTenant,
+            across_endpoints: false,
+        }
     }
 
     /// A principal derived from the request head by `f`, for apps whose authentication leaves
@@ -176,11 +195,42 @@ impl Scope {
     where
         F: Fn(&Parts) -> Option<Principal> + Send + Sync + 'static,
     {
-        Self(ScopeSource::Custom(Arc::new(f)))
+        Self {
+            source: ScopeSource::Custom(Arc::new(f)),
+            across_endpoints: false,
+        }
+    }
+
+    /// One key per principal across every endpoint, instead of one per endpoint: see
+    /// [above](#one-key-per-endpoint-or-per-principal).
+    #[must_use]
+    pub fn across_endpoints(mut self) -> Self {
+        self.across_endpoints = true;
+        self
+    }
+
+    /// Whether a key reaches across endpoints.
+    pub fn is_across_endpoints(&self) -> bool {
+        self.across_endpoints
+    }
+
+    /// The record key of `key` sent by `principal` to `method` `path`, as this scope reaches.
+    pub(crate) fn key(
+        &self,
+        principal: &Principal,
+        method: &http::Method,
+        path: &str,
+        key: &IdempotencyKey,
+    ) -> ScopeKey {
+        if self.across_endpoints {
+            ScopeKey::for_principal(principal, key)
+        } else {
+            ScopeKey::new(principal, method, path, key)
+        }
     }
 
     pub(crate) fn principal(&self, parts: &Parts) -> Option<Principal> {
-        match &self.0 {
+        match &self.source {
             ScopeSource::Extension => parts.extensions.get::<Principal>().cloned(),
             ScopeSource::SingleTenant => Some(Principal::single_tenant()),
             ScopeSource::Custom(f) => f(parts),
@@ -190,11 +240,15 @@ impl Scope {
 
 impl fmt::Debug for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self.0 {
+        f.write_str(match self.source {
             ScopeSource::Extension => "Scope::principal_extension()",
             ScopeSource::SingleTenant => "Scope::single_tenant()",
             ScopeSource::Custom(_) => "Scope::from_fn(..)",
-        })
+        })?;
+        if self.across_endpoints {
+            f.write_str(".across_endpoints()")?;
+        }
+        Ok(())
     }
 }
 
@@ -219,6 +273,18 @@ impl ScopeKey {
             key.as_str().as_bytes(),
         ] {
             // Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part);
+        }
+        Self(hasher.finalize().into())
+    }
+
+    /// Derives the record key of `key` sent by `principal` to any endpoint (see
+    /// [`Scope::across_endpoints`]).
+    pub fn for_principal(principal: &Principal, key: &IdempotencyKey) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-idempotency/scope/principal/v1\0");
+        for part in [principal.as_str().as_bytes(), key.as_str().as_bytes()] {
             hasher.update((part.len() as u64).to_be_bytes());
             hasher.update(part);
         }

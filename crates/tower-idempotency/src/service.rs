@@ -31,12 +31,13 @@ use crate::{
     future::{Detached, ResponseFuture},
     key::IdempotencyKey,
     layer::Config,
+    layer::KeySource,
     metrics,
     policy::{Disconnect, Retention, StoreFailure},
     problem::{Rejection, RejectionKind},
     record::Record,
     replay,
-    scope::ScopeKey,
+    scope::{Principal, ScopeKey},
     store::{Begin, ClaimRequest, ClaimStatus, InFlightWatch, Store},
 };
 
@@ -158,31 +159,40 @@ where
             );
         }
 
-        // Key.
-        let key = match IdempotencyKey::from_headers(request.headers()) {
-            Ok(Some(key)) => key,
-            Ok(None) if config.required => {
-                return ResponseFuture::rejected(config.rendering.render(Rejection::new(
-                    RejectionKind::KeyMissing,
-                    format!(
-                        "{} {} requires an Idempotency-Key header",
-                        request.method(),
-                        request_uri(request.extensions(), request.uri()).path()
-                    ),
-                )));
-            }
-            Ok(None) => {
-                return ResponseFuture::passthrough(
-                    self.inner.call(request.map(RequestBody::passthrough)),
-                );
-            }
-            Err(error) => {
-                return ResponseFuture::rejected(
-                    config
-                        .rendering
-                        .render(Rejection::new(RejectionKind::KeyInvalid, error.to_string())),
-                );
-            }
+        // Key, when a header holds it; a key taken from the request waits for its body.
+        let key = match &config.key_source {
+            KeySource::Header(name) => match IdempotencyKey::from_header(request.headers(), name) {
+                Ok(Some(key)) => match config.follows_rule(&key) {
+                    Ok(()) => Some(key),
+                    Err(rejection) => {
+                        return ResponseFuture::rejected(config.rendering.render(rejection));
+                    }
+                },
+                Ok(None) if config.required => {
+                    return ResponseFuture::rejected(config.rendering.render(Rejection::new(
+                        RejectionKind::KeyMissing,
+                        format!(
+                            "{} {} requires an {} header",
+                            request.method(),
+                            request_uri(request.extensions(), request.uri()).path(),
+                            header_title(name)
+                        ),
+                    )));
+                }
+                Ok(None) => {
+                    return ResponseFuture::passthrough(
+                        self.inner.call(request.map(RequestBody::passthrough)),
+                    );
+                }
+                Err(error) => {
+                    return ResponseFuture::rejected(
+                        config
+                            .rendering
+                            .render(Rejection::new(RejectionKind::KeyInvalid, error.to_string())),
+                    );
+                }
+            },
+            KeySource::Request(_) => None,
         };
 
         // Scope.
@@ -200,8 +210,6 @@ where
                  cannot be honoured; nothing was processed",
             )));
         };
-        let path = request_uri(&parts.extensions, &parts.uri).path();
-        let scope_key = ScopeKey::new(&principal, &parts.method, path, &key);
 
         // The service that was polled ready is the one that runs the handler; a fresh clone
         // takes its place (see https://docs.rs/tower/latest/tower/trait.Service.html#be-careful-when-cloning-inner-services).
@@ -210,12 +218,12 @@ where
             inner: std::mem::replace(&mut self.inner, clone),
             shared: self.shared.clone(),
             key,
-            scope_key,
+            principal,
             _request_body: PhantomData,
         };
         let span = tracing::debug_span!(
             "idempotency",
-            key = %scope_key,
+            key = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
         let detach = (config.disconnect == Disconnect::RunToCompletion)
@@ -238,13 +246,80 @@ fn request_uri<'a>(extensions: &'a http::Extensions, uri: &'a Uri) -> &'a Uri {
     uri
 }
 
-/// A covered request with a valid key and scope, on its way through the store.
+/// A covered request with its principal (and its key, when a header held it), on its way
+/// through the store.
 struct Keyed<S, St, ReqBody> {
     inner: S,
     shared: Shared<St>,
-    key: IdempotencyKey,
-    scope_key: ScopeKey,
+    key: Option<IdempotencyKey>,
+    principal: Principal,
     _request_body: PhantomData<fn(ReqBody)>,
+}
+
+/// `Idempotency-Key` as the header's name is usually written, for messages.
+fn header_title(name: &http::HeaderName) -> String {
+    name.as_str()
+        .split('-')
+        .map(|word| {
+            let mut chars = word.chars();
+            chars.next().map_or_else(String::new, |first| {
+                first.to_ascii_uppercase().to_string() + chars.as_str()
+            })
+        })
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+impl Config {
+    /// The key the app's function takes from the request: `Ok(None)` without one (`Err`, the
+    /// `400`, when it is required, malformed or breaks the rule).
+    fn key_from_request(
+        &self,
+        parts: &Parts,
+        body: &Bytes,
+    ) -> Result<Option<IdempotencyKey>, Rejection> {
+        let KeySource::Request(key_of) = &self.key_source else {
+            return Ok(None);
+        };
+        match key_of(parts, body) {
+            Some(key) => {
+                let key = IdempotencyKey::new(key).map_err(|error| {
+                    Rejection::new(RejectionKind::KeyInvalid, error.to_string())
+                })?;
+                self.follows_rule(&key)?;
+                Ok(Some(key))
+            }
+            None if self.required => Err(Rejection::new(
+                RejectionKind::KeyMissing,
+                format!(
+                    "{} {} requires an idempotency key, and none was found in the request",
+                    parts.method,
+                    request_uri(&parts.extensions, &parts.uri).path()
+                ),
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// `Err` with the `400` to answer when `key` breaks the app's key rule.
+    fn follows_rule(&self, key: &IdempotencyKey) -> Result<(), Rejection> {
+        match &self.key_rule {
+            Some(rule) if !rule.accepts(key.as_str()) => Err(Rejection::new(
+                RejectionKind::KeyInvalid,
+                format!(
+                    "the idempotency key does not follow this API's key rule `{}`{}; nothing \
+                     was processed",
+                    rule.name(),
+                    if rule.format() == Some("uuid") {
+                        " (a UUID such as 8e03978e-40d5-43e8-bc93-6894a57f9324)"
+                    } else {
+                        ""
+                    }
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 type Served<B, E> = Result<Response<ResponseBody<B>>, E>;
@@ -271,7 +346,11 @@ where
         clippy::manual_async_fn,
         reason = "an async fn would store its arguments twice"
     )]
-    fn serve(self, parts: Parts, body: ReqBody) -> impl Future<Output = Served<ResBody, S::Error>> {
+    fn serve(
+        mut self,
+        parts: Parts,
+        body: ReqBody,
+    ) -> impl Future<Output = Served<ResBody, S::Error>> {
         async move {
             let config = &*self.shared.config;
             let limit = config.max_body_bytes;
@@ -323,17 +402,35 @@ where
                     ));
                 }
             };
+            let key = match self.key.take() {
+                Some(key) => key,
+                None => match config.key_from_request(&parts, &body) {
+                    Ok(Some(key)) => key,
+                    Ok(None) => {
+                        // No key, not required: the handler runs unprotected, as with no header.
+                        let mut inner = self.inner;
+                        let request = Request::from_parts(parts, RequestBody::buffered(body));
+                        return Ok(inner.call(request).await?.map(ResponseBody::passthrough));
+                    }
+                    Err(rejection) => return Ok(reject(config, rejection)),
+                },
+            };
+            let uri = request_uri(&parts.extensions, &parts.uri);
+            let scope_key = config
+                .scope
+                .key(&self.principal, &parts.method, uri.path(), &key);
+            tracing::Span::current().record("key", tracing::field::display(scope_key));
             let fingerprint = crate::fingerprint::compute_for_request(
-                config.fingerprint,
-                parts.method.clone(),
-                request_uri(&parts.extensions, &parts.uri).clone(),
-                parts.headers.get(http::header::CONTENT_TYPE).cloned(),
-                body.clone(),
+                &config.fingerprint,
+                &parts.method,
+                uri,
+                &parts.headers,
+                &body,
             )
             .await;
 
             // Claim, then run, replay or refuse.
-            let begin = match self.shared.cached(self.scope_key, fingerprint) {
+            let begin = match self.shared.cached(scope_key, fingerprint) {
                 Some(begin) => begin,
                 None if self.shared.overloaded() => {
                     // Handlers still finishing for clients that hung up may hold what any store
@@ -350,7 +447,7 @@ where
                         .with_retry_after(1),
                     ));
                 }
-                None => match self.shared.claim(self.scope_key, fingerprint).await {
+                None => match self.shared.claim(scope_key, fingerprint).await {
                     Ok(begin) => begin,
                     Err(error) => return self.store_failed(&error, parts, body).await,
                 },
@@ -359,7 +456,7 @@ where
                 Begin::InFlight { .. } if !config.in_flight_wait.is_zero() => {
                     match self
                         .shared
-                        .wait_while_in_flight(self.scope_key, fingerprint)
+                        .wait_while_in_flight(scope_key, fingerprint)
                         .await
                     {
                         Ok(begin) => begin,
@@ -376,7 +473,12 @@ where
                          its handler may have run in part"
                         );
                     }
-                    self.run(claim, takeover, parts, body).await
+                    let context = IdempotencyContext {
+                        key,
+                        scope_key,
+                        takeover,
+                    };
+                    self.run(claim, context, parts, body).await
                 }
                 Begin::Completed { record, .. } => Ok(replayed(&record)),
                 Begin::InFlight { .. } => {
@@ -403,27 +505,20 @@ where
     fn run(
         self,
         claim: St::Claim,
-        takeover: bool,
+        context: IdempotencyContext,
         mut parts: Parts,
         body: Bytes,
     ) -> impl Future<Output = Served<ResBody, S::Error>> {
         async move {
             let Keyed {
-                mut inner,
-                shared,
-                key,
-                scope_key,
-                ..
+                mut inner, shared, ..
             } = self;
+            let takeover = context.takeover;
             let (store, config) = (shared.store, shared.config);
             let config = &*config;
             store.attach(&claim, &mut parts.extensions);
             let guard = ClaimGuard::new(Arc::clone(&store), claim);
-            parts.extensions.insert(IdempotencyContext {
-                key,
-                scope_key,
-                takeover,
-            });
+            parts.extensions.insert(context);
             let request = Request::from_parts(parts, RequestBody::buffered(body));
             let max_response_bytes = config.max_response_bytes;
             let handler = async move {
@@ -968,14 +1063,14 @@ fn replayed<B>(record: &Record) -> Response<ResponseBody<B>> {
 
 fn mismatch<B>(config: &Config) -> Response<ResponseBody<B>> {
     outcome(Outcome::Mismatch);
-    reject(
-        config,
-        Rejection::new(
-            RejectionKind::Mismatch,
-            "this Idempotency-Key was already used with a different request to this endpoint \
-         (its body or query differs); use a new key for a new request",
-        ),
-    )
+    let detail = if config.scope.is_across_endpoints() {
+        "this idempotency key was already used with a different request (another endpoint, \
+         query or body); use a new key for a new request"
+    } else {
+        "this idempotency key was already used with a different request to this endpoint \
+         (its body or query differs); use a new key for a new request"
+    };
+    reject(config, Rejection::new(RejectionKind::Mismatch, detail))
 }
 
 fn reject<B>(config: &Config, rejection: Rejection) -> Response<ResponseBody<B>> {
@@ -1086,8 +1181,8 @@ mod tests {
         let keyed = Keyed {
             inner: service.inner,
             shared: service.shared.clone(),
-            key: IdempotencyKey::parse(&http::HeaderValue::from_static("k")).expect("key"),
-            scope_key: ScopeKey::from_bytes([0; 32]),
+            key: Some(IdempotencyKey::parse(&http::HeaderValue::from_static("k")).expect("key")),
+            principal: Principal::new("acct").expect("principal"),
             _request_body: PhantomData,
         };
         let (parts, body) = Request::new(Full::new(Bytes::new())).into_parts();

@@ -32,7 +32,8 @@
 //!    inserts it with its [`Principal`](tower_idempotency::Principal): outside the idempotency
 //!    layer, so keys are scoped per account.
 //! 2. On `POST /v1/charges` the [`IdempotencyLayer`] claims the `Idempotency-Key` (required
-//!    there), or replays, or refuses (`409` in flight, `422` reused for another request).
+//!    there), or replays, or refuses (`409` in flight, `422` reused for another request) with a
+//!    problem document that carries Stripe's error object ([`refusals`]).
 //! 3. The handler validates the [`params`], asks the simulated [`processor`] (which takes
 //!    `--processing-delay-ms`), records the charge in the [`ledger`], and answers with a charge
 //!    object, a `402` card error, or a `400` Stripe error.
@@ -50,6 +51,7 @@ pub mod error;
 pub mod ledger;
 pub mod params;
 pub mod processor;
+pub mod refusals;
 mod routes;
 pub mod server;
 
@@ -99,7 +101,8 @@ impl Default for Settings {
 }
 
 /// The idempotency layer of `POST /v1/charges` on `store`: the key is required, only `POST` is
-/// covered, and TTL and lease come from `settings`.
+/// covered, TTL and lease come from `settings`, and refusals speak Stripe's errors too
+/// ([`refusals`]).
 ///
 /// # Errors
 ///
@@ -109,6 +112,7 @@ pub fn idempotency_layer<St: Store>(
     settings: &Settings,
 ) -> Result<IdempotencyLayer<St>, ConfigError> {
     IdempotencyLayer::new(store)
+        .with_rejection_response(refusals::render)
         .required()
         .with_methods([Method::POST])?
         .with_max_body_bytes(MAX_CHARGE_BODY_BYTES)?

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use axum::{body::Body, http::Request, http::StatusCode};
 use base64::{Engine, engine::general_purpose::STANDARD};
-use common::{Backend, Gate, Harness, bounded, charge, charge_json, get, new_api_key, new_key};
+use common::{
+    Backend, Gate, Harness, bounded, charge, charge_json, get, is_request_id, new_api_key, new_key,
+};
 use serde_json::json;
 
 /// Runs each scenario on each backend, bounded in time.
@@ -44,9 +46,12 @@ on_every_backend!(
     authentication_is_required_and_checked,
     basic_auth_with_the_key_as_user_name,
     in_flight_duplicate_is_409,
-    a_malformed_key_is_400,
+    a_malformed_key_is_400_and_not_echoed,
     a_body_over_the_limit_is_413,
     an_unreadable_body_is_400,
+    every_response_has_a_request_id_of_its_own,
+    responses_to_keyed_requests_echo_the_key,
+    a_replay_names_its_original_request,
     processing_takes_the_configured_delay,
     retrieve_and_list_are_scoped_per_account,
     list_pages_and_validates_its_parameters,
@@ -433,6 +438,7 @@ async fn in_flight_duplicate_is_409(backend: Backend) {
     );
     assert_eq!(duplicate.should_retry(), Some(true));
     assert_eq!(duplicate.headers["retry-after"], "1");
+    assert_eq!(duplicate.header("idempotency-key"), Some(key.as_str()));
     assert!(
         !duplicate.text().contains(&key),
         "the key is not in the body"
@@ -455,8 +461,8 @@ async fn in_flight_duplicate_is_409(backend: Backend) {
 }
 
 /// A key that is too long, has a space, or comes twice: Stripe's `invalid_request_error`, not to
-/// be retried.
-async fn a_malformed_key_is_400(backend: Backend) {
+/// be retried, and not echoed (it is not a key, and may be anything).
+async fn a_malformed_key_is_400_and_not_echoed(backend: Backend) {
     let h = Harness::start(backend).await;
     let api_key = new_api_key();
     let too_long = format!("order-{}", "7".repeat(300));
@@ -467,6 +473,7 @@ async fn a_malformed_key_is_400(backend: Backend) {
         let error = reply.problem(StatusCode::BAD_REQUEST, "KeyInvalid");
         assert_eq!(error["type"], "invalid_request_error", "{key:?}");
         assert_eq!(reply.should_retry(), Some(false), "{key:?}");
+        assert_eq!(reply.header("idempotency-key"), None, "{key:?}");
         if !key.is_empty() {
             assert!(!reply.text().contains(key), "the key is not in the body");
         }
@@ -480,6 +487,7 @@ async fn a_malformed_key_is_400(backend: Backend) {
         .unwrap();
     let reply = h.send(twice).await;
     reply.problem(StatusCode::BAD_REQUEST, "KeyInvalid");
+    assert_eq!(reply.header("idempotency-key"), None);
     assert!(h.charges_of(&api_key).await.is_empty(), "nothing charged");
 }
 
@@ -519,6 +527,106 @@ async fn an_unreadable_body_is_400(backend: Backend) {
     assert_eq!(error["type"], "invalid_request_error");
     assert_eq!(reply.should_retry(), Some(false));
     assert!(h.charges_of(&api_key).await.is_empty(), "nothing charged");
+}
+
+/// Charges, replays, declines, refusals, errors, reads, unknown URLs: each answer has a
+/// `Request-Id` of Stripe's form, and no two the same.
+async fn every_response_has_a_request_id_of_its_own(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let key = new_key();
+    let form = "amount=2000&currency=usd";
+    let replies = [
+        h.send(charge(&api_key, Some(&key), form)).await,
+        h.send(charge(&api_key, Some(&key), form)).await,
+        h.send(charge(&api_key, Some(&key), "amount=1&currency=usd"))
+            .await,
+        h.send(charge(&api_key, None, form)).await,
+        h.send(charge(
+            &api_key,
+            Some(&new_key()),
+            "amount=2000&currency=usd&source=tok_chargeDeclined",
+        ))
+        .await,
+        h.send(charge(&api_key, Some(&new_key()), "amount=2000"))
+            .await,
+        h.send(charge("sk_live_nope", Some(&new_key()), form)).await,
+        h.send(get(&api_key, "/v1/charges")).await,
+        h.send(get(&api_key, "/v1/refunds")).await,
+    ];
+    let statuses: Vec<u16> = replies.iter().map(|r| r.status.as_u16()).collect();
+    assert_eq!(statuses, [200, 200, 422, 400, 402, 400, 401, 200, 404]);
+    let mut ids: Vec<&str> = replies
+        .iter()
+        .map(|r| r.header("request-id").expect("a Request-Id"))
+        .collect();
+    assert!(ids.iter().all(|id| is_request_id(id)), "{ids:?}");
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), replies.len(), "each its own");
+}
+
+/// As Stripe's API does (stripe-node shows it as `lastResponse.idempotencyKey`): the key is
+/// echoed as it was sent, on answers, replays and refusals alike.
+async fn responses_to_keyed_requests_echo_the_key(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let key = new_key();
+    let form = "amount=2000&currency=usd";
+    for reply in [
+        h.send(charge(&api_key, Some(&key), form)).await,
+        h.send(charge(&api_key, Some(&key), form)).await,
+        h.send(charge(&api_key, Some(&key), "amount=1&currency=usd"))
+            .await,
+    ] {
+        assert_eq!(
+            reply.header("idempotency-key"),
+            Some(key.as_str()),
+            "{}",
+            reply.status
+        );
+    }
+    // The draft's structured-field form names the same key, and is echoed as sent.
+    let quoted = format!("\"{key}\"");
+    let reply = h.send(charge(&api_key, Some(&quoted), form)).await;
+    assert!(reply.replayed());
+    assert_eq!(reply.header("idempotency-key"), Some(quoted.as_str()));
+
+    let read = h.send(get(&api_key, "/v1/charges")).await;
+    assert_eq!(read.header("idempotency-key"), None, "no key sent");
+}
+
+/// The first answer names its own request in `Original-Request`; a replay names that first
+/// request there, with a `Request-Id` of its own. A replayed decline too.
+async fn a_replay_names_its_original_request(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    for form in [
+        "amount=2000&currency=usd",
+        "amount=2000&currency=usd&source=tok_chargeDeclined",
+    ] {
+        let key = new_key();
+        let first = h.send(charge(&api_key, Some(&key), form)).await;
+        let first_id = first.header("request-id").expect("a Request-Id");
+        assert_eq!(first.header("original-request"), Some(first_id), "{form}");
+
+        let replay = h.send(charge(&api_key, Some(&key), form)).await;
+        assert!(replay.replayed(), "{form}");
+        assert_eq!(replay.header("original-request"), Some(first_id), "{form}");
+        let replay_id = replay.header("request-id").expect("a Request-Id");
+        assert!(is_request_id(replay_id));
+        assert_ne!(replay_id, first_id, "the replay's own id");
+        assert_eq!(replay.body, first.body, "{form}");
+    }
+    // A refusal ran nothing, so it names no original request.
+    let key = new_key();
+    h.send(charge(&api_key, Some(&key), "amount=1&currency=usd"))
+        .await;
+    let refused = h
+        .send(charge(&api_key, Some(&key), "amount=2&currency=usd"))
+        .await;
+    refused.problem(StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
+    assert_eq!(refused.header("original-request"), None);
 }
 
 async fn processing_takes_the_configured_delay(backend: Backend) {

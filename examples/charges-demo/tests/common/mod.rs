@@ -184,6 +184,12 @@ impl Reply {
     }
 }
 
+/// A Stripe request id: `req_` and letters and digits.
+pub fn is_request_id(id: &str) -> bool {
+    id.strip_prefix("req_")
+        .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_alphanumeric()))
+}
+
 pub fn new_key() -> String {
     uuid::Uuid::new_v4().to_string()
 }

@@ -1,6 +1,6 @@
 //! The built binary, as a person runs it: options, the `listening on` line, the curl scenarios
-//! and Stripe's Python library over real HTTP against PostgreSQL, and graceful shutdown on
-//! SIGTERM.
+//! and Stripe's Python and Node.js libraries over real HTTP against PostgreSQL, and graceful
+//! shutdown on SIGTERM.
 
 use std::{
     net::SocketAddr,
@@ -345,6 +345,41 @@ async fn stripe_python_scenarios_pass_against_the_binary_on_postgres() {
     let mut program = Command::new(python);
     program.env("PYTHONUNBUFFERED", "1");
     sdk_scenarios_pass(program, &script, &[], InFlight::SameChargeOrKeyInUse).await;
+}
+
+/// `examples/stripe-node` with its modules installed: `$STRIPE_NODE_DIR` if set (`.ci/run`
+/// exports it after `npm ci`), else the example itself; `None` without `node` or without
+/// `node_modules/stripe` there.
+fn stripe_node() -> Option<PathBuf> {
+    let dir = std::env::var_os("STRIPE_NODE_DIR").map_or_else(
+        || {
+            [env!("CARGO_MANIFEST_DIR"), "..", "stripe-node"]
+                .iter()
+                .collect()
+        },
+        PathBuf::from,
+    );
+    let installed = dir.join("node_modules/stripe/package.json").is_file();
+    (installed && succeeds("node", &["--version"])).then_some(dir)
+}
+
+/// Stripe's own Node.js library, at its defaults, against the binary on PostgreSQL:
+/// `examples/stripe-node/charges.mjs`, whose scenarios check what the library saw.
+#[tokio::test]
+async fn stripe_node_scenarios_pass_against_the_binary_on_postgres() {
+    let Some(dir) = stripe_node() else {
+        return skip_without(
+            "Node.js with Stripe's library is not available (set STRIPE_NODE_DIR, or run \
+             `npm ci` in examples/stripe-node)",
+        );
+    };
+    sdk_scenarios_pass(
+        Command::new("node"),
+        &dir.join("charges.mjs"),
+        &[],
+        InFlight::SameChargeOrKeyInUse,
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -3,8 +3,8 @@
 //! Every error the demo's own handlers and authentication answer is an [`ApiError`], so Stripe's
 //! client libraries raise their usual exceptions (`InvalidRequestError`, `CardError`,
 //! `AuthenticationError`...). Refusals by the idempotency layer itself (a missing key, a request
-//! still in flight, a key reused for another request) are RFC 9457 problem documents instead; see
-//! [`tower_idempotency::problem`].
+//! still in flight, a key reused for another request) are RFC 9457 problem documents that carry
+//! the same kind of error object in their `error` member; see [`crate::refusals`].
 
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
@@ -19,6 +19,8 @@ pub enum ErrorType {
     InvalidRequestError,
     /// The card was declined.
     CardError,
+    /// An idempotency key was reused for a request with other parameters.
+    IdempotencyError,
     /// Something went wrong on the server.
     ApiError,
 }
@@ -28,16 +30,19 @@ pub enum ErrorType {
 pub struct ApiError {
     #[serde(skip)]
     status: StatusCode,
-    /// Alphabetical, as Stripe orders the members.
+    /// Alphabetical, as Stripe orders the members. Boxed strings keep the error, which every
+    /// handler's `Result` carries, small.
     #[serde(skip_serializing_if = "Option::is_none")]
-    charge: Option<String>,
+    charge: Option<Box<str>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     code: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     decline_code: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    doc_url: Option<&'static str>,
     message: String,
     #[serde(skip_serializing_if = "Option::is_none")]
-    param: Option<String>,
+    param: Option<Box<str>>,
     #[serde(rename = "type")]
     kind: ErrorType,
 }
@@ -114,7 +119,7 @@ impl ApiError {
         let mut error = Self::new(StatusCode::PAYMENT_REQUIRED, ErrorType::CardError, message)
             .with_code("card_declined");
         error.decline_code = Some(decline_code);
-        error.charge = Some(charge.into());
+        error.charge = Some(charge.into().into_boxed_str());
         error
     }
 
@@ -135,6 +140,7 @@ impl ApiError {
             charge: None,
             code: None,
             decline_code: None,
+            doc_url: None,
             message: message.into(),
             param: None,
             kind,
@@ -148,10 +154,17 @@ impl ApiError {
         self
     }
 
+    /// Sets the page of Stripe's documentation that explains the error.
+    #[must_use]
+    pub fn with_doc_url(mut self, url: &'static str) -> Self {
+        self.doc_url = Some(url);
+        self
+    }
+
     /// Sets the parameter the error is about.
     #[must_use]
     pub fn with_param(mut self, param: impl Into<String>) -> Self {
-        self.param = Some(param.into());
+        self.param = Some(param.into().into_boxed_str());
         self
     }
 
@@ -175,6 +188,11 @@ impl ApiError {
     /// The error `code`, if any.
     pub fn code(&self) -> Option<&'static str> {
         self.code
+    }
+
+    /// The documentation page of the error, if any.
+    pub fn doc_url(&self) -> Option<&'static str> {
+        self.doc_url
     }
 
     /// The parameter the error is about, if any.

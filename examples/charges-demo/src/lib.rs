@@ -28,18 +28,21 @@
 //!
 //! # How a request flows
 //!
-//! 1. [`auth::authenticate`] reads the API key, derives the [`Account`](auth::Account) and
+//! 1. [`request_id::request_ids`] gives the request its `req_...` id, answered in `Request-Id`.
+//! 2. [`auth::authenticate`] reads the API key, derives the [`Account`](auth::Account) and
 //!    inserts it with its [`Principal`](tower_idempotency::Principal): outside the idempotency
 //!    layer, so keys are scoped per account.
-//! 2. On `POST /v1/charges` the [`IdempotencyLayer`] claims the `Idempotency-Key` (required
-//!    there), or replays, or refuses (`409` in flight, `422` reused for another request).
-//! 3. The handler validates the [`params`], asks the simulated [`processor`] (which takes
+//! 3. On `POST /v1/charges` the [`IdempotencyLayer`] claims the `Idempotency-Key` (required
+//!    there), or replays, or refuses (`409` in flight, `422` reused for another request) with a
+//!    problem document that carries Stripe's error object ([`refusals`]).
+//! 4. The handler validates the [`params`], asks the simulated [`processor`] (which takes
 //!    `--processing-delay-ms`), records the charge in the [`ledger`], and answers with a charge
 //!    object, a `402` card error, or a `400` Stripe error.
-//! 4. The layer stores the answer for replay, or releases the key for a `400`. With PostgreSQL
-//!    it runs in [transactional mode](tower_idempotency::transaction): the charge row is written
-//!    in the request's transaction ([`ledger::insert_charge`]) and commits with the stored answer,
-//!    so a crash never leaves a charge without its response, nor a response without its charge.
+//! 5. The layer stores the answer for replay (with the request's id in `Original-Request`), or
+//!    releases the key for a `400`. With PostgreSQL it runs in [transactional
+//!    mode](tower_idempotency::transaction): the charge row is written in the request's
+//!    transaction ([`ledger::insert_charge`]) and commits with the stored answer, so a crash
+//!    never leaves a charge without its response, nor a response without its charge.
 //!
 //! The binary (`src/main.rs`) parses [`server::Args`] and calls [`server::run`].
 #![forbid(unsafe_code)]
@@ -50,10 +53,12 @@ pub mod error;
 pub mod ledger;
 pub mod params;
 pub mod processor;
+pub mod refusals;
+pub mod request_id;
 mod routes;
 pub mod server;
 
-use std::time::Duration;
+use std::{convert::Infallible, time::Duration};
 
 use axum::{
     Router, middleware,
@@ -99,7 +104,8 @@ impl Default for Settings {
 }
 
 /// The idempotency layer of `POST /v1/charges` on `store`: the key is required, only `POST` is
-/// covered, and TTL and lease come from `settings`.
+/// covered, TTL and lease come from `settings`, and refusals speak Stripe's errors too
+/// ([`refusals`]).
 ///
 /// # Errors
 ///
@@ -109,6 +115,7 @@ pub fn idempotency_layer<St: Store>(
     settings: &Settings,
 ) -> Result<IdempotencyLayer<St>, ConfigError> {
     IdempotencyLayer::new(store)
+        .with_rejection_response(refusals::render)
         .required()
         .with_methods([Method::POST])?
         .with_max_body_bytes(MAX_CHARGE_BODY_BYTES)?
@@ -205,7 +212,8 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Box<dyn std::error::Error + Se
 }
 
 /// The API: `POST /v1/charges` under the idempotency layer, `GET /v1/charges` and
-/// `GET /v1/charges/{id}`, all behind [`auth::authenticate`].
+/// `GET /v1/charges/{id}`, all behind [`auth::authenticate`] and, outermost,
+/// [`request_id::request_ids`].
 pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
     let AppState {
         ledger,
@@ -215,16 +223,20 @@ pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
     Router::new()
         .route(
             "/v1/charges",
-            // Only the POST handler is wrapped: reads need no key.
+            // Only the POST handler is wrapped: reads need no key. `Original-Request` is set
+            // inside the layer, so it is stored with the response and replayed.
             post(routes::create_charge::<L>)
+                .layer::<_, Infallible>(middleware::from_fn(request_id::original_request))
                 .layer(idempotency)
                 .get(routes::list_charges::<L>),
         )
         .route("/v1/charges/{id}", get(routes::retrieve_charge::<L>))
         .fallback(routes::not_found)
         .with_state(routes::Api { ledger, processor })
-        // Outermost, so the principal is in place when the idempotency layer looks for it.
+        // Outside the idempotency layer, so the principal is in place when it looks for it.
         .layer(middleware::from_fn(auth::authenticate))
+        // Outermost, so every response has a `Request-Id`, a `401` too.
+        .layer(middleware::from_fn(request_id::request_ids))
 }
 
 #[cfg(test)]

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use axum::{body::Body, http::Request, http::StatusCode};
 use base64::{Engine, engine::general_purpose::STANDARD};
-use common::{Backend, Gate, Harness, bounded, charge, charge_json, get, new_api_key, new_key};
+use common::{
+    Backend, Gate, Harness, bounded, charge, charge_json, get, is_request_id, new_api_key, new_key,
+};
 use serde_json::json;
 
 /// Runs each scenario on each backend, bounded in time.
@@ -44,6 +46,12 @@ on_every_backend!(
     authentication_is_required_and_checked,
     basic_auth_with_the_key_as_user_name,
     in_flight_duplicate_is_409,
+    a_malformed_key_is_400_and_not_echoed,
+    a_body_over_the_limit_is_413,
+    an_unreadable_body_is_400,
+    every_response_has_a_request_id_of_its_own,
+    responses_to_keyed_requests_echo_the_key,
+    a_replay_names_its_original_request,
     processing_takes_the_configured_delay,
     retrieve_and_list_are_scoped_per_account,
     list_pages_and_validates_its_parameters,
@@ -150,7 +158,17 @@ async fn reused_key_with_another_amount_is_422(backend: Backend) {
     let changed = h
         .send(charge(&api_key, Some(&key), "amount=3000&currency=usd"))
         .await;
-    changed.problem(StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
+    let error = changed.problem(StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
+    // Stripe's error for a key reused with other parameters; retrying it cannot help.
+    assert_eq!(error["type"], "idempotency_error");
+    assert!(error.get("code").is_none(), "{error}");
+    assert!(
+        error["doc_url"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("https://docs.stripe.com/"))
+    );
+    assert_eq!(changed.should_retry(), Some(false));
+    assert!(!changed.text().contains(&key), "the key is not in the body");
     assert!(!changed.replayed());
 
     // The stored outcome is untouched: the original request still replays, one charge exists.
@@ -312,7 +330,14 @@ async fn idempotency_key_is_required(backend: Backend) {
     let reply = h
         .send(charge(&api_key, None, "amount=2000&currency=usd"))
         .await;
-    reply.problem(StatusCode::BAD_REQUEST, "KeyMissing");
+    let error = reply.problem(StatusCode::BAD_REQUEST, "KeyMissing");
+    assert_eq!(error["type"], "invalid_request_error");
+    assert_eq!(reply.should_retry(), Some(false));
+    assert_eq!(
+        reply.header("idempotency-key"),
+        None,
+        "none sent, none echoed"
+    );
     assert!(h.charges_of(&api_key).await.is_empty(), "nothing charged");
 
     // Reads are not covered by the layer: no key needed.
@@ -403,8 +428,21 @@ async fn in_flight_duplicate_is_409(backend: Backend) {
 
     // The double click.
     let duplicate = h.send(charge(&api_key, Some(&key), form)).await;
-    duplicate.problem(StatusCode::CONFLICT, "InFlight");
+    let error = duplicate.problem(StatusCode::CONFLICT, "InFlight");
+    // Stripe's error for a key whose request is still running; a later retry gets its answer.
+    assert_eq!(error["type"], "invalid_request_error");
+    assert_eq!(error["code"], "idempotency_key_in_use");
+    assert_eq!(
+        error["doc_url"],
+        "https://docs.stripe.com/error-codes/idempotency-key-in-use"
+    );
+    assert_eq!(duplicate.should_retry(), Some(true));
     assert_eq!(duplicate.headers["retry-after"], "1");
+    assert_eq!(duplicate.header("idempotency-key"), Some(key.as_str()));
+    assert!(
+        !duplicate.text().contains(&key),
+        "the key is not in the body"
+    );
 
     gate.release(1);
     let first = first.await.unwrap().unwrap();
@@ -420,6 +458,175 @@ async fn in_flight_duplicate_is_409(backend: Backend) {
     assert_eq!(retry.body, first);
     assert_eq!(gate.entered(), 1, "the processor saw the charge once");
     assert_eq!(h.charges_of(&api_key).await.len(), 1, "one charge");
+}
+
+/// A key that is too long, has a space, or comes twice: Stripe's `invalid_request_error`, not to
+/// be retried, and not echoed (it is not a key, and may be anything).
+async fn a_malformed_key_is_400_and_not_echoed(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let too_long = format!("order-{}", "7".repeat(300));
+    for key in [too_long.as_str(), "two words", ""] {
+        let reply = h
+            .send(charge(&api_key, Some(key), "amount=2000&currency=usd"))
+            .await;
+        let error = reply.problem(StatusCode::BAD_REQUEST, "KeyInvalid");
+        assert_eq!(error["type"], "invalid_request_error", "{key:?}");
+        assert_eq!(reply.should_retry(), Some(false), "{key:?}");
+        assert_eq!(reply.header("idempotency-key"), None, "{key:?}");
+        if !key.is_empty() {
+            assert!(!reply.text().contains(key), "the key is not in the body");
+        }
+    }
+    let twice = Request::post("/v1/charges")
+        .header("authorization", format!("Bearer {api_key}"))
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "b")
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(Body::from("amount=2000&currency=usd"))
+        .unwrap();
+    let reply = h.send(twice).await;
+    reply.problem(StatusCode::BAD_REQUEST, "KeyInvalid");
+    assert_eq!(reply.header("idempotency-key"), None);
+    assert!(h.charges_of(&api_key).await.is_empty(), "nothing charged");
+}
+
+async fn a_body_over_the_limit_is_413(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let form = format!(
+        "amount=2000&currency=usd&description={}",
+        "x".repeat(charges_demo::MAX_CHARGE_BODY_BYTES)
+    );
+    let reply = h.send(charge(&api_key, Some(&new_key()), &form)).await;
+    let error = reply.problem(StatusCode::PAYLOAD_TOO_LARGE, "BodyTooLarge");
+    assert_eq!(error["type"], "invalid_request_error");
+    assert_eq!(reply.should_retry(), Some(false));
+    assert!(h.charges_of(&api_key).await.is_empty(), "nothing charged");
+}
+
+/// A body that fails while it is read (a client that went away mid-request).
+async fn an_unreadable_body_is_400(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let chunks: [Result<&'static str, std::io::Error>; 2] = [
+        Ok("amount=2000&"),
+        Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "gone",
+        )),
+    ];
+    let request = Request::post("/v1/charges")
+        .header("authorization", format!("Bearer {api_key}"))
+        .header("idempotency-key", new_key())
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(Body::from_stream(futures_util::stream::iter(chunks)))
+        .unwrap();
+    let reply = h.send(request).await;
+    let error = reply.problem(StatusCode::BAD_REQUEST, "BodyUnreadable");
+    assert_eq!(error["type"], "invalid_request_error");
+    assert_eq!(reply.should_retry(), Some(false));
+    assert!(h.charges_of(&api_key).await.is_empty(), "nothing charged");
+}
+
+/// Charges, replays, declines, refusals, errors, reads, unknown URLs: each answer has a
+/// `Request-Id` of Stripe's form, and no two the same.
+async fn every_response_has_a_request_id_of_its_own(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let key = new_key();
+    let form = "amount=2000&currency=usd";
+    let replies = [
+        h.send(charge(&api_key, Some(&key), form)).await,
+        h.send(charge(&api_key, Some(&key), form)).await,
+        h.send(charge(&api_key, Some(&key), "amount=1&currency=usd"))
+            .await,
+        h.send(charge(&api_key, None, form)).await,
+        h.send(charge(
+            &api_key,
+            Some(&new_key()),
+            "amount=2000&currency=usd&source=tok_chargeDeclined",
+        ))
+        .await,
+        h.send(charge(&api_key, Some(&new_key()), "amount=2000"))
+            .await,
+        h.send(charge("sk_live_nope", Some(&new_key()), form)).await,
+        h.send(get(&api_key, "/v1/charges")).await,
+        h.send(get(&api_key, "/v1/refunds")).await,
+    ];
+    let statuses: Vec<u16> = replies.iter().map(|r| r.status.as_u16()).collect();
+    assert_eq!(statuses, [200, 200, 422, 400, 402, 400, 401, 200, 404]);
+    let mut ids: Vec<&str> = replies
+        .iter()
+        .map(|r| r.header("request-id").expect("a Request-Id"))
+        .collect();
+    assert!(ids.iter().all(|id| is_request_id(id)), "{ids:?}");
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), replies.len(), "each its own");
+}
+
+/// As Stripe's API does (stripe-node shows it as `lastResponse.idempotencyKey`): the key is
+/// echoed as it was sent, on answers, replays and refusals alike.
+async fn responses_to_keyed_requests_echo_the_key(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    let key = new_key();
+    let form = "amount=2000&currency=usd";
+    for reply in [
+        h.send(charge(&api_key, Some(&key), form)).await,
+        h.send(charge(&api_key, Some(&key), form)).await,
+        h.send(charge(&api_key, Some(&key), "amount=1&currency=usd"))
+            .await,
+    ] {
+        assert_eq!(
+            reply.header("idempotency-key"),
+            Some(key.as_str()),
+            "{}",
+            reply.status
+        );
+    }
+    // The draft's structured-field form names the same key, and is echoed as sent.
+    let quoted = format!("\"{key}\"");
+    let reply = h.send(charge(&api_key, Some(&quoted), form)).await;
+    assert!(reply.replayed());
+    assert_eq!(reply.header("idempotency-key"), Some(quoted.as_str()));
+
+    let read = h.send(get(&api_key, "/v1/charges")).await;
+    assert_eq!(read.header("idempotency-key"), None, "no key sent");
+}
+
+/// The first answer names its own request in `Original-Request`; a replay names that first
+/// request there, with a `Request-Id` of its own. A replayed decline too.
+async fn a_replay_names_its_original_request(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let api_key = new_api_key();
+    for form in [
+        "amount=2000&currency=usd",
+        "amount=2000&currency=usd&source=tok_chargeDeclined",
+    ] {
+        let key = new_key();
+        let first = h.send(charge(&api_key, Some(&key), form)).await;
+        let first_id = first.header("request-id").expect("a Request-Id");
+        assert_eq!(first.header("original-request"), Some(first_id), "{form}");
+
+        let replay = h.send(charge(&api_key, Some(&key), form)).await;
+        assert!(replay.replayed(), "{form}");
+        assert_eq!(replay.header("original-request"), Some(first_id), "{form}");
+        let replay_id = replay.header("request-id").expect("a Request-Id");
+        assert!(is_request_id(replay_id));
+        assert_ne!(replay_id, first_id, "the replay's own id");
+        assert_eq!(replay.body, first.body, "{form}");
+    }
+    // A refusal ran nothing, so it names no original request.
+    let key = new_key();
+    h.send(charge(&api_key, Some(&key), "amount=1&currency=usd"))
+        .await;
+    let refused = h
+        .send(charge(&api_key, Some(&key), "amount=2&currency=usd"))
+        .await;
+    refused.problem(StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
+    assert_eq!(refused.header("original-request"), None);
 }
 
 async fn processing_takes_the_configured_delay(backend: Backend) {
@@ -610,7 +817,8 @@ async fn postgres_charge_and_stored_response_commit_together() {
         let duplicate = h
             .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
             .await;
-        duplicate.problem(StatusCode::CONFLICT, "InFlight");
+        let error = duplicate.problem(StatusCode::CONFLICT, "InFlight");
+        assert_eq!(error["code"], "idempotency_key_in_use");
 
         gate.release(1);
         assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
@@ -640,9 +848,14 @@ async fn postgres_a_charge_whose_response_cannot_be_stored_leaves_no_row() {
         .unwrap();
         let api_key = new_api_key();
         let key = new_key();
-        h.send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
-            .await
-            .problem(StatusCode::SERVICE_UNAVAILABLE, "StoreUnavailable");
+        let unavailable = h
+            .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
+            .await;
+        let error = unavailable.problem(StatusCode::SERVICE_UNAVAILABLE, "StoreUnavailable");
+        // An outage, as Stripe's libraries know it: `api_error`, to be retried with the same key.
+        assert_eq!(error["type"], "api_error");
+        assert_eq!(unavailable.should_retry(), Some(true));
+        assert!(unavailable.headers.contains_key("retry-after"));
         assert_eq!(counts().await, (0, 0), "the charge row was rolled back");
 
         sqlx::raw_sql("DROP TRIGGER fail_completion ON idempotency.records")

@@ -1,10 +1,10 @@
 //! The built binary, as a person runs it: options, the `listening on` line, the curl scenarios
-//! and Stripe's Python library over real HTTP against PostgreSQL, and graceful shutdown on
-//! SIGTERM.
+//! and Stripe's Python and Node.js libraries over real HTTP against PostgreSQL, and graceful
+//! shutdown on SIGTERM.
 
 use std::{
     net::SocketAddr,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::Stdio,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -232,11 +232,10 @@ fn succeeds(program: &str, args: &[&str]) -> bool {
 #[tokio::test]
 async fn curl_scenarios_pass_against_the_binary_on_postgres() {
     if !succeeds("curl", &["--version"]) {
-        let why = "curl is not installed, so examples/curl/run-all.sh cannot run; install curl \
-                   to run this test";
-        assert!(std::env::var_os("CI").is_none(), "under CI: {why}");
-        eprintln!("SKIPPED: {why}");
-        return;
+        return skip_without(
+            "curl is not installed, so examples/curl/run-all.sh cannot run; install curl to run \
+             this test",
+        );
     }
     let db = TestDb::new().await;
     let url = db.url();
@@ -257,6 +256,67 @@ async fn curl_scenarios_pass_against_the_binary_on_postgres() {
     assert_eq!(server.exit_code().await, Some(0));
 }
 
+/// What an SDK script requires of a key's second request while its first still runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InFlight {
+    /// The same charge, or the library's typed `idempotency_key_in_use` error (the demo answers
+    /// `409` at once).
+    SameChargeOrKeyInUse,
+    /// Always the same charge (`--expect-wait`): for a demo that waits for the first request.
+    SameCharge,
+}
+
+/// Runs a Stripe SDK's scenario script (`program` with `script` and its arguments) against the
+/// binary on PostgreSQL, with a 1 s processing delay and `server_args`, and checks what the
+/// scripts' payments left in the database. A run against a demo that waits for a key's first
+/// request is this with its flag in `server_args` and [`InFlight::SameCharge`].
+async fn sdk_scenarios_pass(
+    mut program: Command,
+    script: &Path,
+    server_args: &[&str],
+    in_flight: InFlight,
+) {
+    let db = TestDb::new().await;
+    let url = db.url();
+    // Longer than the scripts' 0.5 s client timeout: the first response is really lost, and
+    // the double click's requests overlap.
+    let mut args = vec![
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        url.as_str(),
+        "--processing-delay-ms",
+        "1000",
+    ];
+    args.extend_from_slice(server_args);
+    let server = Server::start(&args).await;
+
+    program.arg(script).arg(server.url(""));
+    if in_flight == InFlight::SameCharge {
+        program.arg("--expect-wait");
+    }
+    let stdout = run_scenarios(program, 8).await;
+    assert!(
+        stdout.contains("the first response was lost"),
+        "the first response was lost, and its retry got the charge: {stdout}"
+    );
+
+    // What the library saw is what happened: one charge per payment (the lost response, the
+    // double click, the changed amount, the declined card, the corrected request), and three
+    // under keys the library chose. The changed amount, the malformed idempotency key and the
+    // bad API key charged nothing.
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 8);
+
+    server.sigterm();
+    assert_eq!(server.exit_code().await, Some(0));
+}
+
+/// Skips a test for want of `what`, saying so; under CI, fails it instead.
+fn skip_without(what: &str) {
+    assert!(std::env::var_os("CI").is_none(), "under CI: {what}");
+    eprintln!("SKIPPED: {what}");
+}
+
 /// The Python that runs `examples/stripe-python`: `$STRIPE_PYTHON` if set (`.ci/run` makes one
 /// with the pinned `stripe`), else `python3`; `None` if it cannot import `stripe`.
 fn stripe_python() -> Option<String> {
@@ -264,23 +324,16 @@ fn stripe_python() -> Option<String> {
     succeeds(&python, &["-c", "import stripe"]).then_some(python)
 }
 
-/// Stripe's own Python library, with its own timeouts, keys and retries, against the binary on
-/// PostgreSQL: `examples/stripe-python/charges.py`, whose scenarios check what the library saw.
+/// Stripe's own Python library, at its defaults, against the binary on PostgreSQL:
+/// `examples/stripe-python/charges.py`, whose scenarios check what the library saw.
 #[tokio::test]
 async fn stripe_python_scenarios_pass_against_the_binary_on_postgres() {
     let Some(python) = stripe_python() else {
-        let why = "Python with Stripe's library is not available (set STRIPE_PYTHON, or \
-                   `pip install -r examples/stripe-python/requirements.txt`)";
-        assert!(std::env::var_os("CI").is_none(), "under CI: {why}");
-        eprintln!("SKIPPED: {why}");
-        return;
+        return skip_without(
+            "Python with Stripe's library is not available (set STRIPE_PYTHON, or \
+             `pip install -r examples/stripe-python/requirements.txt`)",
+        );
     };
-    let db = TestDb::new().await;
-    let url = db.url();
-    // Longer than the script's 0.5 s client timeout: the first response is really lost, and
-    // the double click's requests overlap.
-    let server = Server::on_postgres(&url, 1000).await;
-
     let script: PathBuf = [
         env!("CARGO_MANIFEST_DIR"),
         "..",
@@ -289,24 +342,44 @@ async fn stripe_python_scenarios_pass_against_the_binary_on_postgres() {
     ]
     .iter()
     .collect();
-    let mut python = Command::new(python);
-    python
-        .arg(&script)
-        .arg(server.url(""))
-        .env("PYTHONUNBUFFERED", "1");
-    let stdout = run_scenarios(python, 7).await;
-    assert!(
-        stdout.contains("the library timed out, retried with the same key"),
-        "the first response was lost and the library's own retry got it: {stdout}"
+    let mut program = Command::new(python);
+    program.env("PYTHONUNBUFFERED", "1");
+    sdk_scenarios_pass(program, &script, &[], InFlight::SameChargeOrKeyInUse).await;
+}
+
+/// `examples/stripe-node` with its modules installed: `$STRIPE_NODE_DIR` if set (`.ci/run`
+/// exports it after `npm ci`), else the example itself; `None` without `node` or without
+/// `node_modules/stripe` there.
+fn stripe_node() -> Option<PathBuf> {
+    let dir = std::env::var_os("STRIPE_NODE_DIR").map_or_else(
+        || {
+            [env!("CARGO_MANIFEST_DIR"), "..", "stripe-node"]
+                .iter()
+                .collect()
+        },
+        PathBuf::from,
     );
+    let installed = dir.join("node_modules/stripe/package.json").is_file();
+    (installed && succeeds("node", &["--version"])).then_some(dir)
+}
 
-    // What the library saw is what happened: one charge per payment (the lost response, the
-    // double click, the changed amount, the declined card, the corrected request), and three
-    // under keys the library chose. The changed amount and the bad key charged nothing.
-    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 8);
-
-    server.sigterm();
-    assert_eq!(server.exit_code().await, Some(0));
+/// Stripe's own Node.js library, at its defaults, against the binary on PostgreSQL:
+/// `examples/stripe-node/charges.mjs`, whose scenarios check what the library saw.
+#[tokio::test]
+async fn stripe_node_scenarios_pass_against_the_binary_on_postgres() {
+    let Some(dir) = stripe_node() else {
+        return skip_without(
+            "Node.js with Stripe's library is not available (set STRIPE_NODE_DIR, or run \
+             `npm ci` in examples/stripe-node)",
+        );
+    };
+    sdk_scenarios_pass(
+        Command::new("node"),
+        &dir.join("charges.mjs"),
+        &[],
+        InFlight::SameChargeOrKeyInUse,
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -127,19 +127,67 @@ impl Reply {
         error
     }
 
-    /// Asserts an RFC 9457 problem of the idempotency layer, of `status` and kind `kind`.
-    pub fn problem(&self, status: StatusCode, kind: &str) {
+    /// A response header, if present and text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// `Stripe-Should-Retry`, as Stripe's libraries read it.
+    pub fn should_retry(&self) -> Option<bool> {
+        match self.header("stripe-should-retry") {
+            Some("true") => Some(true),
+            Some("false") => Some(false),
+            Some(other) => panic!("Stripe-Should-Retry is true or false, not {other:?}"),
+            None => None,
+        }
+    }
+
+    /// Asserts a refusal of the idempotency layer, of `status` and kind `kind`: an RFC 9457
+    /// problem document (its members, of the types the RFC gives them) whose extension member
+    /// `error` is a Stripe error object, with `Stripe-Should-Retry`. Returns `error`.
+    pub fn problem(&self, status: StatusCode, kind: &str) -> Value {
         assert_eq!(self.status, status, "{}", self.text());
         assert_eq!(self.content_type(), "application/problem+json");
+        assert_eq!(self.header("cache-control"), Some("no-store"));
         let problem = self.json();
+        let members = problem.as_object().expect("a JSON object");
+        let problem_type = members["type"].as_str().expect("`type` is a string");
         assert!(
-            problem["type"]
-                .as_str()
-                .is_some_and(|t| t.ends_with(&format!("#variant.{kind}"))),
-            "{}",
-            self.text()
+            problem_type.starts_with("https://")
+                && problem_type.ends_with(&format!("#variant.{kind}")),
+            "`type` is an absolute URI naming {kind}: {problem_type}"
         );
+        assert!(
+            members["title"].as_str().is_some_and(|t| !t.is_empty()),
+            "`title` is a string: {problem}"
+        );
+        assert_eq!(
+            members["status"].as_u64(),
+            Some(u64::from(status.as_u16())),
+            "`status` is the response's status, as a number: {problem}"
+        );
+        assert!(
+            members["detail"].as_str().is_some_and(|d| !d.is_empty()),
+            "`detail` is a string: {problem}"
+        );
+        let error = members["error"].clone();
+        assert!(
+            error["type"].as_str().is_some_and(|t| !t.is_empty()),
+            "`error` is a Stripe error object: {problem}"
+        );
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{problem}"
+        );
+        assert!(self.should_retry().is_some(), "Stripe-Should-Retry is set");
+        error
     }
+}
+
+/// A Stripe request id: `req_` and letters and digits.
+pub fn is_request_id(id: &str) -> bool {
+    id.strip_prefix("req_")
+        .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_alphanumeric()))
 }
 
 pub fn new_key() -> String {

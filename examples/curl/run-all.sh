@@ -4,11 +4,15 @@
 #
 # The double click needs the server started with a processing delay:
 #     cargo run -p charges-demo -- --processing-delay-ms 2000
+# With DEMO_WAITS=1, for a server started with `--in-flight-wait-ms 5000` too, the double click
+# expects the duplicates to wait for the first charge instead of getting `409`.
 set -uo pipefail
 dir=$(dirname "$0")
 export BASE_URL="${BASE_URL:-http://127.0.0.1:3000}"
 
-scenarios=(retry-after-lost-response double-click changed-amount declined-card)
+double_click=double-click
+[ "${DEMO_WAITS:-0}" = 1 ] && double_click=double-click-waiting
+scenarios=(retry-after-lost-response "$double_click" changed-amount declined-card)
 failed=()
 for scenario in "${scenarios[@]}"; do
     if ! bash "$dir/$scenario.sh"; then

@@ -176,9 +176,8 @@ async function changedAmount() {
     throw new Failed('the second payment was accepted');
   } catch (error) {
     if (error instanceof Failed) throw error;
-    // The library picks the class by status; only a 400 becomes StripeIdempotencyError.
     console.log(`<- ${describe(error)}: ${error.message}`);
-    expectTyped(error, 'StripeAPIError', 422, 'idempotency_error', 'false');
+    expectTyped(error, 'StripeIdempotencyError', 400, 'idempotency_error', 'false');
   }
   const charges = await chargesOf(stripe);
   expect('one charge on the account', charges.map((c) => [c.id, c.amount]), [[first.id, 2000]]);

@@ -33,7 +33,7 @@
 //!    inserts it with its [`Principal`](tower_idempotency::Principal): outside the idempotency
 //!    layer, so keys are scoped per account.
 //! 3. On `POST /v1/charges` the [`IdempotencyLayer`] claims the `Idempotency-Key` (required
-//!    there), or replays, or refuses (`409` in flight, `422` reused for another request) with a
+//!    there), or replays, or refuses (`409` in flight, `400` reused for another request) with a
 //!    problem document that carries Stripe's error object ([`refusals`]).
 //! 4. The handler validates the [`params`], asks the simulated [`processor`] (which takes
 //!    `--processing-delay-ms`), records the charge in the [`ledger`], and answers with a charge
@@ -91,6 +91,8 @@ pub struct Settings {
     pub lease: Duration,
     /// The simulated card-processor latency of every charge (default none).
     pub processing_delay: Duration,
+    /// How long a duplicate of a charge in flight waits for its answer (default none: `409`).
+    pub in_flight_wait: Duration,
 }
 
 impl Default for Settings {
@@ -99,6 +101,7 @@ impl Default for Settings {
             key_ttl: Duration::from_secs(24 * 60 * 60),
             lease: Duration::from_secs(30),
             processing_delay: Duration::ZERO,
+            in_flight_wait: Duration::ZERO,
         }
     }
 }
@@ -121,6 +124,7 @@ pub fn idempotency_layer<St: Store>(
         .with_max_body_bytes(MAX_CHARGE_BODY_BYTES)?
         .with_ttl(settings.key_ttl)?
         .with_lease(settings.lease)
+        .map(|layer| layer.with_in_flight_wait(settings.in_flight_wait))
 }
 
 /// Everything [`app`] serves from: the ledger, the card processor and the idempotency layer

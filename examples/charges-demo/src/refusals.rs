@@ -1,7 +1,7 @@
 //! The idempotency layer's refusals, in the two languages the demo's clients speak.
 //!
-//! Every refusal keeps the layer's status code (those of the IETF draft) and is an RFC 9457
-//! problem document (`application/problem+json` with `type`, `title`, `status` and `detail`)
+//! Every refusal keeps the layer's status code (those of the IETF draft), but for one, and is an
+//! RFC 9457 problem document (`application/problem+json` with `type`, `title`, `status` and `detail`)
 //! whose extension member `error` is the error object Stripe's API sends in the same situation,
 //! with a `Stripe-Should-Retry` header saying whether the same request may succeed later:
 //!
@@ -11,7 +11,7 @@
 //! | the body arrived too slowly | `408` | `invalid_request_error` | `true` |
 //! | the key's first request is still running | `409` | `invalid_request_error`, code `idempotency_key_in_use` | `true` |
 //! | the body is too large | `413` | `invalid_request_error` | `false` |
-//! | the key was used with other parameters | `422` | `idempotency_error` | `false` |
+//! | the key was used with other parameters | `400` (the layer's is `422`) | `idempotency_error` | `false` |
 //! | no account to scope the key to (a misconfiguration) | `500` | `api_error` | `false` |
 //! | the handler panicked, or its transaction failed; nothing kept | `500` | `api_error` | `true` |
 //! | the store is down, too many detached handlers, a handler stopped | `503` | `api_error` | `true` |
@@ -19,8 +19,11 @@
 //! Stripe's client libraries read `error`: without it stripe-node takes the body for a
 //! successful response and stripe-python raises a generic "Invalid response object". Both retry
 //! by `Stripe-Should-Retry` when it is present, and both pick the exception class by status
-//! first (only a `400` or `404` becomes `IdempotencyError` or `InvalidRequestError`), so the
-//! `409` and `422` arrive as their `APIError` carrying the `type` and `code` above.
+//! first: only a `400` or `404` becomes `IdempotencyError` or `InvalidRequestError`. So a key
+//! reused with other parameters is a `400`, as Stripe's API answers it, for the libraries to
+//! raise their own idempotency error (the layer's default, `422`, would arrive as a generic
+//! `APIError`); the `409` still arrives as `APIError`, carrying the code above, as Stripe's own
+//! `409` does.
 //!
 //! The message is the layer's `detail`, which never contains the key: error messages end up
 //! in logs and error trackers, where a key (often an order number) does not belong.
@@ -51,8 +54,10 @@ pub fn render(rejection: &Rejection) -> Response<Bytes> {
         error: &'a ApiError,
     }
     let error = stripe_error(rejection);
+    let mut problem = rejection.problem(None);
+    problem.insert("status".into(), status(rejection).as_u16().into());
     let document = Document {
-        problem: rejection.problem(None),
+        problem,
         error: &error,
     };
     let body = match serde_json::to_vec_pretty(&document) {
@@ -68,7 +73,7 @@ pub fn render(rejection: &Rejection) -> Response<Bytes> {
         }
     };
     let mut response = Response::new(body);
-    *response.status_mut() = rejection.kind().status();
+    *response.status_mut() = status(rejection);
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
     headers.insert(
@@ -82,10 +87,19 @@ pub fn render(rejection: &Rejection) -> Response<Bytes> {
     response
 }
 
+/// The status of the demo's answer to `rejection`: the layer's, but `400` for a key reused with
+/// other parameters, as Stripe's API answers (see the [module documentation](self)).
+pub fn status(rejection: &Rejection) -> StatusCode {
+    match rejection.kind() {
+        RejectionKind::Mismatch => StatusCode::BAD_REQUEST,
+        kind => kind.status(),
+    }
+}
+
 /// The error object Stripe's API sends where the layer refuses with `rejection`.
 pub fn stripe_error(rejection: &Rejection) -> ApiError {
     let kind = rejection.kind();
-    let status = kind.status();
+    let status = status(rejection);
     let message = sentence(rejection.detail());
     match kind {
         RejectionKind::InFlight => ApiError::new(status, ErrorType::InvalidRequestError, message)
@@ -170,7 +184,11 @@ mod tests {
     fn every_refusal_is_an_rfc9457_problem_document() {
         for kind in EVERY_KIND {
             let (response, document) = rendered(kind);
-            assert_eq!(response.status(), kind.status(), "{kind:?}");
+            assert_eq!(
+                response.status(),
+                status(&Rejection::new(kind, "")),
+                "{kind:?}"
+            );
             assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
             let document = document.as_object().expect("a JSON object");
             let problem_type = document["type"].as_str().expect("type is a string");
@@ -181,7 +199,8 @@ mod tests {
             assert!(document["title"].as_str().is_some_and(|t| !t.is_empty()));
             assert_eq!(
                 document["status"].as_u64(),
-                Some(kind.status().as_u16().into())
+                Some(response.status().as_u16().into()),
+                "the status member is the response's"
             );
             assert_eq!(document["detail"], "what happened");
             assert!(document["error"].is_object(), "{kind:?}");
@@ -227,7 +246,12 @@ mod tests {
                 "type": "invalid_request_error",
             })
         );
-        let (_, mismatch) = rendered(RejectionKind::Mismatch);
+        let (response, mismatch) = rendered(RejectionKind::Mismatch);
+        assert_eq!(
+            response.status(),
+            StatusCode::BAD_REQUEST,
+            "as Stripe answers it"
+        );
         assert_eq!(
             mismatch["error"],
             serde_json::json!({

@@ -9,6 +9,7 @@
 //! | `--processing-delay-ms N` | `CHARGE_PROCESSING_DELAY_MS` | `0` |
 //! | `--key-ttl-secs N` | `IDEMPOTENCY_KEY_TTL_SECS` | `86400` |
 //! | `--lease-secs N` | `IDEMPOTENCY_LEASE_SECS` | `30` |
+//! | `--in-flight-wait-ms N` | `IDEMPOTENCY_IN_FLIGHT_WAIT_MS` | `0`: a duplicate of a charge in flight gets `409` at once |
 //!
 //! When it is ready the server prints exactly one line to standard output, `listening on ADDR`
 //! with the address it bound (so `--listen 127.0.0.1:0` tells which port it got); logs go to
@@ -91,6 +92,16 @@ pub struct Args {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub lease_secs: u64,
+
+    /// How long a duplicate of a charge still being processed waits for its answer instead of
+    /// getting `409` at once, in milliseconds (0: answer `409`, the IETF draft's behaviour).
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_IN_FLIGHT_WAIT_MS",
+        default_value_t = 0,
+        value_name = "N"
+    )]
+    pub in_flight_wait_ms: u64,
 }
 
 impl Args {
@@ -100,6 +111,7 @@ impl Args {
             key_ttl: Duration::from_secs(self.key_ttl_secs),
             lease: Duration::from_secs(self.lease_secs),
             processing_delay: Duration::from_millis(self.processing_delay_ms),
+            in_flight_wait: Duration::from_millis(self.in_flight_wait_ms),
         }
     }
 }
@@ -182,6 +194,7 @@ where
         processing_delay_ms = settings.processing_delay.as_millis(),
         key_ttl_secs = settings.key_ttl.as_secs(),
         lease_secs = settings.lease.as_secs(),
+        in_flight_wait_ms = settings.in_flight_wait.as_millis(),
         "ready"
     );
     announce(addr).map_err(RunError::Serve)?;
@@ -414,6 +427,8 @@ mod tests {
             "600",
             "--lease-secs",
             "10",
+            "--in-flight-wait-ms",
+            "2500",
         ])
         .unwrap();
         assert_eq!(args.listen, "127.0.0.1:0".parse().unwrap());
@@ -423,6 +438,7 @@ mod tests {
                 key_ttl: Duration::from_secs(600),
                 lease: Duration::from_secs(10),
                 processing_delay: Duration::from_millis(1500),
+                in_flight_wait: Duration::from_millis(2500),
             }
         );
         assert!(parse(&["--lease-secs", "0"]).is_err());

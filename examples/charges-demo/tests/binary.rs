@@ -256,6 +256,39 @@ async fn curl_scenarios_pass_against_the_binary_on_postgres() {
     assert_eq!(server.exit_code().await, Some(0));
 }
 
+/// The same scenarios against the binary waiting for charges in flight: the double click's
+/// duplicates get the first charge, never `409`.
+#[tokio::test]
+async fn curl_scenarios_pass_against_the_binary_that_waits() {
+    if !succeeds("curl", &["--version"]) {
+        return skip_without("curl is not installed, so examples/curl/run-all.sh cannot run");
+    }
+    let db = TestDb::new().await;
+    let url = db.url();
+    let server = Server::start(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        &url,
+        "--processing-delay-ms",
+        "1500",
+        "--in-flight-wait-ms",
+        "5000",
+    ])
+    .await;
+    let script: PathBuf = [env!("CARGO_MANIFEST_DIR"), "..", "curl", "run-all.sh"]
+        .iter()
+        .collect();
+    let mut bash = Command::new("bash");
+    bash.arg(&script)
+        .env("BASE_URL", server.url(""))
+        .env("DEMO_WAITS", "1");
+    run_scenarios(bash, 4).await;
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 4);
+    server.sigterm();
+    assert_eq!(server.exit_code().await, Some(0));
+}
+
 /// What an SDK script requires of a key's second request while its first still runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum InFlight {
@@ -328,6 +361,17 @@ fn stripe_python() -> Option<String> {
 /// `examples/stripe-python/charges.py`, whose scenarios check what the library saw.
 #[tokio::test]
 async fn stripe_python_scenarios_pass_against_the_binary_on_postgres() {
+    stripe_python_scenarios(&[], InFlight::SameChargeOrKeyInUse).await;
+}
+
+/// The same with the demo waiting for a charge in flight: a double click always gets the same
+/// charge.
+#[tokio::test]
+async fn stripe_python_gets_the_same_charge_when_the_demo_waits() {
+    stripe_python_scenarios(&["--in-flight-wait-ms", "5000"], InFlight::SameCharge).await;
+}
+
+async fn stripe_python_scenarios(server_args: &[&str], in_flight: InFlight) {
     let Some(python) = stripe_python() else {
         return skip_without(
             "Python with Stripe's library is not available (set STRIPE_PYTHON, or \
@@ -344,7 +388,7 @@ async fn stripe_python_scenarios_pass_against_the_binary_on_postgres() {
     .collect();
     let mut program = Command::new(python);
     program.env("PYTHONUNBUFFERED", "1");
-    sdk_scenarios_pass(program, &script, &[], InFlight::SameChargeOrKeyInUse).await;
+    sdk_scenarios_pass(program, &script, server_args, in_flight).await;
 }
 
 /// `examples/stripe-node` with its modules installed: `$STRIPE_NODE_DIR` if set (`.ci/run`
@@ -367,6 +411,17 @@ fn stripe_node() -> Option<PathBuf> {
 /// `examples/stripe-node/charges.mjs`, whose scenarios check what the library saw.
 #[tokio::test]
 async fn stripe_node_scenarios_pass_against_the_binary_on_postgres() {
+    stripe_node_scenarios(&[], InFlight::SameChargeOrKeyInUse).await;
+}
+
+/// The same with the demo waiting for a charge in flight: a double click always gets the same
+/// charge, with no `409` on the way.
+#[tokio::test]
+async fn stripe_node_gets_the_same_charge_when_the_demo_waits() {
+    stripe_node_scenarios(&["--in-flight-wait-ms", "5000"], InFlight::SameCharge).await;
+}
+
+async fn stripe_node_scenarios(server_args: &[&str], in_flight: InFlight) {
     let Some(dir) = stripe_node() else {
         return skip_without(
             "Node.js with Stripe's library is not available (set STRIPE_NODE_DIR, or run \
@@ -376,8 +431,8 @@ async fn stripe_node_scenarios_pass_against_the_binary_on_postgres() {
     sdk_scenarios_pass(
         Command::new("node"),
         &dir.join("charges.mjs"),
-        &[],
-        InFlight::SameChargeOrKeyInUse,
+        server_args,
+        in_flight,
     )
     .await;
 }
@@ -626,6 +681,7 @@ async fn options_come_from_the_environment_and_a_flag_wins() {
             ("CHARGE_PROCESSING_DELAY_MS", "7"),
             ("IDEMPOTENCY_KEY_TTL_SECS", "600"),
             ("IDEMPOTENCY_LEASE_SECS", "9"),
+            ("IDEMPOTENCY_IN_FLIGHT_WAIT_MS", "1200"),
         ],
     )
     .await;
@@ -645,6 +701,7 @@ async fn options_come_from_the_environment_and_a_flag_wins() {
         "processing_delay_ms=7",
         "key_ttl_secs=600",
         "lease_secs=11",
+        "in_flight_wait_ms=1200",
     ] {
         assert!(ready.contains(setting), "{setting} in {ready}");
     }

@@ -13,7 +13,9 @@
 //!   milliseconds, not knowing whether the charge went through, and retries;
 //! * some charges are sent twice **in parallel** (a double click: two senders, same key);
 //! * some are sent once more after their answer (a client whose response was lost), which must
-//!   be a replay of the same bytes.
+//!   be a replay of the same bytes;
+//! * some are marked (the [`catch::HEADER`]) for the instances' handler that catches a database
+//!   error: their `402` must be fresh every time, so each of them is sent again after its answer.
 //!
 //! Any other answer (`400`, `422`...) is final and reported: it should never happen here.
 //! What each sender saw is kept in an [`Observed`] for the final checks.
@@ -31,7 +33,7 @@ use http::StatusCode;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
-use crate::{instance::Addrs, rng::Rng};
+use crate::{catch, instance::Addrs, rng::Rng};
 
 /// How the clients behave (the command line's client options).
 #[derive(Debug, Clone)]
@@ -44,6 +46,7 @@ pub(crate) struct Behaviour {
     pub(crate) hangup_percent: u8,
     pub(crate) resend_percent: u8,
     pub(crate) decline_percent: u8,
+    pub(crate) catch_percent: u8,
 }
 
 /// The first backoff step and its cap.
@@ -99,6 +102,8 @@ pub(crate) struct Plan {
     pub(crate) order_id: String,
     pub(crate) amount: i64,
     pub(crate) declined: bool,
+    /// Handled by the instances' handler that catches a database error ([`catch`]).
+    pub(crate) caught_error: bool,
 }
 
 impl Plan {
@@ -119,7 +124,9 @@ impl Plan {
 
     /// The status of this charge's correct final answer.
     pub(crate) fn expected_status(&self) -> StatusCode {
-        if self.declined {
+        if self.caught_error {
+            catch::STATUS
+        } else if self.declined {
             StatusCode::PAYMENT_REQUIRED
         } else {
             StatusCode::OK
@@ -140,7 +147,7 @@ pub(crate) struct Answer {
 }
 
 impl Answer {
-    fn new(status: StatusCode, replayed: bool, body: &Bytes) -> Self {
+    pub(crate) fn new(status: StatusCode, replayed: bool, body: &Bytes) -> Self {
         let json: Option<serde_json::Value> = serde_json::from_slice(body).ok();
         let charge_id = json.as_ref().and_then(|json| {
             json.get("id")
@@ -199,12 +206,14 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
     let mut n = 0_u64;
     while !*shared.stop.borrow() {
         n += 1;
+        let caught_error = rng.percent(behaviour.catch_percent);
         let plan = Plan {
             api_key: api_key.clone(),
             key: rng.uuid().to_string(),
             order_id: format!("{:x}-{index}-{n}", behaviour.seed),
             amount: i64::try_from(rng.between(50, 99_999)).unwrap_or(100),
-            declined: rng.percent(behaviour.decline_percent),
+            declined: !caught_error && rng.percent(behaviour.decline_percent),
+            caught_error,
         };
         let parallel = rng.percent(behaviour.parallel_percent);
         let mut answers = Vec::new();
@@ -224,9 +233,10 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
         } else {
             record(send(shared, &http, timeout, &plan, &mut rng).await);
         }
-        // A client whose response was lost sends again: a replay of the same bytes.
-        let resent =
-            answers.len() == usize::from(parallel) + 1 && rng.percent(behaviour.resend_percent);
+        // A client whose response was lost sends again: a replay of the same bytes, or, for a
+        // caught error, whose key must have been released, a fresh answer.
+        let resent = answers.len() == usize::from(parallel) + 1
+            && (plan.caught_error || rng.percent(behaviour.resend_percent));
         if resent {
             let mut again = rng.fork();
             match send(shared, &http, timeout, &plan, &mut again).await {
@@ -278,12 +288,15 @@ async fn send(
         }
         Stats::add(&stats.requests);
         let url = format!("http://{}/v1/charges", shared.addrs.get(instance));
-        let request = http
+        let mut request = http
             .post(url)
             .bearer_auth(&plan.api_key)
             .header("idempotency-key", &plan.key)
             .form(&plan.form())
             .timeout(timeout);
+        if plan.caught_error {
+            request = request.header(catch::HEADER, "1");
+        }
         let exchange = exchange(request);
         let outcome = if rng.percent(shared.behaviour.hangup_percent) {
             let after = Duration::from_millis(rng.between(HANGUP_AFTER_MS.0, HANGUP_AFTER_MS.1));

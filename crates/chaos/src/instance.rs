@@ -362,6 +362,10 @@ pub(crate) struct DemoLog {
     pub(crate) handler_takeovers: AtomicU64,
     /// The commit of a request (charge and stored response) failed: rolled back, `503`.
     pub(crate) commit_failures: AtomicU64,
+    /// A handler answered a kept status over its failed transaction: delivered unstored.
+    pub(crate) unstored_answers: AtomicU64,
+    /// A handler answered success over its failed transaction: turned into a `500`.
+    pub(crate) aborted_successes: AtomicU64,
     pub(crate) panics: AtomicU64,
 }
 
@@ -379,6 +383,8 @@ impl DemoLog {
             layer_takeovers: AtomicU64::new(0),
             handler_takeovers: AtomicU64::new(0),
             commit_failures: AtomicU64::new(0),
+            unstored_answers: AtomicU64::new(0),
+            aborted_successes: AtomicU64::new(0),
             panics: AtomicU64::new(0),
         })
     }
@@ -408,6 +414,12 @@ impl DemoLog {
         }
         if line.contains("committing the request failed") {
             count(&self.commit_failures);
+        }
+        if line.contains("the handler answered over a failed transaction") {
+            count(&self.unstored_answers);
+        }
+        if line.contains("the handler answered success over a failed transaction") {
+            count(&self.aborted_successes);
         }
         if line.contains("panicked") {
             count(&self.panics);

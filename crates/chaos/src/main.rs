@@ -69,6 +69,7 @@
 //! bug: such a run must report double executions and `FAIL`. The banner says so; it is never
 //! the default.
 
+mod catch;
 mod client;
 mod cluster;
 mod faults;
@@ -164,6 +165,13 @@ pub(crate) struct RunArgs {
     #[arg(long, default_value_t = 5, value_name = "P",
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub(crate) decline_percent: u8,
+
+    /// Percentage of charges whose handler catches a database error (its INSERT fails in the
+    /// request's transaction) and answers a `402` anyway, which must be neither stored nor
+    /// committed.
+    #[arg(long, default_value_t = 3, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) catch_percent: u8,
 
     /// Keep the demo's and the server's logs even when the run passes.
     #[arg(long)]

@@ -53,10 +53,13 @@ pub(crate) struct Report {
     pg_restarts: u64,
     pg_in_flight: u64,
     restart: DatabaseRestart,
+    catch_percent: u8,
     // The demo's logs.
     log_path: String,
     charges_created: u64,
     commit_failures: u64,
+    unstored_answers: u64,
+    aborted_successes: u64,
     layer_takeovers: u64,
     handler_takeovers: u64,
     log_errors: u64,
@@ -104,9 +107,12 @@ impl Report {
             pg_restarts: get(&database.restarts),
             pg_in_flight: get(&database.in_flight),
             restart,
+            catch_percent: crate::run::catch_percent(args),
             log_path: log.path().display().to_string(),
             charges_created: get(&log.charges_created),
             commit_failures: get(&log.commit_failures),
+            unstored_answers: get(&log.unstored_answers),
+            aborted_successes: get(&log.aborted_successes),
             layer_takeovers: get(&log.layer_takeovers),
             handler_takeovers: get(&log.handler_takeovers),
             log_errors: get(&log.errors),
@@ -144,8 +150,9 @@ impl Report {
             "logical charges",
             v.charges,
             format!(
-                "{} sent twice in parallel, {} resent after their answer, {} declined cards",
-                v.parallel, v.resent, v.declined
+                "{} sent twice in parallel, {} resent after their answer, {} declined cards, {} \
+                 caught database errors",
+                v.parallel, v.resent, v.declined, v.caught
             ),
         );
         line("requests", self.requests, String::new());
@@ -185,6 +192,20 @@ impl Report {
                 self.restart.down_for.as_secs_f64(),
             ),
         );
+        line(
+            "caught database errors",
+            v.caught,
+            if self.catch_percent == 0 {
+                "off (--catch-percent 0, or lease mode)".to_owned()
+            } else {
+                format!(
+                    "charges whose handler caught its failed INSERT and answered {}: {} answers, \
+                     each fresh",
+                    crate::catch::STATUS.as_u16(),
+                    v.caught_answers
+                )
+            },
+        );
         println!("server side");
         let written = if self.charges_created >= v.rows {
             format!(
@@ -203,6 +224,15 @@ impl Report {
         };
         line("charges logged by handlers", self.charges_created, written);
         line("failed commits (503)", self.commit_failures, String::new());
+        line(
+            "answered over a failed tx",
+            self.unstored_answers,
+            format!(
+                "delivered unstored, nothing committed, key released; {} success answers turned \
+                 into 500",
+                self.aborted_successes
+            ),
+        );
         let takeovers = v.takeover_records.max(self.layer_takeovers);
         let takeover_note = match self.inject_bug {
             Some(Bug::LeaseMode) => format!(

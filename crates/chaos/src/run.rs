@@ -21,6 +21,7 @@ use crate::{
     progress,
     report::{Phases, Report},
     rng::Rng,
+    serve::Bug,
     verify,
 };
 
@@ -38,13 +39,15 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
     let mut signals = Signals::install();
     eprintln!(
         "chaos run: seed {seed}, {} s, {} clients, 2 charges-demo instances (processing delay \
-         {}–{} ms), a SIGKILL every {:.1}–{:.1} s, one PostgreSQL restart",
+         {}–{} ms), a SIGKILL every {:.1}–{:.1} s, one PostgreSQL restart, {} % caught database \
+         errors",
         args.duration_secs,
         args.clients,
         args.delay_min_ms,
         args.delay_max_ms,
         args.kill_min_ms as f64 / 1000.0,
         args.kill_max_ms as f64 / 1000.0,
+        catch_percent(&args),
     );
     eprintln!(
         "replay it with: cargo run --release -p chaos -- {}",
@@ -182,6 +185,7 @@ async fn run(
             hangup_percent: args.hangup_percent,
             resend_percent: args.resend_percent,
             decline_percent: args.decline_percent,
+            catch_percent: catch_percent(args),
         },
         stats: Stats::default(),
         stop: stop_rx.clone(),
@@ -325,6 +329,15 @@ async fn tick(
     }
 }
 
+/// `--catch-percent`, but none in lease mode (`--inject-bug lease-mode`): the catching handler
+/// fails inside the request's transaction, which lease mode has not.
+pub(crate) fn catch_percent(args: &RunArgs) -> u8 {
+    match args.inject_bug {
+        Some(Bug::LeaseMode) => 0,
+        _ => args.catch_percent,
+    }
+}
+
 /// This program, to re-execute as `chaos serve`. On Linux `/proc/self/exe` names this very
 /// binary even when a rebuild has replaced its file since it started, so the instances always
 /// run the same code as the run.
@@ -375,6 +388,11 @@ fn replay_args(args: &RunArgs, seed: u64) -> String {
             "decline-percent",
             args.decline_percent.into(),
             defaults.decline_percent.into(),
+        ),
+        (
+            "catch-percent",
+            args.catch_percent.into(),
+            defaults.catch_percent.into(),
         ),
     ];
     for (name, value, default) in numbers {
@@ -454,6 +472,8 @@ mod tests {
             "--delay-min-ms 0 --delay-max-ms 5 --request-timeout-ms 900 --drain-secs 5 \
              --parallel-percent 0 --hangup-percent 50 --resend-percent 1 --decline-percent 100 \
              --pg-stop-mode fast --keep-logs",
+            "--catch-percent 0",
+            "--catch-percent 100",
         ] {
             let args = parse(given);
             let replayed = parse(&replay_args(&args, 7));

@@ -4,7 +4,8 @@
 //! there is no second binary to build or find. The instance serves the demo's router
 //! ([`charges_demo::app`]) on the state [`AppState::postgres`] makes (the layer in
 //! transactional mode) and on a pool sized as [`charges_demo::server::run`] sizes it, which
-//! sets the layer's limit of detached handlers. It prints `listening on ADDR` on standard
+//! sets the layer's limit of detached handlers; plus, for the charges marked so, the handler of
+//! [`catch`](crate::catch) under the same layer. It prints `listening on ADDR` on standard
 //! output and logs to standard error, as the demo does.
 //!
 //! It exits as soon as its standard input closes: the parent keeps the write end open, so an
@@ -36,7 +37,7 @@ use tokio::{io::AsyncReadExt, net::TcpListener};
 use tower_idempotency::store::{PostgresStore, continuously_delete_expired};
 use tracing_subscriber::EnvFilter;
 
-use crate::BoxError;
+use crate::{BoxError, catch};
 
 /// The demo's pool (`server::run`): its size bounds the layer's detached handlers (half of it).
 const POOL_SIZE: u32 = 20;
@@ -147,7 +148,7 @@ async fn exit_when_stdin_closes() {
     }
 }
 
-/// The demo on PostgreSQL; with `bug`, wired wrongly on purpose. As
+/// The demo on PostgreSQL, with the catching handler; with `bug`, wired wrongly on purpose. As
 /// [`server::run`] otherwise, without its graceful shutdown (the run closes standard input) or
 /// metrics.
 async fn serve(args: server::Args, bug: Option<Bug>) -> Result<(), BoxError> {
@@ -170,12 +171,12 @@ async fn serve(args: server::Args, bug: Option<Bug>) -> Result<(), BoxError> {
         Some(Bug::LeaseMode) => PostgresStore::new(pool.clone()),
         _ => PostgresStore::new(pool.clone()).transactional(),
     };
-    // What `AppState::postgres` builds.
+    // What `AppState::postgres` builds, keeping the layer for the catching handler.
     let layer = idempotency_layer(store.clone(), &settings)?;
     let demo = match bug {
         None => app(AppState::new(
             PostgresLedger::new(pool.clone()),
-            layer,
+            layer.clone(),
             CardProcessor::new(settings.processing_delay),
         )),
         Some(_) => app(AppState::new(
@@ -183,10 +184,11 @@ async fn serve(args: server::Args, bug: Option<Bug>) -> Result<(), BoxError> {
                 ledger: PostgresLedger::new(pool.clone()),
                 then: settings.processing_delay,
             },
-            layer,
+            layer.clone(),
             CardProcessor::new(Duration::ZERO),
         )),
     };
+    let router = catch::route(demo, layer);
     tokio::spawn(continuously_delete_expired(
         store,
         EXPIRY_PERIOD,
@@ -197,7 +199,7 @@ async fn serve(args: server::Args, bug: Option<Bug>) -> Result<(), BoxError> {
     writeln!(stdout, "listening on {}", listener.local_addr()?)?;
     stdout.flush()?;
     drop(stdout);
-    axum::serve(listener, demo).await?;
+    axum::serve(listener, router).await?;
     Ok(())
 }
 

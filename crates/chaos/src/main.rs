@@ -166,6 +166,13 @@ pub(crate) struct RunArgs {
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub(crate) decline_percent: u8,
 
+    /// How long the database refuses completions, once, in seconds (0: never): a trigger on
+    /// `idempotency.records` raises on every response being stored, for longer than the
+    /// instances' 2 s lease.
+    #[arg(long, default_value_t = 5, value_name = "N",
+          value_parser = clap::value_parser!(u64).range(0..=3_600))]
+    pub(crate) refuse_completions_secs: u64,
+
     /// Percentage of charges whose handler catches a database error (its INSERT fails in the
     /// request's transaction) and answers a `402` anyway, which must be neither stored nor
     /// committed.

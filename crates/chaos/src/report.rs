@@ -11,8 +11,8 @@ use crate::{
     RunArgs,
     client::Stats,
     cluster::Cluster,
-    faults::{DatabaseFaults, DatabaseRestart},
-    instance::{DemoLog, Fleet},
+    faults::{DatabaseFaults, DatabaseRestart, Refusal, RefusalFaults},
+    instance::{DemoLog, Fleet, LEASE},
     serve::Bug,
     verify::Verdict,
 };
@@ -24,6 +24,15 @@ pub(crate) struct Phases {
     pub(crate) chaos: Duration,
     pub(crate) drain: Duration,
     pub(crate) verify: Duration,
+}
+
+/// The database's faults: each as planned, and what it did.
+#[derive(Debug)]
+pub(crate) struct Faults<'a> {
+    pub(crate) restart: DatabaseRestart,
+    pub(crate) database: &'a DatabaseFaults,
+    pub(crate) refusal: Option<Refusal>,
+    pub(crate) refused: &'a RefusalFaults,
 }
 
 /// Everything the printout shows.
@@ -53,6 +62,10 @@ pub(crate) struct Report {
     pg_restarts: u64,
     pg_in_flight: u64,
     restart: DatabaseRestart,
+    refusal: Option<Refusal>,
+    refusal_windows: u64,
+    refused: u64,
+    refusal_held: Duration,
     catch_percent: u8,
     // The demo's logs.
     log_path: String,
@@ -60,6 +73,7 @@ pub(crate) struct Report {
     commit_failures: u64,
     unstored_answers: u64,
     aborted_successes: u64,
+    background_stores: u64,
     layer_takeovers: u64,
     handler_takeovers: u64,
     log_errors: u64,
@@ -77,8 +91,7 @@ impl Report {
         stats: &Stats,
         fleet: &Fleet,
         log: &DemoLog,
-        restart: DatabaseRestart,
-        database: &DatabaseFaults,
+        faults: Faults<'_>,
         verdict: Verdict,
         phases: Phases,
         cluster: &Cluster,
@@ -104,15 +117,20 @@ impl Report {
             killed_in_flight: get(&fleet.killed_in_flight),
             starts: get(&fleet.starts),
             failed_starts: get(&fleet.failed_starts),
-            pg_restarts: get(&database.restarts),
-            pg_in_flight: get(&database.in_flight),
-            restart,
+            pg_restarts: get(&faults.database.restarts),
+            pg_in_flight: get(&faults.database.in_flight),
+            restart: faults.restart,
+            refusal: faults.refusal,
+            refusal_windows: get(&faults.refused.windows),
+            refused: get(&faults.refused.refused),
+            refusal_held: Duration::from_millis(get(&faults.refused.held_ms)),
             catch_percent: crate::run::catch_percent(args),
             log_path: log.path().display().to_string(),
             charges_created: get(&log.charges_created),
             commit_failures: get(&log.commit_failures),
             unstored_answers: get(&log.unstored_answers),
             aborted_successes: get(&log.aborted_successes),
+            background_stores: get(&log.background_stores),
             layer_takeovers: get(&log.layer_takeovers),
             handler_takeovers: get(&log.handler_takeovers),
             log_errors: get(&log.errors),
@@ -192,6 +210,22 @@ impl Report {
                 self.restart.down_for.as_secs_f64(),
             ),
         );
+        let refusal = match self.refusal {
+            Some(plan) if self.refusal_windows > 0 => format!(
+                "by a trigger on idempotency.records at {:.1} s for {:.1} s (planned {} s; the \
+                 instances' lease is {} s)",
+                plan.at.as_secs_f64(),
+                self.refusal_held.as_secs_f64(),
+                plan.window.as_secs(),
+                LEASE.as_secs()
+            ),
+            Some(plan) => format!(
+                "planned at {:.1} s, not reached before the stop",
+                plan.at.as_secs_f64()
+            ),
+            None => "off (--refuse-completions-secs 0, or the run is too short)".to_owned(),
+        };
+        line("completions refused", self.refused, refusal);
         line(
             "caught database errors",
             v.caught,
@@ -223,7 +257,11 @@ impl Report {
             )
         };
         line("charges logged by handlers", self.charges_created, written);
-        line("failed commits (503)", self.commit_failures, String::new());
+        line(
+            "failed commits (503)",
+            self.commit_failures,
+            "the database restart, kills, and refused completions".to_owned(),
+        );
         line(
             "answered over a failed tx",
             self.unstored_answers,
@@ -232,6 +270,14 @@ impl Report {
                  into 500",
                 self.aborted_successes
             ),
+        );
+        line(
+            "stored in the background",
+            self.background_stores,
+            "delivered responses whose storing failed, stored later with their claim kept alive; \
+             0 when every handler writes through its transaction (a failed store is then a \
+             failed commit)"
+                .to_owned(),
         );
         let takeovers = v.takeover_records.max(self.layer_takeovers);
         let takeover_note = match self.inject_bug {

@@ -16,10 +16,10 @@ use crate::{
     BoxError, PgStopMode, RunArgs,
     client::{self, Behaviour, Shared, Stats},
     cluster::{Cluster, StopMode},
-    faults::{self, DatabaseFaults, DatabaseRestart},
+    faults::{self, DatabaseFaults, DatabaseRestart, RefusalFaults},
     instance::{DemoLog, Fleet, Spec},
     progress,
-    report::{Phases, Report},
+    report::{Faults, Phases, Report},
     rng::Rng,
     serve::Bug,
     verify,
@@ -39,14 +39,15 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
     let mut signals = Signals::install();
     eprintln!(
         "chaos run: seed {seed}, {} s, {} clients, 2 charges-demo instances (processing delay \
-         {}–{} ms), a SIGKILL every {:.1}–{:.1} s, one PostgreSQL restart, {} % caught database \
-         errors",
+         {}–{} ms), a SIGKILL every {:.1}–{:.1} s, one PostgreSQL restart, completions refused \
+         for {} s, {} % caught database errors",
         args.duration_secs,
         args.clients,
         args.delay_min_ms,
         args.delay_max_ms,
         args.kill_min_ms as f64 / 1000.0,
         args.kill_max_ms as f64 / 1000.0,
+        args.refuse_completions_secs,
         catch_percent(&args),
     );
     eprintln!(
@@ -175,6 +176,15 @@ async fn run(
         },
         down_for: Duration::from_millis(rng.between(1_000, 3_000)),
     };
+    let refusal = faults::plan_refusal(
+        &mut rng,
+        duration,
+        Duration::from_secs(args.refuse_completions_secs),
+        &restart,
+    );
+    if refusal.is_some() {
+        faults::prepare_refusal(&pool).await?;
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let shared = Arc::new(Shared {
         addrs: Arc::clone(fleet.addrs()),
@@ -197,11 +207,19 @@ async fn run(
     };
 
     progress(format_args!(
-        "chaos for {} s with {} clients; PostgreSQL restart (stop -m {}) planned at {:.1} s",
+        "chaos for {} s with {} clients; PostgreSQL restart (stop -m {}) planned at {:.1} s; {}",
         duration.as_secs(),
         args.clients,
         restart.mode.as_str(),
-        restart.at.as_secs_f64()
+        restart.at.as_secs_f64(),
+        match refusal {
+            Some(refusal) => format!(
+                "completions refused at {:.1} s for {} s",
+                refusal.at.as_secs_f64(),
+                refusal.window.as_secs()
+            ),
+            None => "no completions refused".to_owned(),
+        },
     ));
     let chaos_started = Instant::now();
     let mut clients = JoinSet::new();
@@ -211,6 +229,7 @@ async fn run(
         clients.spawn(async move { client::run(&shared, index, rng).await });
     }
     let database_faults = DatabaseFaults::default();
+    let refusal_faults = RefusalFaults::default();
     let faults = async {
         tokio::try_join!(
             faults::kill_instances(
@@ -223,6 +242,7 @@ async fn run(
                 ),
             ),
             faults::restart_database(cluster, &pool, stop_rx.clone(), restart, &database_faults),
+            faults::refuse_completions(&pool, stop_rx.clone(), refusal, &refusal_faults),
             tick(&shared, &fleet, stop_rx.clone()),
         )
     };
@@ -286,8 +306,12 @@ async fn run(
         &shared.stats,
         &fleet,
         &log,
-        restart,
-        &database_faults,
+        Faults {
+            restart,
+            database: &database_faults,
+            refusal,
+            refused: &refusal_faults,
+        },
         verdict,
         Phases {
             setup,
@@ -390,6 +414,11 @@ fn replay_args(args: &RunArgs, seed: u64) -> String {
             defaults.decline_percent.into(),
         ),
         (
+            "refuse-completions-secs",
+            args.refuse_completions_secs,
+            defaults.refuse_completions_secs,
+        ),
+        (
             "catch-percent",
             args.catch_percent.into(),
             defaults.catch_percent.into(),
@@ -472,8 +501,8 @@ mod tests {
             "--delay-min-ms 0 --delay-max-ms 5 --request-timeout-ms 900 --drain-secs 5 \
              --parallel-percent 0 --hangup-percent 50 --resend-percent 1 --decline-percent 100 \
              --pg-stop-mode fast --keep-logs",
-            "--catch-percent 0",
-            "--catch-percent 100",
+            "--refuse-completions-secs 0 --catch-percent 0",
+            "--refuse-completions-secs 9 --catch-percent 100",
         ] {
             let args = parse(given);
             let replayed = parse(&replay_args(&args, 7));

@@ -1,11 +1,14 @@
 //! The chaos itself: `SIGKILL` a random instance every few seconds and restart it, restart
-//! PostgreSQL once, and have the database refuse completions for a while. All stop at the end of
-//! the chaos phase, after finishing what they were doing, so the clients drain against two
-//! running instances and a database that accepts everything. Each is planned from the seed
-//! before the chaos starts.
+//! PostgreSQL once, have the database refuse completions for a while, and make many clients hang
+//! up at once (storms). All stop at the end of the chaos phase, after finishing what they were
+//! doing, so the clients drain against two running instances and a database that accepts
+//! everything. Each is planned from the seed before the chaos starts.
 
 use std::{
-    sync::atomic::{AtomicU64, Ordering},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -261,6 +264,81 @@ async fn ddl(pool: &PgPool, sql: &'static str) -> Result<(), BoxError> {
     }
 }
 
+/// A hang-up storm: each client it strikes drops its request in flight, if any, and sends a new
+/// charge whose first request it drops too, all at once (see [`client`](crate::client)).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Storm {
+    /// Its number, from 1.
+    pub(crate) number: u32,
+    /// When, from the start of the chaos.
+    pub(crate) at: Duration,
+    /// Whether it strikes each client, by index.
+    pub(crate) clients: Arc<[bool]>,
+}
+
+impl Storm {
+    pub(crate) fn strikes(&self, client: usize) -> bool {
+        self.clients.get(client).copied().unwrap_or(false)
+    }
+
+    pub(crate) fn struck(&self) -> usize {
+        self.clients.iter().filter(|hit| **hit).count()
+    }
+}
+
+/// What the storms did (the clients count the requests they dropped).
+#[derive(Debug, Default)]
+pub(crate) struct StormFaults {
+    pub(crate) storms: AtomicU64,
+}
+
+/// `count` storms, one drawn in each of as many equal spans of 10–90 % of the chaos, each
+/// striking every client with probability `percent`.
+pub(crate) fn plan_storms(
+    rng: &mut Rng,
+    duration: Duration,
+    count: u8,
+    clients: usize,
+    percent: u8,
+) -> Vec<Storm> {
+    let start = duration / 10;
+    let span = duration * 8 / 10 / u32::from(count.max(1));
+    (0..u32::from(count))
+        .map(|n| Storm {
+            number: n + 1,
+            at: start + span * n + Duration::from_millis(rng.below(millis(span).max(1))),
+            clients: (0..clients).map(|_| rng.percent(percent)).collect(),
+        })
+        .collect()
+}
+
+/// Raises each storm at its time, unless the stop comes first.
+pub(crate) async fn hang_up_storms(
+    storms: &[Storm],
+    raise: &watch::Sender<Storm>,
+    mut stop: watch::Receiver<bool>,
+    faults: &StormFaults,
+) -> Result<(), BoxError> {
+    let started = Instant::now();
+    for storm in storms {
+        let wait = storm.at.saturating_sub(started.elapsed());
+        if stopped_within(&mut stop, wait).await {
+            return Ok(());
+        }
+        faults.storms.fetch_add(1, Ordering::Relaxed);
+        crate::progress(format_args!(
+            "hang-up storm {}/{}: {} of {} clients drop their requests in flight and send a \
+             charge they drop too",
+            storm.number,
+            storms.len(),
+            storm.struck(),
+            storm.clients.len()
+        ));
+        raise.send_replace(storm.clone());
+    }
+    Ok(())
+}
+
 /// Waits `wait`; `true` if the stop came first (or was already given).
 async fn stopped_within(stop: &mut watch::Receiver<bool>, wait: Duration) -> bool {
     if *stop.borrow() {
@@ -334,5 +412,29 @@ mod tests {
         // 10 s: 1–9 s minus a 5 s window, and the restart at 4 s leaves no room.
         assert_eq!(plan(&mut rng, 10, 5), None);
         assert!(plan(&mut rng, 600, 5).is_some());
+    }
+
+    #[test]
+    fn storms_are_spread_over_the_chaos_and_strike_about_their_share() {
+        let duration = Duration::from_secs(60);
+        let storms = plan_storms(&mut Rng::new(9), duration, 3, 64, 50);
+        assert_eq!(storms, plan_storms(&mut Rng::new(9), duration, 3, 64, 50));
+        assert_eq!(storms.len(), 3);
+        for (n, storm) in storms.iter().enumerate() {
+            let span = Duration::from_secs(16);
+            let from = Duration::from_secs(6) + span * n as u32;
+            assert!(storm.at >= from && storm.at < from + span, "{n}: {storm:?}");
+            assert_eq!(storm.number, n as u32 + 1);
+            assert_eq!(storm.clients.len(), 64);
+            assert!(
+                (16..=48).contains(&storm.struck()),
+                "{n}: {}",
+                storm.struck()
+            );
+            assert!(!storm.strikes(64));
+        }
+        assert!(plan_storms(&mut Rng::new(9), duration, 0, 64, 50).is_empty());
+        let none = plan_storms(&mut Rng::new(9), duration, 2, 64, 0);
+        assert!(none.iter().all(|storm| storm.struck() == 0));
     }
 }

@@ -180,6 +180,17 @@ pub(crate) struct RunArgs {
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub(crate) catch_percent: u8,
 
+    /// Hang-up storms, spread over the chaos: many clients drop their requests at once (and
+    /// send one more, which they drop too).
+    #[arg(long, default_value_t = 3, value_name = "N",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) storms: u8,
+
+    /// Percentage of the clients each storm strikes.
+    #[arg(long, default_value_t = 50, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) storm_percent: u8,
+
     /// Keep the demo's and the server's logs even when the run passes.
     #[arg(long)]
     pub(crate) keep_logs: bool,

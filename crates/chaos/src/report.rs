@@ -11,7 +11,7 @@ use crate::{
     RunArgs,
     client::Stats,
     cluster::Cluster,
-    faults::{DatabaseFaults, DatabaseRestart, Refusal, RefusalFaults},
+    faults::{DatabaseFaults, DatabaseRestart, Refusal, RefusalFaults, Storm, StormFaults},
     instance::{DemoLog, Fleet, LEASE},
     serve::Bug,
     verify::Verdict,
@@ -26,13 +26,15 @@ pub(crate) struct Phases {
     pub(crate) verify: Duration,
 }
 
-/// The database's faults: each as planned, and what it did.
+/// The database's and the clients' faults: each as planned, and what it did.
 #[derive(Debug)]
 pub(crate) struct Faults<'a> {
     pub(crate) restart: DatabaseRestart,
     pub(crate) database: &'a DatabaseFaults,
     pub(crate) refusal: Option<Refusal>,
     pub(crate) refused: &'a RefusalFaults,
+    pub(crate) storms: &'a [Storm],
+    pub(crate) stormed: &'a StormFaults,
 }
 
 /// Everything the printout shows.
@@ -51,6 +53,7 @@ pub(crate) struct Report {
     conflicts: u64,
     server_errors: u64,
     unavailable: u64,
+    overloaded: u64,
     connection_errors: u64,
     timeouts: u64,
     hangups: u64,
@@ -67,6 +70,10 @@ pub(crate) struct Report {
     refused: u64,
     refusal_held: Duration,
     catch_percent: u8,
+    storms_planned: Vec<(Duration, usize)>,
+    storms: u64,
+    storm_hangups: u64,
+    storm_charges: u64,
     // The demo's logs.
     log_path: String,
     charges_created: u64,
@@ -110,6 +117,7 @@ impl Report {
             conflicts: get(&stats.conflicts),
             server_errors: get(&stats.server_errors),
             unavailable: get(&stats.unavailable),
+            overloaded: get(&stats.overloaded),
             connection_errors: get(&stats.connection_errors),
             timeouts: get(&stats.timeouts),
             hangups: get(&stats.hangups),
@@ -125,6 +133,14 @@ impl Report {
             refused: get(&faults.refused.refused),
             refusal_held: Duration::from_millis(get(&faults.refused.held_ms)),
             catch_percent: crate::run::catch_percent(args),
+            storms_planned: faults
+                .storms
+                .iter()
+                .map(|storm| (storm.at, storm.struck()))
+                .collect(),
+            storms: get(&faults.stormed.storms),
+            storm_hangups: get(&stats.storm_hangups),
+            storm_charges: get(&stats.storm_charges),
             log_path: log.path().display().to_string(),
             charges_created: get(&log.charges_created),
             commit_failures: get(&log.commit_failures),
@@ -184,7 +200,10 @@ impl Report {
         line(
             "5xx",
             self.server_errors,
-            format!("{} of them 503", self.unavailable),
+            format!(
+                "{} of them 503, {} of these Overloaded",
+                self.unavailable, self.overloaded
+            ),
         );
         line("connection errors", self.connection_errors, String::new());
         line("timeouts", self.timeouts, String::new());
@@ -237,6 +256,28 @@ impl Report {
                      each fresh",
                     crate::catch::STATUS.as_u16(),
                     v.caught_answers
+                )
+            },
+        );
+        let storms = self
+            .storms_planned
+            .iter()
+            .take(usize::try_from(self.storms).unwrap_or(usize::MAX))
+            .map(|(at, struck)| format!("{:.1} s ({struck})", at.as_secs_f64()))
+            .collect::<Vec<_>>();
+        line(
+            "hang-up storms",
+            self.storms,
+            if self.storms == 0 {
+                "off (--storms 0)".to_owned()
+            } else {
+                format!(
+                    "at {} (clients struck): {} charges sent in them, {} requests hung up; {} × \
+                     503 Overloaded",
+                    storms.join(", "),
+                    self.storm_charges,
+                    self.storm_hangups,
+                    self.overloaded
                 )
             },
         );

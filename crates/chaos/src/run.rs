@@ -16,7 +16,7 @@ use crate::{
     BoxError, PgStopMode, RunArgs,
     client::{self, Behaviour, Shared, Stats},
     cluster::{Cluster, StopMode},
-    faults::{self, DatabaseFaults, DatabaseRestart, RefusalFaults},
+    faults::{self, DatabaseFaults, DatabaseRestart, RefusalFaults, Storm, StormFaults},
     instance::{DemoLog, Fleet, Spec},
     progress,
     report::{Faults, Phases, Report},
@@ -40,7 +40,7 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
     eprintln!(
         "chaos run: seed {seed}, {} s, {} clients, 2 charges-demo instances (processing delay \
          {}–{} ms), a SIGKILL every {:.1}–{:.1} s, one PostgreSQL restart, completions refused \
-         for {} s, {} % caught database errors",
+         for {} s, {} % caught database errors, {} hang-up storms of {} % of the clients",
         args.duration_secs,
         args.clients,
         args.delay_min_ms,
@@ -49,6 +49,8 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
         args.kill_max_ms as f64 / 1000.0,
         args.refuse_completions_secs,
         catch_percent(&args),
+        args.storms,
+        args.storm_percent,
     );
     eprintln!(
         "replay it with: cargo run --release -p chaos -- {}",
@@ -185,6 +187,14 @@ async fn run(
     if refusal.is_some() {
         faults::prepare_refusal(&pool).await?;
     }
+    let storms = faults::plan_storms(
+        &mut rng,
+        duration,
+        args.storms,
+        usize::from(args.clients),
+        args.storm_percent,
+    );
+    let (storm_tx, storm_rx) = watch::channel(Storm::default());
     let (stop_tx, stop_rx) = watch::channel(false);
     let shared = Arc::new(Shared {
         addrs: Arc::clone(fleet.addrs()),
@@ -200,6 +210,7 @@ async fn run(
         stats: Stats::default(),
         stop: stop_rx.clone(),
         deadline: OnceLock::new(),
+        storms: storm_rx,
     });
     let stop = || {
         let _ = shared.deadline.set(Instant::now() + drain);
@@ -207,7 +218,8 @@ async fn run(
     };
 
     progress(format_args!(
-        "chaos for {} s with {} clients; PostgreSQL restart (stop -m {}) planned at {:.1} s; {}",
+        "chaos for {} s with {} clients; PostgreSQL restart (stop -m {}) planned at {:.1} s; {}; \
+         hang-up storms at [{}] s",
         duration.as_secs(),
         args.clients,
         restart.mode.as_str(),
@@ -220,6 +232,11 @@ async fn run(
             ),
             None => "no completions refused".to_owned(),
         },
+        storms
+            .iter()
+            .map(|storm| format!("{:.1}", storm.at.as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join(", "),
     ));
     let chaos_started = Instant::now();
     let mut clients = JoinSet::new();
@@ -228,8 +245,16 @@ async fn run(
         let rng = rng.fork();
         clients.spawn(async move { client::run(&shared, index, rng).await });
     }
+    if !storms.is_empty() {
+        for index in 0..usize::from(args.clients) {
+            let shared = Arc::clone(&shared);
+            let rng = rng.fork();
+            clients.spawn(async move { client::storm_charges(&shared, index, rng).await });
+        }
+    }
     let database_faults = DatabaseFaults::default();
     let refusal_faults = RefusalFaults::default();
+    let storm_faults = StormFaults::default();
     let faults = async {
         tokio::try_join!(
             faults::kill_instances(
@@ -243,6 +268,7 @@ async fn run(
             ),
             faults::restart_database(cluster, &pool, stop_rx.clone(), restart, &database_faults),
             faults::refuse_completions(&pool, stop_rx.clone(), refusal, &refusal_faults),
+            faults::hang_up_storms(&storms, &storm_tx, stop_rx.clone(), &storm_faults),
             tick(&shared, &fleet, stop_rx.clone()),
         )
     };
@@ -311,6 +337,8 @@ async fn run(
             database: &database_faults,
             refusal,
             refused: &refusal_faults,
+            storms: &storms,
+            stormed: &storm_faults,
         },
         verdict,
         Phases {
@@ -337,14 +365,15 @@ async fn tick(
         }
         let s = &shared.stats;
         progress(format_args!(
-            "{} charges, {} requests, {} retries, {} replays, {} × 409, {} × 5xx, {} connection \
-             errors, {} timeouts, {} hang-ups, {} kills",
+            "{} charges, {} requests, {} retries, {} replays, {} × 409, {} × 5xx ({} × 503 \
+             Overloaded), {} connection errors, {} timeouts, {} hang-ups, {} kills",
             Stats::get(&s.charges),
             Stats::get(&s.requests),
             Stats::get(&s.retries),
             Stats::get(&s.replays),
             Stats::get(&s.conflicts),
             Stats::get(&s.server_errors),
+            Stats::get(&s.overloaded),
             Stats::get(&s.connection_errors),
             Stats::get(&s.timeouts),
             Stats::get(&s.hangups),
@@ -422,6 +451,12 @@ fn replay_args(args: &RunArgs, seed: u64) -> String {
             "catch-percent",
             args.catch_percent.into(),
             defaults.catch_percent.into(),
+        ),
+        ("storms", args.storms.into(), defaults.storms.into()),
+        (
+            "storm-percent",
+            args.storm_percent.into(),
+            defaults.storm_percent.into(),
         ),
     ];
     for (name, value, default) in numbers {
@@ -501,8 +536,8 @@ mod tests {
             "--delay-min-ms 0 --delay-max-ms 5 --request-timeout-ms 900 --drain-secs 5 \
              --parallel-percent 0 --hangup-percent 50 --resend-percent 1 --decline-percent 100 \
              --pg-stop-mode fast --keep-logs",
-            "--refuse-completions-secs 0 --catch-percent 0",
-            "--refuse-completions-secs 9 --catch-percent 100",
+            "--refuse-completions-secs 0 --catch-percent 0 --storms 0",
+            "--refuse-completions-secs 9 --catch-percent 100 --storms 7 --storm-percent 100",
         ] {
             let args = parse(given);
             let replayed = parse(&replay_args(&args, 7));

@@ -13,7 +13,12 @@
 //!   milliseconds, not knowing whether the charge went through, and retries;
 //! * some charges are sent twice **in parallel** (a double click: two senders, same key);
 //! * some are sent once more after their answer (a client whose response was lost), which must
-//!   be a replay of the same bytes.
+//!   be a replay of the same bytes;
+//! * some are marked (the [`catch::HEADER`]) for the instances' handler that catches a database
+//!   error: their `402` must be fresh every time, so each of them is sent again after its answer;
+//! * in a hang-up storm, the clients it strikes drop their requests in flight at once, and each
+//!   sends one more charge at that moment whose first request it drops too
+//!   ([`storm_charges`]): a burst of handlers left running for clients that went away.
 //!
 //! Any other answer (`400`, `422`...) is final and reported: it should never happen here.
 //! What each sender saw is kept in an [`Observed`] for the final checks.
@@ -30,8 +35,9 @@ use bytes::Bytes;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
+use tower_idempotency::{RejectionKind, problem::PROBLEM_TYPE_BASE};
 
-use crate::{instance::Addrs, rng::Rng};
+use crate::{catch, faults::Storm, instance::Addrs, rng::Rng};
 
 /// How the clients behave (the command line's client options).
 #[derive(Debug, Clone)]
@@ -44,6 +50,7 @@ pub(crate) struct Behaviour {
     pub(crate) hangup_percent: u8,
     pub(crate) resend_percent: u8,
     pub(crate) decline_percent: u8,
+    pub(crate) catch_percent: u8,
 }
 
 /// The first backoff step and its cap.
@@ -62,6 +69,8 @@ pub(crate) struct Shared {
     pub(crate) stop: watch::Receiver<bool>,
     /// Set with the stop: senders give up (and report the charge unresolved) past it.
     pub(crate) deadline: OnceLock<Instant>,
+    /// The latest hang-up storm.
+    pub(crate) storms: watch::Receiver<Storm>,
 }
 
 /// Counters of what the clients did and met.
@@ -75,9 +84,15 @@ pub(crate) struct Stats {
     pub(crate) conflicts: AtomicU64,
     pub(crate) server_errors: AtomicU64,
     pub(crate) unavailable: AtomicU64,
+    /// `503`s whose problem is `Overloaded`: too many handlers detached.
+    pub(crate) overloaded: AtomicU64,
     pub(crate) connection_errors: AtomicU64,
     pub(crate) timeouts: AtomicU64,
     pub(crate) hangups: AtomicU64,
+    /// Of the hang-ups, those of storms.
+    pub(crate) storm_hangups: AtomicU64,
+    /// Logical charges sent in storms.
+    pub(crate) storm_charges: AtomicU64,
     pub(crate) unexpected: AtomicU64,
 }
 
@@ -99,6 +114,8 @@ pub(crate) struct Plan {
     pub(crate) order_id: String,
     pub(crate) amount: i64,
     pub(crate) declined: bool,
+    /// Handled by the instances' handler that catches a database error ([`catch`]).
+    pub(crate) caught_error: bool,
 }
 
 impl Plan {
@@ -119,7 +136,9 @@ impl Plan {
 
     /// The status of this charge's correct final answer.
     pub(crate) fn expected_status(&self) -> StatusCode {
-        if self.declined {
+        if self.caught_error {
+            catch::STATUS
+        } else if self.declined {
             StatusCode::PAYMENT_REQUIRED
         } else {
             StatusCode::OK
@@ -140,7 +159,7 @@ pub(crate) struct Answer {
 }
 
 impl Answer {
-    fn new(status: StatusCode, replayed: bool, body: &Bytes) -> Self {
+    pub(crate) fn new(status: StatusCode, replayed: bool, body: &Bytes) -> Self {
         let json: Option<serde_json::Value> = serde_json::from_slice(body).ok();
         let charge_id = json.as_ref().and_then(|json| {
             json.get("id")
@@ -175,36 +194,64 @@ pub(crate) struct Observed {
     pub(crate) resent: bool,
 }
 
+/// One client's HTTP connections and request timeout, and its index, which storms strike or
+/// spare.
+struct Sender<'a> {
+    shared: &'a Shared,
+    http: reqwest::Client,
+    timeout: Duration,
+    client: usize,
+}
+
+impl<'a> Sender<'a> {
+    /// `None` (and a progress line) when the HTTP client cannot be built.
+    fn new(shared: &'a Shared, client: usize, rng: &mut Rng) -> Option<Self> {
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .connect_timeout(Duration::from_secs(1))
+            .pool_max_idle_per_host(4)
+            .build()
+            .inspect_err(|error| {
+                crate::progress(format_args!(
+                    "client {client}: cannot build an HTTP client: {error}"
+                ));
+            })
+            .ok()?;
+        let longest =
+            u64::try_from(shared.behaviour.request_timeout.as_millis()).unwrap_or(u64::MAX);
+        let timeout = Duration::from_millis(rng.between(longest / 20, longest).max(1));
+        Some(Self {
+            shared,
+            http,
+            timeout,
+            client,
+        })
+    }
+
+    fn api_key(&self) -> String {
+        format!("sk_test_chaos_{:02}", self.client)
+    }
+}
+
 /// One client: logical charges one after another until the stop, then returns what it saw.
 pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Observed> {
-    let http = match reqwest::Client::builder()
-        .no_proxy()
-        .connect_timeout(Duration::from_secs(1))
-        .pool_max_idle_per_host(4)
-        .build()
-    {
-        Ok(http) => http,
-        Err(error) => {
-            crate::progress(format_args!(
-                "client {index}: cannot build an HTTP client: {error}"
-            ));
-            return Vec::new();
-        }
+    let Some(sender) = Sender::new(shared, index, &mut rng) else {
+        return Vec::new();
     };
     let behaviour = &shared.behaviour;
-    let longest = u64::try_from(behaviour.request_timeout.as_millis()).unwrap_or(u64::MAX);
-    let timeout = Duration::from_millis(rng.between(longest / 20, longest).max(1));
-    let api_key = format!("sk_test_chaos_{index:02}");
+    let api_key = sender.api_key();
     let mut observed = Vec::new();
     let mut n = 0_u64;
     while !*shared.stop.borrow() {
         n += 1;
+        let caught_error = rng.percent(behaviour.catch_percent);
         let plan = Plan {
             api_key: api_key.clone(),
             key: rng.uuid().to_string(),
             order_id: format!("{:x}-{index}-{n}", behaviour.seed),
             amount: i64::try_from(rng.between(50, 99_999)).unwrap_or(100),
-            declined: rng.percent(behaviour.decline_percent),
+            declined: !caught_error && rng.percent(behaviour.decline_percent),
+            caught_error,
         };
         let parallel = rng.percent(behaviour.parallel_percent);
         let mut answers = Vec::new();
@@ -216,20 +263,21 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
         if parallel {
             let (mut first, mut second) = (rng.fork(), rng.fork());
             let (a, b) = tokio::join!(
-                send(shared, &http, timeout, &plan, &mut first),
-                send(shared, &http, timeout, &plan, &mut second)
+                send(&sender, &plan, false, &mut first),
+                send(&sender, &plan, false, &mut second)
             );
             record(a);
             record(b);
         } else {
-            record(send(shared, &http, timeout, &plan, &mut rng).await);
+            record(send(&sender, &plan, false, &mut rng).await);
         }
-        // A client whose response was lost sends again: a replay of the same bytes.
-        let resent =
-            answers.len() == usize::from(parallel) + 1 && rng.percent(behaviour.resend_percent);
+        // A client whose response was lost sends again: a replay of the same bytes, or, for a
+        // caught error, whose key must have been released, a fresh answer.
+        let resent = answers.len() == usize::from(parallel) + 1
+            && (plan.caught_error || rng.percent(behaviour.resend_percent));
         if resent {
             let mut again = rng.fork();
-            match send(shared, &http, timeout, &plan, &mut again).await {
+            match send(&sender, &plan, false, &mut again).await {
                 Some(answer) => answers.push(answer),
                 None => unresolved += 1,
             }
@@ -241,6 +289,46 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             unresolved,
             parallel,
             resent,
+        });
+    }
+    observed
+}
+
+/// Client `index`'s part in the storms that strike it, beside [`run`]: a new charge at each,
+/// whose first request it drops after 1–60 ms and then retries as any other, so that every
+/// storm leaves a burst of handlers running for clients that went away at once. Returns what it
+/// saw, at the stop.
+pub(crate) async fn storm_charges(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Observed> {
+    let Some(sender) = Sender::new(shared, index, &mut rng) else {
+        return Vec::new();
+    };
+    let mut storms = shared.storms.clone();
+    let mut stop = shared.stop.clone();
+    let mut observed = Vec::new();
+    loop {
+        // A storm raised while the previous storm's charge was still being sent is let go.
+        storms.mark_unchanged();
+        let storm = tokio::select! {
+            storm = struck(&mut storms, index) => storm,
+            _ = stop.wait_for(|stopped| *stopped) => break,
+        };
+        let plan = Plan {
+            api_key: sender.api_key(),
+            key: rng.uuid().to_string(),
+            order_id: format!("{:x}-{index}-storm{storm}", shared.behaviour.seed),
+            amount: i64::try_from(rng.between(50, 99_999)).unwrap_or(100),
+            declined: false,
+            caught_error: false,
+        };
+        Stats::add(&shared.stats.storm_charges);
+        let answer = send(&sender, &plan, true, &mut rng).await;
+        Stats::add(&shared.stats.charges);
+        observed.push(Observed {
+            plan,
+            unresolved: u32::from(answer.is_none()),
+            answers: answer.into_iter().collect(),
+            parallel: false,
+            resent: false,
         });
     }
     observed
@@ -259,14 +347,15 @@ enum Attempt {
     HungUp,
 }
 
-/// Sends `plan` until a final answer, or `None` past the deadline.
-async fn send(
-    shared: &Shared,
-    http: &reqwest::Client,
-    timeout: Duration,
-    plan: &Plan,
-    rng: &mut Rng,
-) -> Option<Answer> {
+/// Sends `plan` until a final answer, or `None` past the deadline; with `storm`, the first
+/// request is one a storm drops.
+async fn send(sender: &Sender<'_>, plan: &Plan, storm: bool, rng: &mut Rng) -> Option<Answer> {
+    let Sender {
+        shared,
+        http,
+        timeout,
+        client,
+    } = sender;
     let stats = &shared.stats;
     let mut instance = rng.below(2) as usize;
     for attempt in 0_u32.. {
@@ -278,20 +367,25 @@ async fn send(
         }
         Stats::add(&stats.requests);
         let url = format!("http://{}/v1/charges", shared.addrs.get(instance));
-        let request = http
+        let mut request = http
             .post(url)
             .bearer_auth(&plan.api_key)
             .header("idempotency-key", &plan.key)
             .form(&plan.form())
-            .timeout(timeout);
+            .timeout(*timeout);
+        if plan.caught_error {
+            request = request.header(catch::HEADER, "1");
+        }
         let exchange = exchange(request);
-        let outcome = if rng.percent(shared.behaviour.hangup_percent) {
-            let after = Duration::from_millis(rng.between(HANGUP_AFTER_MS.0, HANGUP_AFTER_MS.1));
-            tokio::time::timeout(after, exchange)
-                .await
-                .unwrap_or(Attempt::HungUp)
-        } else {
-            exchange.await
+        let stormed = storm && attempt == 0;
+        let hangup = (stormed || rng.percent(shared.behaviour.hangup_percent))
+            .then(|| Duration::from_millis(rng.between(HANGUP_AFTER_MS.0, HANGUP_AFTER_MS.1)));
+        // Only storms raised from now on strike this request.
+        let mut storms = shared.storms.clone();
+        storms.mark_unchanged();
+        let (outcome, stormed) = tokio::select! {
+            outcome = hang_up_after(hangup, exchange) => (outcome, stormed),
+            _ = struck(&mut storms, *client) => (Attempt::HungUp, true),
         };
         let mut delay = backoff(attempt, rng);
         match outcome {
@@ -311,6 +405,9 @@ async fn send(
                         Stats::add(&stats.server_errors);
                         if status == StatusCode::SERVICE_UNAVAILABLE {
                             Stats::add(&stats.unavailable);
+                            if problem_is(&body, RejectionKind::Overloaded) {
+                                Stats::add(&stats.overloaded);
+                            }
                         }
                         instance = 1 - instance;
                     }
@@ -332,7 +429,12 @@ async fn send(
                 Stats::add(&stats.timeouts);
                 instance = 1 - instance;
             }
-            Attempt::HungUp => Stats::add(&stats.hangups),
+            Attempt::HungUp => {
+                Stats::add(&stats.hangups);
+                if stormed {
+                    Stats::add(&stats.storm_hangups);
+                }
+            }
         }
         let delay = match shared.deadline.get() {
             Some(deadline) => delay.min(deadline.saturating_duration_since(Instant::now())),
@@ -345,6 +447,43 @@ async fn send(
         }
     }
     None
+}
+
+/// `exchange`, dropped (with its connection) `after` it was sent, if given.
+async fn hang_up_after(
+    after: Option<Duration>,
+    exchange: impl Future<Output = Attempt>,
+) -> Attempt {
+    match after {
+        Some(after) => tokio::time::timeout(after, exchange)
+            .await
+            .unwrap_or(Attempt::HungUp),
+        None => exchange.await,
+    }
+}
+
+/// The number of the next storm that strikes `client`; never returns if none does.
+async fn struck(storms: &mut watch::Receiver<Storm>, client: usize) -> u32 {
+    loop {
+        if storms.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        let storm = storms.borrow_and_update();
+        if storm.strikes(client) {
+            return storm.number;
+        }
+    }
+}
+
+/// Whether `body` is the layer's problem document of `kind`.
+fn problem_is(body: &[u8], kind: RejectionKind) -> bool {
+    let problem: Option<serde_json::Value> = serde_json::from_slice(body).ok();
+    let expected = format!("{PROBLEM_TYPE_BASE}{}", kind.name());
+    problem
+        .as_ref()
+        .and_then(|problem| problem.get("type"))
+        .and_then(|kind| kind.as_str())
+        == Some(expected.as_str())
 }
 
 async fn exchange(request: reqwest::RequestBuilder) -> Attempt {
@@ -415,5 +554,53 @@ mod tests {
         );
         assert_eq!(declined.charge_id.as_deref(), Some("ch_2"));
         assert!(!ok.same_response(&declined));
+    }
+
+    #[test]
+    fn overloaded_503s_are_told_from_other_503s_by_their_problem_type() {
+        let body = |kind: RejectionKind| {
+            tower_idempotency::Rejection::new(kind, "detail")
+                .to_json()
+                .to_vec()
+        };
+        assert!(problem_is(
+            &body(RejectionKind::Overloaded),
+            RejectionKind::Overloaded
+        ));
+        assert!(!problem_is(
+            &body(RejectionKind::StoreUnavailable),
+            RejectionKind::Overloaded
+        ));
+        assert!(!problem_is(b"not json", RejectionKind::Overloaded));
+        assert!(!problem_is(
+            br#"{"type":"Overloaded"}"#,
+            RejectionKind::Overloaded
+        ));
+    }
+
+    /// A storm ends the attempts in flight of the clients it strikes, and only theirs.
+    #[tokio::test]
+    async fn a_storm_strikes_the_clients_it_names() {
+        let (raise, storms) = watch::channel(Storm::default());
+        let waiting = |client| {
+            let mut storms = storms.clone();
+            storms.mark_unchanged();
+            tokio::spawn(async move { struck(&mut storms, client).await })
+        };
+        let (first, second) = (waiting(0), waiting(1));
+        raise.send_replace(Storm {
+            number: 1,
+            clients: vec![false, true].into(),
+            ..Storm::default()
+        });
+        assert_eq!(second.await.expect("client 1 is struck"), 1);
+        tokio::task::yield_now().await;
+        assert!(!first.is_finished(), "client 0 was spared");
+        raise.send_replace(Storm {
+            number: 2,
+            clients: vec![true, false].into(),
+            ..Storm::default()
+        });
+        assert_eq!(first.await.expect("client 0 is struck"), 2);
     }
 }

@@ -33,6 +33,11 @@ pub(crate) const INSTANCES: usize = 2;
 /// Their names in the output.
 pub(crate) const NAMES: [&str; INSTANCES] = ["a", "b"];
 
+/// The instances' lease (`--lease-secs`): shorter than the window in which the database refuses
+/// completions, so that window outlasts it (issue 28.1). In transactional mode the claim is the
+/// open transaction, which the lease does not bound.
+pub(crate) const LEASE: Duration = Duration::from_secs(2);
+
 /// How long an instance may take to print `listening on` (connecting and migrating included).
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a failed start waits before the next attempt.
@@ -127,9 +132,11 @@ impl Instance {
                 application_name(&label)
             ))
             .arg("--processing-delay-ms")
-            .arg(delay_ms.to_string());
+            .arg(delay_ms.to_string())
+            .arg("--lease-secs")
+            .arg(LEASE.as_secs().to_string());
         if let Some(bug) = spec.inject_bug {
-            command.args(["--inject-bug", bug.name(), "--lease-secs", "2"]);
+            command.args(["--inject-bug", bug.name()]);
         }
         for name in DEMO_ENV {
             command.env_remove(name);
@@ -362,6 +369,13 @@ pub(crate) struct DemoLog {
     pub(crate) handler_takeovers: AtomicU64,
     /// The commit of a request (charge and stored response) failed: rolled back, `503`.
     pub(crate) commit_failures: AtomicU64,
+    /// A handler answered a kept status over its failed transaction: delivered unstored.
+    pub(crate) unstored_answers: AtomicU64,
+    /// A handler answered success over its failed transaction: turned into a `500`.
+    pub(crate) aborted_successes: AtomicU64,
+    /// A delivered response whose storing failed is stored in the background (none when every
+    /// handler writes through its transaction: a failed store is then a failed commit).
+    pub(crate) background_stores: AtomicU64,
     pub(crate) panics: AtomicU64,
 }
 
@@ -379,6 +393,9 @@ impl DemoLog {
             layer_takeovers: AtomicU64::new(0),
             handler_takeovers: AtomicU64::new(0),
             commit_failures: AtomicU64::new(0),
+            unstored_answers: AtomicU64::new(0),
+            aborted_successes: AtomicU64::new(0),
+            background_stores: AtomicU64::new(0),
             panics: AtomicU64::new(0),
         })
     }
@@ -408,6 +425,15 @@ impl DemoLog {
         }
         if line.contains("committing the request failed") {
             count(&self.commit_failures);
+        }
+        if line.contains("the handler answered over a failed transaction") {
+            count(&self.unstored_answers);
+        }
+        if line.contains("the handler answered success over a failed transaction") {
+            count(&self.aborted_successes);
+        }
+        if line.contains("retrying in the background") {
+            count(&self.background_stores);
         }
         if line.contains("panicked") {
             count(&self.panics);

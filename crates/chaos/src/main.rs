@@ -1,5 +1,6 @@
 //! The chaos run: proof that tower-idempotency's transactional mode charges exactly once
-//! through crashes, database restarts, timeouts, hang-ups and duplicate requests.
+//! through crashes, database restarts, refused completions, handlers that catch a database
+//! error, timeouts, hang-ups (and storms of them) and duplicate requests.
 //!
 //! Run with `cargo run --release -p chaos -- --duration-secs 60` (the CI command). Everything is on
 //! loopback and bounded in time: setup (about 3 s), the chaos (`--duration-secs`), a drain of at
@@ -15,43 +16,55 @@
 //!    (and by a watchdog if this program is killed with `SIGKILL`).
 //! 2. Starts **two `charges-demo` instances** on that database ([`instance`]), as child
 //!    processes of this same binary re-executed as `chaos serve` ([`serve`]): the demo through
-//!    its library, in PostgreSQL mode, that is the layer's transactional mode. Each listens on
-//!    `127.0.0.1:0` and takes a random processing delay (10–50 ms), so kills land mid-charge.
+//!    its library, in PostgreSQL mode, that is the layer's transactional mode, with a 2 s lease.
+//!    Each listens on `127.0.0.1:0` and takes a random processing delay (10–50 ms), so kills
+//!    land mid-charge. Charges marked so go to a handler that catches a database error
+//!    ([`catch`]).
 //! 3. Runs **64 clients** ([`client`]) that create charges like a payments SDK: a UUID
 //!    `Idempotency-Key` and a unique `metadata[order_id]` per charge, a timeout per request,
 //!    retries with exponential backoff and jitter on connection errors, timeouts, `409` and
 //!    `5xx` (honouring `Retry-After`), both instances behind a simulated load balancer, some
 //!    charges sent twice in parallel, some requests hung up mid-flight, some charges sent again
-//!    after their answer.
+//!    after their answer, 3 % marked for the catching handler.
 //! 4. Meanwhile ([`faults`]) **`SIGKILL`s a random instance every 2–5 s** and restarts it on a
-//!    new port (the clients learn it), and **restarts PostgreSQL once** (`pg_ctl stop -m fast`
-//!    or `immediate`, down 1–3 s) between 30 % and 60 % of the run.
+//!    new port (the clients learn it), **restarts PostgreSQL once** (`pg_ctl stop -m fast`
+//!    or `immediate`, down 1–3 s) between 30 % and 60 % of the run, **refuses completions for
+//!    5 s** once, clear of the restart (a trigger on `idempotency.records`: longer than the
+//!    lease), and raises **3 hang-up storms**: half the clients drop their requests at once and
+//!    send one more each, dropped too, so the instances' detached handlers pass the layer's
+//!    limit (half the pool, 10) and some requests get `503 Overloaded`.
 //! 5. Stops the chaos, lets every client finish the charge it is on (retrying until a final
 //!    answer, up to `--drain-secs`), waits for the database's transactions to end, and
 //!    **checks** ([`verify`]) the database against what every client saw: exactly one charge
 //!    row per logical charge, byte-identical bodies on every answer and replay, the charge id
 //!    in the body matching the row, the stored record matching the answer, no key in flight,
-//!    nothing lost.
+//!    nothing lost; and for the caught errors, no row, no record and a fresh `402` every time.
 //!
-//! The choices (kill times and targets, keys, amounts, hang-ups, jitter) follow from `--seed`;
+//! The choices (kill times and targets, keys, amounts, hang-ups, jitter, the refusal's window,
+//! the storms and whom they strike, the charges that catch an error) follow from `--seed`;
 //! without one a seed is drawn and printed. Timing still differs between runs.
 //!
 //! # Reading the output
 //!
 //! Progress goes to standard error, each line stamped with the time since the start: every
-//! kill and restart, the database restart, and every 10 s the traffic so far. The report goes
+//! kill and restart, the database restart, the refusal's start and end, each storm, and every
+//! 10 s the traffic so far. The report goes
 //! to standard output:
 //!
 //! * **traffic**: logical charges (and how many were sent in parallel, resent, declined),
 //!   requests, retries, replays (answers marked `Idempotent-Replayed: true`), `409`s (a
-//!   duplicate met the charge in flight), `5xx` and `503`s (the database was away, or a kill or
-//!   restart broke a request), connection errors (an instance was down), timeouts and
-//!   hang-ups;
+//!   duplicate met the charge in flight), `5xx`, `503`s (the database was away, a kill or
+//!   restart broke a request, a completion was refused) and of them `Overloaded` (a storm),
+//!   connection errors (an instance was down), timeouts and hang-ups;
 //! * **faults**: kills, instance starts (and failed starts: an instance restarted while the
-//!   database was down retries), database restarts;
+//!   database was down retries), database restarts; completions refused (counted by the
+//!   trigger); caught database errors (charges, and their answers); storms (charges sent in
+//!   them, requests they hung up, `503 Overloaded` answers);
 //! * **server side**: charges the handlers wrote (`charge created` in the demo's logs) against
 //!   the rows that committed — the difference were rolled back by a kill or the database
-//!   restart, mid-charge; failed commits; takeovers (always 0 in transactional mode: a claim
+//!   restart, mid-charge; failed commits; answers over a failed transaction (the caught
+//!   errors' `402`s, delivered unstored); responses stored in the background (0: every
+//!   handler writes through its transaction); takeovers (always 0 in transactional mode: a claim
 //!   commits only together with its response, so no record is ever left in flight for a
 //!   retry to take over; a killed holder's transaction is simply aborted);
 //! * **invariants**: each with its count; any non-zero count is a failure, explained by up to
@@ -69,6 +82,7 @@
 //! bug: such a run must report double executions and `FAIL`. The banner says so; it is never
 //! the default.
 
+mod catch;
 mod client;
 mod cluster;
 mod faults;
@@ -98,8 +112,9 @@ pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
     name = "chaos",
     version,
     about = "Chaos run for tower-idempotency: two charges-demo instances on a throwaway \
-             PostgreSQL, retrying clients, SIGKILLs and a database restart; then checks that \
-             every charge ran exactly once"
+             PostgreSQL, retrying clients, SIGKILLs, a database restart, refused completions, \
+             handlers that catch a database error and hang-up storms; then checks that every \
+             charge ran exactly once"
 )]
 pub(crate) struct RunArgs {
     /// How long the chaos lasts, in seconds; then the clients finish and the checks run.
@@ -164,6 +179,31 @@ pub(crate) struct RunArgs {
     #[arg(long, default_value_t = 5, value_name = "P",
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub(crate) decline_percent: u8,
+
+    /// How long the database refuses completions, once, in seconds (0: never): a trigger on
+    /// `idempotency.records` raises on every response being stored, for longer than the
+    /// instances' 2 s lease.
+    #[arg(long, default_value_t = 5, value_name = "N",
+          value_parser = clap::value_parser!(u64).range(0..=3_600))]
+    pub(crate) refuse_completions_secs: u64,
+
+    /// Percentage of charges whose handler catches a database error (its INSERT fails in the
+    /// request's transaction) and answers a `402` anyway, which must be neither stored nor
+    /// committed.
+    #[arg(long, default_value_t = 3, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) catch_percent: u8,
+
+    /// Hang-up storms, spread over the chaos: many clients drop their requests at once (and
+    /// send one more, which they drop too).
+    #[arg(long, default_value_t = 3, value_name = "N",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) storms: u8,
+
+    /// Percentage of the clients each storm strikes.
+    #[arg(long, default_value_t = 50, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) storm_percent: u8,
 
     /// Keep the demo's and the server's logs even when the run passes.
     #[arg(long)]

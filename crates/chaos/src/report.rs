@@ -11,8 +11,8 @@ use crate::{
     RunArgs,
     client::Stats,
     cluster::Cluster,
-    faults::{DatabaseFaults, DatabaseRestart},
-    instance::{DemoLog, Fleet},
+    faults::{DatabaseFaults, DatabaseRestart, Refusal, RefusalFaults, Storm, StormFaults},
+    instance::{DemoLog, Fleet, LEASE},
     serve::Bug,
     verify::Verdict,
 };
@@ -24,6 +24,17 @@ pub(crate) struct Phases {
     pub(crate) chaos: Duration,
     pub(crate) drain: Duration,
     pub(crate) verify: Duration,
+}
+
+/// The database's and the clients' faults: each as planned, and what it did.
+#[derive(Debug)]
+pub(crate) struct Faults<'a> {
+    pub(crate) restart: DatabaseRestart,
+    pub(crate) database: &'a DatabaseFaults,
+    pub(crate) refusal: Option<Refusal>,
+    pub(crate) refused: &'a RefusalFaults,
+    pub(crate) storms: &'a [Storm],
+    pub(crate) stormed: &'a StormFaults,
 }
 
 /// Everything the printout shows.
@@ -42,6 +53,7 @@ pub(crate) struct Report {
     conflicts: u64,
     server_errors: u64,
     unavailable: u64,
+    overloaded: u64,
     connection_errors: u64,
     timeouts: u64,
     hangups: u64,
@@ -53,10 +65,22 @@ pub(crate) struct Report {
     pg_restarts: u64,
     pg_in_flight: u64,
     restart: DatabaseRestart,
+    refusal: Option<Refusal>,
+    refusal_windows: u64,
+    refused: u64,
+    refusal_held: Duration,
+    catch_percent: u8,
+    storms_planned: Vec<(Duration, usize)>,
+    storms: u64,
+    storm_hangups: u64,
+    storm_charges: u64,
     // The demo's logs.
     log_path: String,
     charges_created: u64,
     commit_failures: u64,
+    unstored_answers: u64,
+    aborted_successes: u64,
+    background_stores: u64,
     layer_takeovers: u64,
     handler_takeovers: u64,
     log_errors: u64,
@@ -74,8 +98,7 @@ impl Report {
         stats: &Stats,
         fleet: &Fleet,
         log: &DemoLog,
-        restart: DatabaseRestart,
-        database: &DatabaseFaults,
+        faults: Faults<'_>,
         verdict: Verdict,
         phases: Phases,
         cluster: &Cluster,
@@ -94,6 +117,7 @@ impl Report {
             conflicts: get(&stats.conflicts),
             server_errors: get(&stats.server_errors),
             unavailable: get(&stats.unavailable),
+            overloaded: get(&stats.overloaded),
             connection_errors: get(&stats.connection_errors),
             timeouts: get(&stats.timeouts),
             hangups: get(&stats.hangups),
@@ -101,12 +125,28 @@ impl Report {
             killed_in_flight: get(&fleet.killed_in_flight),
             starts: get(&fleet.starts),
             failed_starts: get(&fleet.failed_starts),
-            pg_restarts: get(&database.restarts),
-            pg_in_flight: get(&database.in_flight),
-            restart,
+            pg_restarts: get(&faults.database.restarts),
+            pg_in_flight: get(&faults.database.in_flight),
+            restart: faults.restart,
+            refusal: faults.refusal,
+            refusal_windows: get(&faults.refused.windows),
+            refused: get(&faults.refused.refused),
+            refusal_held: Duration::from_millis(get(&faults.refused.held_ms)),
+            catch_percent: crate::run::catch_percent(args),
+            storms_planned: faults
+                .storms
+                .iter()
+                .map(|storm| (storm.at, storm.struck()))
+                .collect(),
+            storms: get(&faults.stormed.storms),
+            storm_hangups: get(&stats.storm_hangups),
+            storm_charges: get(&stats.storm_charges),
             log_path: log.path().display().to_string(),
             charges_created: get(&log.charges_created),
             commit_failures: get(&log.commit_failures),
+            unstored_answers: get(&log.unstored_answers),
+            aborted_successes: get(&log.aborted_successes),
+            background_stores: get(&log.background_stores),
             layer_takeovers: get(&log.layer_takeovers),
             handler_takeovers: get(&log.handler_takeovers),
             log_errors: get(&log.errors),
@@ -144,8 +184,9 @@ impl Report {
             "logical charges",
             v.charges,
             format!(
-                "{} sent twice in parallel, {} resent after their answer, {} declined cards",
-                v.parallel, v.resent, v.declined
+                "{} sent twice in parallel, {} resent after their answer, {} declined cards, {} \
+                 caught database errors",
+                v.parallel, v.resent, v.declined, v.caught
             ),
         );
         line("requests", self.requests, String::new());
@@ -159,7 +200,10 @@ impl Report {
         line(
             "5xx",
             self.server_errors,
-            format!("{} of them 503", self.unavailable),
+            format!(
+                "{} of them 503, {} of these Overloaded",
+                self.unavailable, self.overloaded
+            ),
         );
         line("connection errors", self.connection_errors, String::new());
         line("timeouts", self.timeouts, String::new());
@@ -185,6 +229,58 @@ impl Report {
                 self.restart.down_for.as_secs_f64(),
             ),
         );
+        let refusal = match self.refusal {
+            Some(plan) if self.refusal_windows > 0 => format!(
+                "by a trigger on idempotency.records at {:.1} s for {:.1} s (planned {} s; the \
+                 instances' lease is {} s)",
+                plan.at.as_secs_f64(),
+                self.refusal_held.as_secs_f64(),
+                plan.window.as_secs(),
+                LEASE.as_secs()
+            ),
+            Some(plan) => format!(
+                "planned at {:.1} s, not reached before the stop",
+                plan.at.as_secs_f64()
+            ),
+            None => "off (--refuse-completions-secs 0, or the run is too short)".to_owned(),
+        };
+        line("completions refused", self.refused, refusal);
+        line(
+            "caught database errors",
+            v.caught,
+            if self.catch_percent == 0 {
+                "off (--catch-percent 0, or lease mode)".to_owned()
+            } else {
+                format!(
+                    "charges whose handler caught its failed INSERT and answered {}: {} answers, \
+                     each fresh",
+                    crate::catch::STATUS.as_u16(),
+                    v.caught_answers
+                )
+            },
+        );
+        let storms = self
+            .storms_planned
+            .iter()
+            .take(usize::try_from(self.storms).unwrap_or(usize::MAX))
+            .map(|(at, struck)| format!("{:.1} s ({struck})", at.as_secs_f64()))
+            .collect::<Vec<_>>();
+        line(
+            "hang-up storms",
+            self.storms,
+            if self.storms == 0 {
+                "off (--storms 0)".to_owned()
+            } else {
+                format!(
+                    "at {} (clients struck): {} charges sent in them, {} requests hung up; {} × \
+                     503 Overloaded",
+                    storms.join(", "),
+                    self.storm_charges,
+                    self.storm_hangups,
+                    self.overloaded
+                )
+            },
+        );
         println!("server side");
         let written = if self.charges_created >= v.rows {
             format!(
@@ -202,7 +298,28 @@ impl Report {
             )
         };
         line("charges logged by handlers", self.charges_created, written);
-        line("failed commits (503)", self.commit_failures, String::new());
+        line(
+            "failed commits (503)",
+            self.commit_failures,
+            "the database restart, kills, and refused completions".to_owned(),
+        );
+        line(
+            "answered over a failed tx",
+            self.unstored_answers,
+            format!(
+                "delivered unstored, nothing committed, key released; {} success answers turned \
+                 into 500",
+                self.aborted_successes
+            ),
+        );
+        line(
+            "stored in the background",
+            self.background_stores,
+            "delivered responses whose storing failed, stored later with their claim kept alive; \
+             0 when every handler writes through its transaction (a failed store is then a \
+             failed commit)"
+                .to_owned(),
+        );
         let takeovers = v.takeover_records.max(self.layer_takeovers);
         let takeover_note = match self.inject_bug {
             Some(Bug::LeaseMode) => format!(

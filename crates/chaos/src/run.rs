@@ -16,11 +16,12 @@ use crate::{
     BoxError, PgStopMode, RunArgs,
     client::{self, Behaviour, Shared, Stats},
     cluster::{Cluster, StopMode},
-    faults::{self, DatabaseFaults, DatabaseRestart},
+    faults::{self, DatabaseFaults, DatabaseRestart, RefusalFaults, Storm, StormFaults},
     instance::{DemoLog, Fleet, Spec},
     progress,
-    report::{Phases, Report},
+    report::{Faults, Phases, Report},
     rng::Rng,
+    serve::Bug,
     verify,
 };
 
@@ -38,13 +39,18 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
     let mut signals = Signals::install();
     eprintln!(
         "chaos run: seed {seed}, {} s, {} clients, 2 charges-demo instances (processing delay \
-         {}–{} ms), a SIGKILL every {:.1}–{:.1} s, one PostgreSQL restart",
+         {}–{} ms), a SIGKILL every {:.1}–{:.1} s, one PostgreSQL restart, completions refused \
+         for {} s, {} % caught database errors, {} hang-up storms of {} % of the clients",
         args.duration_secs,
         args.clients,
         args.delay_min_ms,
         args.delay_max_ms,
         args.kill_min_ms as f64 / 1000.0,
         args.kill_max_ms as f64 / 1000.0,
+        args.refuse_completions_secs,
+        catch_percent(&args),
+        args.storms,
+        args.storm_percent,
     );
     eprintln!(
         "replay it with: cargo run --release -p chaos -- {}",
@@ -172,6 +178,23 @@ async fn run(
         },
         down_for: Duration::from_millis(rng.between(1_000, 3_000)),
     };
+    let refusal = faults::plan_refusal(
+        &mut rng,
+        duration,
+        Duration::from_secs(args.refuse_completions_secs),
+        &restart,
+    );
+    if refusal.is_some() {
+        faults::prepare_refusal(&pool).await?;
+    }
+    let storms = faults::plan_storms(
+        &mut rng,
+        duration,
+        args.storms,
+        usize::from(args.clients),
+        args.storm_percent,
+    );
+    let (storm_tx, storm_rx) = watch::channel(Storm::default());
     let (stop_tx, stop_rx) = watch::channel(false);
     let shared = Arc::new(Shared {
         addrs: Arc::clone(fleet.addrs()),
@@ -182,10 +205,12 @@ async fn run(
             hangup_percent: args.hangup_percent,
             resend_percent: args.resend_percent,
             decline_percent: args.decline_percent,
+            catch_percent: catch_percent(args),
         },
         stats: Stats::default(),
         stop: stop_rx.clone(),
         deadline: OnceLock::new(),
+        storms: storm_rx,
     });
     let stop = || {
         let _ = shared.deadline.set(Instant::now() + drain);
@@ -193,11 +218,25 @@ async fn run(
     };
 
     progress(format_args!(
-        "chaos for {} s with {} clients; PostgreSQL restart (stop -m {}) planned at {:.1} s",
+        "chaos for {} s with {} clients; PostgreSQL restart (stop -m {}) planned at {:.1} s; {}; \
+         hang-up storms at [{}] s",
         duration.as_secs(),
         args.clients,
         restart.mode.as_str(),
-        restart.at.as_secs_f64()
+        restart.at.as_secs_f64(),
+        match refusal {
+            Some(refusal) => format!(
+                "completions refused at {:.1} s for {} s",
+                refusal.at.as_secs_f64(),
+                refusal.window.as_secs()
+            ),
+            None => "no completions refused".to_owned(),
+        },
+        storms
+            .iter()
+            .map(|storm| format!("{:.1}", storm.at.as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join(", "),
     ));
     let chaos_started = Instant::now();
     let mut clients = JoinSet::new();
@@ -206,7 +245,16 @@ async fn run(
         let rng = rng.fork();
         clients.spawn(async move { client::run(&shared, index, rng).await });
     }
+    if !storms.is_empty() {
+        for index in 0..usize::from(args.clients) {
+            let shared = Arc::clone(&shared);
+            let rng = rng.fork();
+            clients.spawn(async move { client::storm_charges(&shared, index, rng).await });
+        }
+    }
     let database_faults = DatabaseFaults::default();
+    let refusal_faults = RefusalFaults::default();
+    let storm_faults = StormFaults::default();
     let faults = async {
         tokio::try_join!(
             faults::kill_instances(
@@ -219,6 +267,8 @@ async fn run(
                 ),
             ),
             faults::restart_database(cluster, &pool, stop_rx.clone(), restart, &database_faults),
+            faults::refuse_completions(&pool, stop_rx.clone(), refusal, &refusal_faults),
+            faults::hang_up_storms(&storms, &storm_tx, stop_rx.clone(), &storm_faults),
             tick(&shared, &fleet, stop_rx.clone()),
         )
     };
@@ -282,8 +332,14 @@ async fn run(
         &shared.stats,
         &fleet,
         &log,
-        restart,
-        &database_faults,
+        Faults {
+            restart,
+            database: &database_faults,
+            refusal,
+            refused: &refusal_faults,
+            storms: &storms,
+            stormed: &storm_faults,
+        },
         verdict,
         Phases {
             setup,
@@ -309,19 +365,29 @@ async fn tick(
         }
         let s = &shared.stats;
         progress(format_args!(
-            "{} charges, {} requests, {} retries, {} replays, {} × 409, {} × 5xx, {} connection \
-             errors, {} timeouts, {} hang-ups, {} kills",
+            "{} charges, {} requests, {} retries, {} replays, {} × 409, {} × 5xx ({} × 503 \
+             Overloaded), {} connection errors, {} timeouts, {} hang-ups, {} kills",
             Stats::get(&s.charges),
             Stats::get(&s.requests),
             Stats::get(&s.retries),
             Stats::get(&s.replays),
             Stats::get(&s.conflicts),
             Stats::get(&s.server_errors),
+            Stats::get(&s.overloaded),
             Stats::get(&s.connection_errors),
             Stats::get(&s.timeouts),
             Stats::get(&s.hangups),
             Stats::get(&fleet.kills),
         ));
+    }
+}
+
+/// `--catch-percent`, but none in lease mode (`--inject-bug lease-mode`): the catching handler
+/// fails inside the request's transaction, which lease mode has not.
+pub(crate) fn catch_percent(args: &RunArgs) -> u8 {
+    match args.inject_bug {
+        Some(Bug::LeaseMode) => 0,
+        _ => args.catch_percent,
     }
 }
 
@@ -375,6 +441,22 @@ fn replay_args(args: &RunArgs, seed: u64) -> String {
             "decline-percent",
             args.decline_percent.into(),
             defaults.decline_percent.into(),
+        ),
+        (
+            "refuse-completions-secs",
+            args.refuse_completions_secs,
+            defaults.refuse_completions_secs,
+        ),
+        (
+            "catch-percent",
+            args.catch_percent.into(),
+            defaults.catch_percent.into(),
+        ),
+        ("storms", args.storms.into(), defaults.storms.into()),
+        (
+            "storm-percent",
+            args.storm_percent.into(),
+            defaults.storm_percent.into(),
         ),
     ];
     for (name, value, default) in numbers {
@@ -454,6 +536,8 @@ mod tests {
             "--delay-min-ms 0 --delay-max-ms 5 --request-timeout-ms 900 --drain-secs 5 \
              --parallel-percent 0 --hangup-percent 50 --resend-percent 1 --decline-percent 100 \
              --pg-stop-mode fast --keep-logs",
+            "--refuse-completions-secs 0 --catch-percent 0 --storms 0",
+            "--refuse-completions-secs 9 --catch-percent 100 --storms 7 --storm-percent 100",
         ] {
             let args = parse(given);
             let replayed = parse(&replay_args(&args, 7));

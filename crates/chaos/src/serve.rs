@@ -1,10 +1,12 @@
 //! The child side: `chaos serve [charges-demo options]`, one demo instance.
 //!
 //! The chaos run re-executes its own binary with this hidden subcommand for each instance, so
-//! there is no second binary to build or find: the instance runs the demo through its library,
-//! [`charges_demo::server::run`], exactly what the `charges-demo` binary's `main` does (with
-//! PostgreSQL, that is the layer's transactional mode). It prints `listening on ADDR` on
-//! standard output and logs to standard error, as the demo does.
+//! there is no second binary to build or find. The instance serves the demo's router
+//! ([`charges_demo::app`]) on the state [`AppState::postgres`] makes (the layer in
+//! transactional mode) and on a pool sized as [`charges_demo::server::run`] sizes it, which
+//! sets the layer's limit of detached handlers; plus, for the charges marked so, the handler of
+//! [`catch`](crate::catch) under the same layer. It prints `listening on ADDR` on standard
+//! output and logs to standard error, as the demo does.
 //!
 //! It exits as soon as its standard input closes: the parent keeps the write end open, so an
 //! instance never outlives the run, however the run ends (even killed with `SIGKILL`, when the
@@ -32,10 +34,18 @@ use sqlx::{
     postgres::{PgConnectOptions, PgPoolOptions},
 };
 use tokio::{io::AsyncReadExt, net::TcpListener};
-use tower_idempotency::store::PostgresStore;
+use tower_idempotency::store::{PostgresStore, continuously_delete_expired};
 use tracing_subscriber::EnvFilter;
 
-use crate::BoxError;
+use crate::{BoxError, catch};
+
+/// The demo's pool (`server::run`): its size bounds the layer's detached handlers (half of it).
+const POOL_SIZE: u32 = 20;
+/// How long a request waits for a pooled connection (`server::run`).
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The demo's expiry loop (`server::run`).
+const EXPIRY_PERIOD: Duration = Duration::from_secs(60);
+const EXPIRY_BATCH: u32 = 1_000;
 
 /// `chaos serve`: the demo's own options, plus the self-check's bug.
 #[derive(Debug, Parser)]
@@ -110,17 +120,12 @@ pub(crate) fn main(args: ServeArgs) -> ExitCode {
     };
     let served = runtime.block_on(async {
         tokio::spawn(exit_when_stdin_closes());
-        match args.inject_bug {
-            None => server::run(args.demo)
-                .await
-                .map_err(|error| ErrorChain(&error).to_string()),
-            Some(bug) => {
-                tracing::warn!(bug = bug.name(), "SELF-CHECK: {}", bug.describe());
-                serve_with_bug(args.demo, bug)
-                    .await
-                    .map_err(|error| error.to_string())
-            }
+        if let Some(bug) = args.inject_bug {
+            tracing::warn!(bug = bug.name(), "SELF-CHECK: {}", bug.describe());
         }
+        serve(args.demo, args.inject_bug)
+            .await
+            .map_err(|error| ErrorChain(&*error).to_string())
     });
     // Exit at once: dropping the runtime would wait for the blocking read of standard input.
     match served {
@@ -143,36 +148,51 @@ async fn exit_when_stdin_closes() {
     }
 }
 
-/// The demo wired wrongly on purpose; as [`server::run`] otherwise (without its graceful
-/// shutdown or expiry loop, which the run does not need).
-async fn serve_with_bug(args: server::Args, bug: Bug) -> Result<(), BoxError> {
+/// The demo on PostgreSQL, with the catching handler; with `bug`, wired wrongly on purpose. As
+/// [`server::run`] otherwise, without its graceful shutdown (the run closes standard input) or
+/// metrics.
+async fn serve(args: server::Args, bug: Option<Bug>) -> Result<(), BoxError> {
     let settings = args.settings();
     let url = args
         .database_url
         .as_deref()
-        .ok_or("--inject-bug needs --database-url")?;
-    // Larger than the demo's 20: with writes outside the transaction each charge needs two
-    // connections at once, and a pool the size of the concurrency would deadlock until its
-    // acquire timeout, hiding the bug behind timeouts.
+        .ok_or("chaos serve needs --database-url")?;
+    // With writes outside the transaction each charge needs two connections at once, and a pool
+    // the size of the concurrency would deadlock until its acquire timeout, hiding the bug
+    // behind timeouts.
+    let pool_size = if bug.is_some() { 64 } else { POOL_SIZE };
     let pool = PgPoolOptions::new()
-        .max_connections(64)
-        .acquire_timeout(Duration::from_secs(5))
+        .max_connections(pool_size)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
         .connect_with(PgConnectOptions::from_str(url)?)
         .await?;
     charges_demo::migrate(&pool).await?;
-    let ledger = WriteFirst {
-        ledger: PostgresLedger::new(pool.clone()),
-        then: settings.processing_delay,
-    };
-    let processor = CardProcessor::new(Duration::ZERO);
     let store = match bug {
-        Bug::WritesOutsideTx => PostgresStore::new(pool).transactional(),
-        Bug::LeaseMode => PostgresStore::new(pool),
+        Some(Bug::LeaseMode) => PostgresStore::new(pool.clone()),
+        _ => PostgresStore::new(pool.clone()).transactional(),
     };
-    let router = app(AppState::new(
-        ledger,
-        idempotency_layer(store, &settings)?,
-        processor,
+    // What `AppState::postgres` builds, keeping the layer for the catching handler.
+    let layer = idempotency_layer(store.clone(), &settings)?;
+    let demo = match bug {
+        None => app(AppState::new(
+            PostgresLedger::new(pool.clone()),
+            layer.clone(),
+            CardProcessor::new(settings.processing_delay),
+        )),
+        Some(_) => app(AppState::new(
+            WriteFirst {
+                ledger: PostgresLedger::new(pool.clone()),
+                then: settings.processing_delay,
+            },
+            layer.clone(),
+            CardProcessor::new(Duration::ZERO),
+        )),
+    };
+    let router = catch::route(demo, layer);
+    tokio::spawn(continuously_delete_expired(
+        store,
+        EXPIRY_PERIOD,
+        EXPIRY_BATCH,
     ));
     let listener = TcpListener::bind(args.listen).await?;
     let mut stdout = io::stdout().lock();

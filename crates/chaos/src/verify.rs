@@ -10,15 +10,20 @@
 //! | the stored response is the one delivered | the key's `idempotency.records` row has the answer's status and a body with the same SHA-256 |
 //! | nothing stuck | no record is left in flight (`status IS NULL`; in transactional mode no such row is ever committed) and no transaction is left open |
 //! | nothing else | no charge row and no record belongs to no logical charge |
+//!
+//! A charge whose handler caught a database error ([`catch`](crate::catch)) must leave nothing:
+//! no row (any is a double execution), no record (else a stored-record mismatch), and every
+//! answer, the resend's included, is that handler's `402`, fresh (else an unexpected answer).
 
 use std::collections::HashMap;
 
 use charges_demo::auth::Account;
 use http::Method;
+use sha2::{Digest, Sha256};
 use sqlx::{PgPool, Row};
 use tower_idempotency::{IdempotencyKey, Principal, ScopeKey};
 
-use crate::client::Observed;
+use crate::{catch, client::Observed};
 
 /// How many failure examples of each kind the report shows.
 const EXAMPLES: usize = 5;
@@ -30,6 +35,9 @@ pub(crate) struct Verdict {
     pub(crate) parallel: u64,
     pub(crate) resent: u64,
     pub(crate) declined: u64,
+    /// Logical charges whose handler caught a database error, and the answers they got.
+    pub(crate) caught: u64,
+    pub(crate) caught_answers: u64,
     pub(crate) rows: u64,
     pub(crate) records: u64,
     /// Completed records whose claim took over a lapsed lease.
@@ -247,6 +255,7 @@ fn check_charge(
     verdict.parallel += u64::from(charge.parallel);
     verdict.resent += u64::from(charge.resent);
     verdict.declined += u64::from(plan.declined);
+    verdict.caught += u64::from(plan.caught_error);
 
     let account = Account::from_api_key(&plan.api_key);
     let record = IdempotencyKey::new(plan.key.clone()).ok().and_then(|key| {
@@ -274,6 +283,20 @@ fn check_charge(
         .collect::<Vec<_>>()
         .join(", ");
 
+    if charge.unresolved > 0 {
+        verdict.unresolved += 1;
+        verdict.example(
+            "unresolved",
+            format!(
+                "{what}: {} sender(s) got no final answer before the deadline",
+                charge.unresolved
+            ),
+        );
+    }
+    if plan.caught_error {
+        check_caught(verdict, charge, &what, &seen, &charge_rows, record.as_ref());
+        return;
+    }
     match charge_rows.len() {
         0 => {
             verdict.lost += 1;
@@ -291,16 +314,6 @@ fn check_charge(
                 format!("{what}: {n} charge rows {ids:?}; the client saw [{seen}]"),
             );
         }
-    }
-    if charge.unresolved > 0 {
-        verdict.unresolved += 1;
-        verdict.example(
-            "unresolved",
-            format!(
-                "{what}: {} sender(s) got no final answer before the deadline",
-                charge.unresolved
-            ),
-        );
     }
     let Some(first) = answers.first() else {
         return;
@@ -370,5 +383,210 @@ fn check_charge(
                 verdict.example("stored-record mismatch", text);
             }
         }
+    }
+}
+
+/// A charge whose handler caught a database error; see the [module documentation](self).
+fn check_caught(
+    verdict: &mut Verdict,
+    charge: &Observed,
+    what: &str,
+    seen: &str,
+    rows: &[ChargeRow],
+    record: Option<&RecordRow>,
+) {
+    verdict.caught_answers += charge.answers.len() as u64;
+    if !rows.is_empty() {
+        verdict.double_executions += rows.len() as u64;
+        let ids: Vec<&str> = rows.iter().map(|row| row.id.as_str()).collect();
+        verdict.example(
+            "double execution",
+            format!(
+                "{what}: its handler's write failed (caught), yet charge rows {ids:?} committed; \
+                 the client saw [{seen}]"
+            ),
+        );
+    }
+    let expected: [u8; 32] = Sha256::digest(catch::BODY).into();
+    if let Some(other) = charge
+        .answers
+        .iter()
+        .find(|a| a.status != catch::STATUS || a.replayed || a.body_sha256 != expected)
+    {
+        verdict.unexpected_answers += 1;
+        verdict.example(
+            "unexpected answer",
+            format!(
+                "{what}: a caught database error is answered {} with its card error, fresh each \
+                 time; got [{seen}]: {}",
+                catch::STATUS.as_u16(),
+                other.excerpt
+            ),
+        );
+    }
+    if let Some(record) = record {
+        verdict.record_mismatches += 1;
+        verdict.example(
+            "stored-record mismatch",
+            format!(
+                "{what}: a caught database error's answer is never stored, but the key has a \
+                 record (status {:?}); the client saw [{seen}]",
+                record.status
+            ),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use http::StatusCode;
+
+    use super::*;
+    use crate::client::{Answer, Plan};
+
+    const KEY: &str = "5c2a5c1e-7f1e-4d0c-9a55-0b9b8f0a6c11";
+
+    fn plan(caught_error: bool) -> Plan {
+        Plan {
+            api_key: "sk_test_chaos_00".to_owned(),
+            key: KEY.to_owned(),
+            order_id: "1-0-1".to_owned(),
+            amount: 100,
+            declined: false,
+            caught_error,
+        }
+    }
+
+    fn answer(status: StatusCode, replayed: bool, body: &'static str) -> Answer {
+        Answer::new(status, replayed, &Bytes::from_static(body.as_bytes()))
+    }
+
+    fn caught(replayed: bool) -> Answer {
+        answer(catch::STATUS, replayed, catch::BODY)
+    }
+
+    fn observed(plan: Plan, answers: Vec<Answer>) -> Observed {
+        Observed {
+            plan,
+            answers,
+            unresolved: 0,
+            parallel: false,
+            resent: true,
+        }
+    }
+
+    /// Checks `charge` against `rows` (its order's) and, if given, the record of its key.
+    fn check(charge: &Observed, rows: Vec<ChargeRow>, record: Option<RecordRow>) -> Verdict {
+        let mut verdict = Verdict::default();
+        let mut rows: HashMap<String, Vec<ChargeRow>> = [(charge.plan.order_id.clone(), rows)]
+            .into_iter()
+            .filter(|(_, rows)| !rows.is_empty())
+            .collect();
+        let mut records = HashMap::new();
+        if let Some(record) = record {
+            let account = Account::from_api_key(&charge.plan.api_key);
+            let scope = ScopeKey::new(
+                &Principal::new(account.as_str()).unwrap(),
+                &Method::POST,
+                "/v1/charges",
+                &IdempotencyKey::new(KEY.to_owned()).unwrap(),
+            );
+            records.insert(scope.as_bytes()[..16].try_into().unwrap(), record);
+        }
+        check_charge(&mut verdict, charge, &mut rows, &mut records);
+        assert!(records.is_empty(), "the key's record was looked up");
+        verdict
+    }
+
+    fn row(charge: &Observed) -> ChargeRow {
+        ChargeRow {
+            id: "ch_1".to_owned(),
+            account: Account::from_api_key(&charge.plan.api_key)
+                .as_str()
+                .to_owned(),
+            status: "succeeded".to_owned(),
+        }
+    }
+
+    fn failed(verdict: &Verdict) -> Vec<(&'static str, u64)> {
+        verdict
+            .invariants()
+            .into_iter()
+            .filter(|(_, count)| *count > 0)
+            .collect()
+    }
+
+    /// A caught error answered fresh by both sends, with no row and no record, is as it must be:
+    /// neither lost nor answered fresh twice.
+    #[test]
+    fn a_caught_error_answered_fresh_twice_and_leaving_nothing_passes() {
+        let charge = observed(plan(true), vec![caught(false), caught(false)]);
+        let verdict = check(&charge, Vec::new(), None);
+        assert_eq!(failed(&verdict), []);
+        assert_eq!((verdict.caught, verdict.caught_answers), (1, 2));
+    }
+
+    #[test]
+    fn a_caught_error_replayed_stored_or_committed_fails() {
+        let replayed = observed(plan(true), vec![caught(false), caught(true)]);
+        assert_eq!(
+            failed(&check(&replayed, Vec::new(), None)),
+            [("unexpected answers", 1)]
+        );
+        let stored = observed(plan(true), vec![caught(false)]);
+        let record = RecordRow {
+            status: Some(402),
+            body_sha256: Some(Sha256::digest(catch::BODY).to_vec()),
+        };
+        assert_eq!(
+            failed(&check(&stored, Vec::new(), Some(record))),
+            [("stored-record mismatches", 1)]
+        );
+        let committed = observed(plan(true), vec![caught(false), caught(false)]);
+        let rows = vec![row(&committed)];
+        assert_eq!(
+            failed(&check(&committed, rows, None)),
+            [("double executions", 1)]
+        );
+        let other_body = observed(
+            plan(true),
+            vec![answer(catch::STATUS, false, r#"{"error":{}}"#)],
+        );
+        assert_eq!(
+            failed(&check(&other_body, Vec::new(), None)),
+            [("unexpected answers", 1)]
+        );
+    }
+
+    /// The same answers for an ordinary charge are failures: it must have its row and record,
+    /// and only its first answer may be fresh.
+    #[test]
+    fn an_ordinary_charge_answered_fresh_twice_fails() {
+        let body = r#"{"id":"ch_1","object":"charge"}"#;
+        let charge = observed(
+            plan(false),
+            vec![
+                answer(StatusCode::OK, false, body),
+                answer(StatusCode::OK, false, body),
+            ],
+        );
+        let record = RecordRow {
+            status: Some(200),
+            body_sha256: Some(Sha256::digest(body).to_vec()),
+        };
+        let rows = vec![row(&charge)];
+        assert_eq!(
+            failed(&check(&charge, rows, Some(record))),
+            [("answered fresh twice", 1)]
+        );
+        assert_eq!(
+            failed(&check(&charge, Vec::new(), None)),
+            [
+                ("answered fresh twice", 1),
+                ("lost charges", 1),
+                ("stored-record mismatches", 1)
+            ]
+        );
     }
 }

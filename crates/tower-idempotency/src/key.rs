@@ -258,6 +258,19 @@ impl fmt::Display for KeyError {
 
 impl std::error::Error for KeyError {}
 
+/// A header's name as it is usually written (`Idempotency-Key`), for messages and documents.
+pub(crate) fn header_title(name: &str) -> String {
+    name.split('-')
+        .map(|word| {
+            let mut chars = word.chars();
+            chars.next().map_or_else(String::new, |first| {
+                first.to_ascii_uppercase().to_string() + chars.as_str()
+            })
+        })
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
 /// Whether a value that is no valid key is a list of several (`a, b` or `"a", "b"`), as a
 /// client sending the header twice gets it once a proxy has joined the two. A comma alone does
 /// not make a list: `a,b` is a valid bare key.

@@ -516,6 +516,13 @@ impl<St: Store> IdempotencyLayer<St> {
         self
     }
 
+    /// What this layer's configuration says to an OpenAPI document (feature `utoipa`): the key
+    /// header, the refusals, `Idempotent-Replayed` and the TTL; see [`openapi`](crate::openapi).
+    #[cfg(feature = "utoipa")]
+    pub fn openapi(&self) -> crate::openapi::IdempotencyApi {
+        crate::openapi::IdempotencyApi::new(&self.config)
+    }
+
     /// Response headers never stored (so never replayed), besides those
     /// [`Record::capture`](crate::Record::capture) always drops: headers that describe one
     /// delivery or carry a secret in your app.

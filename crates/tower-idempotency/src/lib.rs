@@ -105,6 +105,8 @@ mod future;
 pub mod key;
 mod layer;
 pub mod metrics;
+#[cfg(feature = "utoipa")]
+pub mod openapi;
 pub mod policy;
 pub mod problem;
 pub mod record;

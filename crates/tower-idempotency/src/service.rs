@@ -175,7 +175,7 @@ where
                             "{} {} requires an {} header",
                             request.method(),
                             request_uri(request.extensions(), request.uri()).path(),
-                            header_title(name)
+                            crate::key::header_title(name.as_str())
                         ),
                     )));
                 }
@@ -254,20 +254,6 @@ struct Keyed<S, St, ReqBody> {
     key: Option<IdempotencyKey>,
     principal: Principal,
     _request_body: PhantomData<fn(ReqBody)>,
-}
-
-/// `Idempotency-Key` as the header's name is usually written, for messages.
-fn header_title(name: &http::HeaderName) -> String {
-    name.as_str()
-        .split('-')
-        .map(|word| {
-            let mut chars = word.chars();
-            chars.next().map_or_else(String::new, |first| {
-                first.to_ascii_uppercase().to_string() + chars.as_str()
-            })
-        })
-        .collect::<Vec<_>>()
-        .join("-")
 }
 
 impl Config {

@@ -51,6 +51,7 @@
 pub mod auth;
 pub mod error;
 pub mod ledger;
+pub mod openapi;
 pub mod params;
 pub mod processor;
 pub mod refusals;
@@ -61,7 +62,7 @@ pub mod server;
 use std::{convert::Infallible, time::Duration};
 
 use axum::{
-    Router, middleware,
+    Json, Router, middleware,
     routing::{get, post},
 };
 use http::Method;
@@ -224,7 +225,9 @@ pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
         processor,
         idempotency,
     } = state;
-    Router::new()
+    // Built from the layer as configured, so it cannot say other than what the layer does.
+    let described = Json(openapi::document(&idempotency));
+    let api = Router::new()
         .route(
             "/v1/charges",
             // Only the POST handler is wrapped: reads need no key. `Original-Request` is set
@@ -238,7 +241,14 @@ pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
         .fallback(routes::not_found)
         .with_state(routes::Api { ledger, processor })
         // Outside the idempotency layer, so the principal is in place when it looks for it.
-        .layer(middleware::from_fn(auth::authenticate))
+        .layer(middleware::from_fn(auth::authenticate));
+    Router::new()
+        // Public: the description needs no API key.
+        .route(
+            "/openapi.json",
+            get(move || std::future::ready(described.clone())),
+        )
+        .merge(api)
         // Outermost, so every response has a `Request-Id`, a `401` too.
         .layer(middleware::from_fn(request_id::request_ids))
 }

@@ -87,11 +87,14 @@ pub fn render(rejection: &Rejection) -> Response<Bytes> {
     response
 }
 
-/// The status of the demo's answer to `rejection`: the layer's, but `400` for a key reused with
-/// other parameters, as Stripe's API answers (see the [module documentation](self)).
+/// The demo's status for a key reused with other parameters: Stripe's, not the layer's `422`.
+pub const MISMATCH_STATUS: StatusCode = StatusCode::BAD_REQUEST;
+
+/// The status of the demo's answer to `rejection`: the layer's, but [`MISMATCH_STATUS`] for a
+/// key reused with other parameters (see the [module documentation](self)).
 pub fn status(rejection: &Rejection) -> StatusCode {
     match rejection.kind() {
-        RejectionKind::Mismatch => StatusCode::BAD_REQUEST,
+        RejectionKind::Mismatch => MISMATCH_STATUS,
         kind => kind.status(),
     }
 }

@@ -57,7 +57,75 @@ on_every_backend!(
     list_pages_and_validates_its_parameters,
     same_key_in_two_accounts_makes_two_charges,
     unknown_urls_and_methods,
+    the_published_description_says_what_the_layer_does,
 );
+
+/// Issue 30.6: `GET /openapi.json` publishes the idempotency contract of `POST /v1/charges`
+/// from the layer's own configuration, and the API then does what it says.
+async fn the_published_description_says_what_the_layer_does(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let described = h
+        .send(
+            Request::get("/openapi.json")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await;
+    assert_eq!(
+        described.status,
+        StatusCode::OK,
+        "public, without an API key"
+    );
+    let doc = described.json();
+    let create = &doc["paths"]["/v1/charges"]["post"];
+    let key = &create["parameters"][0];
+    assert_eq!(key["name"], "Idempotency-Key");
+    assert_eq!(key["in"], "header");
+    assert_eq!(key["required"], true, "the demo's layer requires the key");
+    assert_eq!(key["schema"]["maxLength"], 255);
+    let said = key["description"].as_str().expect("a description");
+    assert!(said.contains("for 1 day"), "the TTL in words: {said}");
+    let facts = &create["x-idempotency"];
+    assert_eq!(facts["ttl_seconds"], 86_400);
+    assert_eq!(facts["required"], true);
+    assert_eq!(
+        create["responses"]["200"]["headers"]["Idempotent-Replayed"]["schema"]["enum"],
+        json!(["true"])
+    );
+    for status in ["409", "413", "503"] {
+        assert_eq!(
+            create["responses"][status]["content"]["application/problem+json"]["schema"]["$ref"],
+            "#/components/schemas/Refusal",
+            "{status}"
+        );
+    }
+    // Reads are not idempotent writes: no key.
+    assert!(
+        doc["paths"]["/v1/charges"]["get"]["parameters"]
+            .as_array()
+            .is_none_or(|parameters| parameters.iter().all(|p| p["name"] != "Idempotency-Key"))
+    );
+
+    // What it says, it does: no key, a reused key and a key in flight get the statuses listed.
+    let refusals = facts["refusals"].as_object().expect("refusals by status");
+    let listed = |status: StatusCode, kind: &str| {
+        refusals[status.as_str()]
+            .as_array()
+            .is_some_and(|kinds| kinds.iter().any(|k| k == kind))
+    };
+    let api_key = new_api_key();
+    let missing = h
+        .send(charge(&api_key, None, "amount=100&currency=usd"))
+        .await;
+    assert!(listed(missing.status, "key_missing"), "{}", missing.status);
+    let key = new_key();
+    h.send(charge(&api_key, Some(&key), "amount=100&currency=usd"))
+        .await;
+    let reused = h
+        .send(charge(&api_key, Some(&key), "amount=200&currency=usd"))
+        .await;
+    assert!(listed(reused.status, "mismatch"), "{}", reused.status);
+}
 
 async fn creates_a_charge_from_a_stripe_form(backend: Backend) {
     let h = Harness::start(backend).await;

@@ -16,11 +16,11 @@ use pin_project_lite::pin_project;
 
 use crate::{body::ResponseBody, problem::Rejection};
 
-/// What a keyed request's future yields.
-type Output<B, E> = Result<Response<ResponseBody<B>>, E>;
+/// What the layer's response future yields: the response, or the inner service's error.
+pub(crate) type Served<B, E> = Result<Response<ResponseBody<B>>, E>;
 
 /// A keyed request's future.
-type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Output<B, E>> + Send>>;
+type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Served<B, E>> + Send>>;
 
 pin_project! {
     /// Response future of [`Idempotency`](crate::Idempotency).
@@ -66,7 +66,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     /// response future is dropped first (see [`Disconnect`](crate::Disconnect)).
     pub(crate) fn keyed<Fut>(future: Pin<Box<Fut>>, detach: Option<Arc<Detached>>) -> Self
     where
-        Fut: Future<Output = Output<B, E>> + Send + 'static,
+        Fut: Future<Output = Served<B, E>> + Send + 'static,
         B: Send + 'static,
         E: Send + 'static,
     {
@@ -141,7 +141,7 @@ impl Drop for Counted {
 }
 
 impl<B, E> Detachable<B, E> {
-    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Output<B, E>> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Served<B, E>> {
         let future = self.future.as_mut().expect("polled after completion");
         let output = std::task::ready!(future.as_mut().poll(cx));
         self.future = None;

@@ -99,6 +99,7 @@
 
 mod body;
 mod cache;
+mod chain;
 mod context;
 pub mod fingerprint;
 mod future;

@@ -79,7 +79,8 @@ use std::{
 use sqlx::PgConnection;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use crate::store::PgTransaction;
+/// The transaction a transactional claim holds.
+pub(crate) type PgTransaction = sqlx::Transaction<'static, sqlx::Postgres>;
 
 /// The open transaction of a transactionally claimed key, shared by the claim and the handler.
 #[derive(Debug)]

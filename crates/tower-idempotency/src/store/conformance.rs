@@ -66,7 +66,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use sha2::{Digest, Sha256};
 
 use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Store};
-use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey, service::Chain};
+use crate::{chain::Chain, fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
 /// A lease and TTL long enough never to run out during a check.
 const LONG: Duration = Duration::from_secs(3600);

@@ -65,8 +65,6 @@ mod postgres;
 pub use memory::{MemoryStore, MemoryStoreError};
 pub use notify::{InFlightWatch, Notifier, POLL_WHILE_NOT_LIVE};
 #[cfg(feature = "postgres")]
-pub(crate) use postgres::PgTransaction;
-#[cfg(feature = "postgres")]
 pub use postgres::{PartitionMaintenance, PgClaim, PostgresStore, PostgresStoreError};
 
 /// What the layer asks a store to claim.

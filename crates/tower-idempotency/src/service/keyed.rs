@@ -1,0 +1,263 @@
+//! A keyed request on its way: its body buffered and fingerprinted, its key looked up (the
+//! replay cache, then the store's atomic claim), and the handler run, the replay sent, or the
+//! request refused.
+
+use super::*;
+
+impl<S, St, ReqBody, ResBody> Keyed<S, St, ReqBody>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: Store,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    /// Body and fingerprint, then the claim. Unless the app chose [`Disconnect::Cancel`], the
+    /// response future hands this future to a task of its own if it is dropped unfinished (the
+    /// client hung up), so a handler is never stopped half-way.
+    ///
+    /// A function returning an `async` block rather than an `async fn`, whose arguments would be
+    /// stored twice in the future (see rust-lang/rust#62958), and this future is allocated for
+    /// every keyed request.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn would store its arguments twice"
+    )]
+    pub(super) fn serve(
+        mut self,
+        parts: Parts,
+        body: ReqBody,
+    ) -> impl Future<Output = Served<ResBody, S::Error>> {
+        async move {
+            let config = &*self.shared.config;
+            let limit = config.max_body_bytes;
+            let timeout = config.body_timeout;
+            let body = pin!(body);
+            let mut buffering = pin!(body::buffer(body, limit));
+            // A small body has usually arrived with the head: only a body still on its way gets a
+            // timer (which costs a clock read and a count on the runtime handle shared by every
+            // worker thread).
+            let buffered = match poll_once(buffering.as_mut()).await {
+                Poll::Ready(buffered) => buffered,
+                Poll::Pending => match tokio::time::timeout(timeout, buffering).await {
+                    Ok(buffered) => buffered,
+                    Err(_) => {
+                        return Ok(reject(
+                            config,
+                            Rejection::new(
+                                RejectionKind::BodyTimeout,
+                                format!(
+                                    "the request body did not arrive within {timeout:?}; nothing was \
+                             processed"
+                                ),
+                            ),
+                        ));
+                    }
+                },
+            };
+            let body = match buffered {
+                Buffered::Complete(body, _trailers) => body,
+                Buffered::TooLarge { .. } => {
+                    return Ok(reject(
+                        config,
+                        Rejection::new(
+                            RejectionKind::BodyTooLarge,
+                            format!(
+                                "the request body exceeds {limit} bytes; nothing was processed"
+                            ),
+                        ),
+                    ));
+                }
+                Buffered::Failed { error, .. } => {
+                    tracing::debug!(error = %Chain(&*error), "request body could not be read");
+                    return Ok(reject(
+                        config,
+                        Rejection::new(
+                            RejectionKind::BodyUnreadable,
+                            "the request body could not be read; nothing was processed",
+                        ),
+                    ));
+                }
+            };
+            let key = match self.key.take() {
+                Some(key) => key,
+                None => match config.key_from_request(&parts, &body) {
+                    Ok(Some(key)) => key,
+                    Ok(None) => {
+                        // No key, not required: the handler runs unprotected, as with no header.
+                        let mut inner = self.inner;
+                        let request = Request::from_parts(parts, RequestBody::buffered(body));
+                        return Ok(inner.call(request).await?.map(ResponseBody::passthrough));
+                    }
+                    Err(rejection) => return Ok(reject(config, rejection)),
+                },
+            };
+            let uri = request_uri(&parts.extensions, &parts.uri);
+            let scope_key = config
+                .scope
+                .key(&self.principal, &parts.method, uri.path(), &key);
+            tracing::Span::current().record("key", tracing::field::display(scope_key));
+            let fingerprint = crate::fingerprint::compute_for_request(
+                &config.fingerprint,
+                &parts.method,
+                uri,
+                &parts.headers,
+                &body,
+            )
+            .await;
+
+            // Claim, then run, replay or refuse.
+            let begin = match self.shared.cached(scope_key, fingerprint) {
+                Some(begin) => begin,
+                None if self.shared.overloaded() => {
+                    // Handlers still finishing for clients that hung up may hold what any store
+                    // work needs (in transactional mode, every pooled connection): refuse at
+                    // once rather than queue behind them.
+                    outcome(Outcome::Overloaded);
+                    return Ok(reject(
+                        config,
+                        Rejection::new(
+                            RejectionKind::Overloaded,
+                            "too many requests are still finishing for clients that went away; \
+                             nothing was processed, retry with the same Idempotency-Key",
+                        )
+                        .with_retry_after(1),
+                    ));
+                }
+                None => match self.shared.claim(scope_key, fingerprint).await {
+                    Ok(begin) => begin,
+                    Err(error) => return self.store_failed(&error, parts, body).await,
+                },
+            };
+            let begin = match begin {
+                Begin::InFlight { .. } if !config.in_flight_wait.is_zero() => {
+                    match self
+                        .shared
+                        .wait_while_in_flight(scope_key, fingerprint)
+                        .await
+                    {
+                        Ok(begin) => begin,
+                        Err(error) => return self.store_failed(&error, parts, body).await,
+                    }
+                }
+                begin => begin,
+            };
+            match begin {
+                Begin::Acquired { claim, takeover } => {
+                    if takeover {
+                        tracing::warn!(
+                            "took over an idempotency key whose holder's lease lapsed; \
+                         its handler may have run in part"
+                        );
+                    }
+                    let context = IdempotencyContext {
+                        key,
+                        scope_key,
+                        takeover,
+                    };
+                    self.run(claim, context, parts, body).await
+                }
+                Begin::Completed { record, .. } => Ok(replayed(&record)),
+                Begin::InFlight { .. } => {
+                    outcome(Outcome::Conflict);
+                    Ok(reject(
+                        config,
+                        Rejection::new(
+                            RejectionKind::InFlight,
+                            "a request with this Idempotency-Key is still being processed; \
+                     retry after the Retry-After delay to get its response",
+                        ),
+                    ))
+                }
+                Begin::Mismatch => Ok(mismatch(config)),
+            }
+        }
+    }
+
+    /// The store failed at claim time: `503`, or the handler without protection (fail-open).
+    pub(super) async fn store_failed(
+        mut self,
+        error: &St::Error,
+        parts: Parts,
+        body: Bytes,
+    ) -> Served<ResBody, S::Error> {
+        outcome(Outcome::StoreError);
+        tracing::error!(error = %Chain(error), "idempotency store unavailable");
+        let config = Arc::clone(&self.shared.config);
+        match config.store_failure {
+            StoreFailure::FailClosed { retry_after_secs } => Ok(reject(
+                &config,
+                Rejection::new(
+                    RejectionKind::StoreUnavailable,
+                    "the idempotency store is unavailable, so the request was not processed; \
+                     retry with the same Idempotency-Key",
+                )
+                .with_retry_after(retry_after_secs),
+            )),
+            StoreFailure::FailOpen => {
+                tracing::warn!("failing open: running the handler without idempotency protection");
+                let response = self
+                    .inner
+                    .call(Request::from_parts(parts, RequestBody::buffered(body)))
+                    .await?;
+                Ok(response.map(ResponseBody::passthrough))
+            }
+        }
+    }
+}
+
+impl<St: Store> Shared<St> {
+    /// Whether as many handlers run for clients that hung up as the layer allows: the smaller
+    /// of [`with_max_detached`](crate::IdempotencyLayer::with_max_detached) and the store's
+    /// [`detached_limit`](Store::detached_limit).
+    pub(super) fn overloaded(&self) -> bool {
+        let configured = self.config.max_detached;
+        let limit = self
+            .store
+            .detached_limit()
+            .map_or(configured, |store| store.min(configured));
+        self.detached.count() >= limit
+    }
+
+    /// The key's state if the replay cache knows it.
+    pub(super) fn cached(
+        &self,
+        key: ScopeKey,
+        fingerprint: Fingerprint,
+    ) -> Option<Begin<St::Claim>> {
+        match self.cache.get(&key, &fingerprint)? {
+            Hit::Replay(record) => Some(Begin::Completed {
+                record,
+                expires_in: None,
+            }),
+            Hit::Mismatch => Some(Begin::Mismatch),
+        }
+    }
+
+    /// The key's state from the store's atomic claim; a completed record it returns is cached
+    /// for the next retry.
+    pub(super) async fn claim(
+        &self,
+        key: ScopeKey,
+        fingerprint: Fingerprint,
+    ) -> Result<Begin<St::Claim>, St::Error> {
+        let request = ClaimRequest {
+            key,
+            fingerprint,
+            lease: self.config.lease,
+            ttl: self.config.ttl,
+        };
+        let begin = metrics::timed("begin", self.store.begin(&request)).await?;
+        if let Begin::Completed {
+            record,
+            expires_in: Some(expires_in),
+        } = &begin
+        {
+            self.cache.insert(key, fingerprint, record, *expires_in);
+        }
+        Ok(begin)
+    }
+}

@@ -1,0 +1,368 @@
+//! The middleware, in the order a request meets it:
+//! key → scope → body and fingerprint → claim → handler → record → replay.
+
+use std::{
+    fmt,
+    future::Future,
+    marker::PhantomData,
+    panic::AssertUnwindSafe,
+    pin::{Pin, pin},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::{Request, Response, Uri, request::Parts};
+use http_body::Body;
+use tower_service::Service;
+use tracing::Instrument;
+
+use crate::{
+    body::{self, BoxError, Buffered, RequestBody, ResponseBody},
+    cache::{Hit, ReplayCache},
+    chain::Chain,
+    context::IdempotencyContext,
+    fingerprint::Fingerprint,
+    future::{Detached, ResponseFuture, Served},
+    key::IdempotencyKey,
+    layer::Config,
+    layer::KeySource,
+    metrics,
+    policy::{Disconnect, Retention, StoreFailure},
+    problem::{Rejection, RejectionKind},
+    record::Record,
+    replay,
+    scope::{Principal, ScopeKey},
+    store::{Begin, ClaimRequest, ClaimStatus, InFlightWatch, Store},
+};
+
+mod held;
+mod keyed;
+mod outcome;
+mod run;
+mod wait;
+
+use held::*;
+use outcome::*;
+use run::*;
+pub(crate) use wait::Waiting;
+
+/// Middleware that runs each keyed request once and replays its response to retries.
+///
+/// Made by [`IdempotencyLayer`](crate::IdempotencyLayer); see the [crate documentation](crate).
+pub struct Idempotency<S, St> {
+    inner: S,
+    shared: Shared<St>,
+}
+
+/// What every clone of the service, and every request, shares.
+pub(crate) struct Shared<St> {
+    pub(crate) store: Arc<St>,
+    pub(crate) config: Arc<Config>,
+    pub(crate) cache: Arc<ReplayCache>,
+    pub(crate) detached: Arc<Detached>,
+    pub(crate) waiting: Arc<Waiting>,
+}
+
+impl<St> Clone for Shared<St> {
+    fn clone(&self) -> Self {
+        Self {
+            store: Arc::clone(&self.store),
+            config: Arc::clone(&self.config),
+            cache: Arc::clone(&self.cache),
+            detached: Arc::clone(&self.detached),
+            waiting: Arc::clone(&self.waiting),
+        }
+    }
+}
+
+impl<S, St> Idempotency<S, St> {
+    pub(crate) fn new(inner: S, shared: Shared<St>) -> Self {
+        Self { inner, shared }
+    }
+}
+
+impl<S: Clone, St> Clone for Idempotency<S, St> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St> fmt::Debug for Idempotency<S, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .field("store", &std::any::type_name::<St>())
+            .field("config", &self.shared.config)
+            .finish()
+    }
+}
+
+impl<S, St, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: Store,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let config = &self.shared.config;
+        if !config.covers(request.method()) {
+            return ResponseFuture::passthrough(
+                self.inner.call(request.map(RequestBody::passthrough)),
+            );
+        }
+
+        // Key, when a header holds it; a key taken from the request waits for its body.
+        let key = match &config.key_source {
+            KeySource::Header(name) => match IdempotencyKey::from_header(request.headers(), name) {
+                Ok(Some(key)) => match config.follows_rule(&key) {
+                    Ok(()) => Some(key),
+                    Err(rejection) => {
+                        return ResponseFuture::rejected(config.rendering.render(rejection));
+                    }
+                },
+                Ok(None) if config.required => {
+                    return ResponseFuture::rejected(config.rendering.render(Rejection::new(
+                        RejectionKind::KeyMissing,
+                        format!(
+                            "{} {} requires an {} header",
+                            request.method(),
+                            request_uri(request.extensions(), request.uri()).path(),
+                            crate::key::header_title(name.as_str())
+                        ),
+                    )));
+                }
+                Ok(None) => {
+                    return ResponseFuture::passthrough(
+                        self.inner.call(request.map(RequestBody::passthrough)),
+                    );
+                }
+                Err(error) => {
+                    return ResponseFuture::rejected(
+                        config
+                            .rendering
+                            .render(Rejection::new(RejectionKind::KeyInvalid, error.to_string())),
+                    );
+                }
+            },
+            KeySource::Request(_) => None,
+        };
+
+        // Scope.
+        let (parts, body) = request.into_parts();
+        let Some(principal) = config.scope.principal(&parts) else {
+            tracing::error!(
+                "idempotent request without a principal: the authentication layer must insert a \
+                 `tower_idempotency::Principal` before the idempotency layer runs (in axum, add it \
+                 with `.layer(...)` after the idempotency layer), or configure \
+                 `IdempotencyLayer::with_scope`"
+            );
+            return ResponseFuture::rejected(config.rendering.render(Rejection::new(
+                RejectionKind::PrincipalMissing,
+                "the server could not determine who this request is for, so its Idempotency-Key \
+                 cannot be honoured; nothing was processed",
+            )));
+        };
+
+        // The service that was polled ready is the one that runs the handler; a fresh clone
+        // takes its place (see https://docs.rs/tower/latest/tower/trait.Service.html#be-careful-when-cloning-inner-services).
+        let clone = self.inner.clone();
+        let keyed = Keyed {
+            inner: std::mem::replace(&mut self.inner, clone),
+            shared: self.shared.clone(),
+            key,
+            principal,
+            _request_body: PhantomData,
+        };
+        let span = tracing::debug_span!(
+            "idempotency",
+            key = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let detach = (config.disconnect == Disconnect::RunToCompletion)
+            .then(|| Arc::clone(&self.shared.detached));
+        // Boxed where it is made: moving this large state machine into the response future
+        // would copy it, where moving the box copies a pointer.
+        ResponseFuture::keyed(Box::pin(keyed.serve(parts, body).instrument(span)), detach)
+    }
+}
+
+/// The URI the client sent. Axum's `Router::nest` strips its prefix from the request's URI
+/// before inner layers see it; the original, which scopes and fingerprints a key, is then in
+/// axum's `OriginalUri` extension.
+fn request_uri<'a>(extensions: &'a http::Extensions, uri: &'a Uri) -> &'a Uri {
+    #[cfg(feature = "axum")]
+    if let Some(axum::extract::OriginalUri(original)) = extensions.get() {
+        return original;
+    }
+    let _ = extensions;
+    uri
+}
+
+/// A covered request with its principal (and its key, when a header held it), on its way
+/// through the store.
+struct Keyed<S, St, ReqBody> {
+    inner: S,
+    shared: Shared<St>,
+    key: Option<IdempotencyKey>,
+    principal: Principal,
+    _request_body: PhantomData<fn(ReqBody)>,
+}
+
+impl Config {
+    /// The key the app's function takes from the request: `Ok(None)` without one (`Err`, the
+    /// `400`, when it is required, malformed or breaks the rule).
+    fn key_from_request(
+        &self,
+        parts: &Parts,
+        body: &Bytes,
+    ) -> Result<Option<IdempotencyKey>, Rejection> {
+        let KeySource::Request(key_of) = &self.key_source else {
+            return Ok(None);
+        };
+        match key_of(parts, body) {
+            Some(key) => {
+                let key = IdempotencyKey::new(key).map_err(|error| {
+                    Rejection::new(RejectionKind::KeyInvalid, error.to_string())
+                })?;
+                self.follows_rule(&key)?;
+                Ok(Some(key))
+            }
+            None if self.required => Err(Rejection::new(
+                RejectionKind::KeyMissing,
+                format!(
+                    "{} {} requires an idempotency key, and none was found in the request",
+                    parts.method,
+                    request_uri(&parts.extensions, &parts.uri).path()
+                ),
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// `Err` with the `400` to answer when `key` breaks the app's key rule.
+    fn follows_rule(&self, key: &IdempotencyKey) -> Result<(), Rejection> {
+        match &self.key_rule {
+            Some(rule) if !rule.accepts(key.as_str()) => Err(Rejection::new(
+                RejectionKind::KeyInvalid,
+                format!(
+                    "the idempotency key does not follow this API's key rule `{}`{}; nothing \
+                     was processed",
+                    rule.name(),
+                    if rule.format() == Some("uuid") {
+                        " (a UUID such as 8e03978e-40d5-43e8-bc93-6894a57f9324)"
+                    } else {
+                        ""
+                    }
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A keyed request's future is allocated for every request and moved between its stages,
+    /// so its size is a per-request cost. It was 37 KiB in lease mode while the store's timers
+    /// held each statement's future twice and the transactional begin was inlined.
+    ///
+    /// Layouts are as shipped only when optimised (MIR inlining changes what an `.await`
+    /// holds: without the boxed transactional begin the future is 4 KiB unoptimised but 10 KiB
+    /// optimised), so it runs in release builds; CI runs it with `cargo test --release`.
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(
+        debug_assertions,
+        ignore = "future layouts are as shipped only in release builds"
+    )]
+    #[tokio::test]
+    async fn a_lease_mode_request_future_stays_small() {
+        use http_body_util::Full;
+        use tower_layer::Layer;
+
+        let pool = sqlx::PgPool::connect_lazy("postgres://127.0.0.1/unused").expect("lazy pool");
+        let handler = tower::service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::new())))
+        });
+        let service = crate::IdempotencyLayer::postgres(pool).layer(handler);
+        let keyed = Keyed {
+            inner: service.inner,
+            shared: service.shared.clone(),
+            key: Some(IdempotencyKey::parse(&http::HeaderValue::from_static("k")).expect("key")),
+            principal: Principal::new("acct").expect("principal"),
+            _request_body: PhantomData,
+        };
+        let (parts, body) = Request::new(Full::new(Bytes::new())).into_parts();
+        let size = std::mem::size_of_val(&keyed.serve(parts, body));
+        assert!(
+            size <= 8 * 1024,
+            "a lease-mode request's future is {size} bytes"
+        );
+    }
+
+    /// Issue 28.10: a response's trailers (gRPC's status is one) reach its client; a replay
+    /// carries none (see `replay`).
+    #[tokio::test]
+    async fn trailers_reach_the_client_and_replays_carry_none() {
+        use http_body::Frame;
+        use http_body_util::{BodyExt, Full, StreamBody};
+        use tower::ServiceExt;
+        use tower_layer::Layer;
+
+        let handler = tower::service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+            let mut trailers = http::HeaderMap::new();
+            trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+            let frames = vec![
+                Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from_static(b"ok"))),
+                Ok(Frame::trailers(trailers)),
+            ];
+            Ok::<_, std::convert::Infallible>(Response::new(StreamBody::new(
+                futures_util::stream::iter(frames),
+            )))
+        });
+        let service = crate::IdempotencyLayer::memory()
+            .with_scope(crate::Scope::single_tenant())
+            .layer(handler);
+        let request = || {
+            Request::post("/")
+                .header("idempotency-key", "k")
+                .body(Full::new(Bytes::new()))
+                .unwrap()
+        };
+        let first = service.clone().oneshot(request()).await.unwrap();
+        let first = first.into_body().collect().await.unwrap();
+        assert_eq!(first.trailers().unwrap()["grpc-status"], "0");
+        assert_eq!(first.to_bytes(), "ok");
+        let replay = service.oneshot(request()).await.unwrap();
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        let replay = replay.into_body().collect().await.unwrap();
+        assert!(replay.trailers().is_none());
+        assert_eq!(replay.to_bytes(), "ok");
+    }
+}

@@ -1,0 +1,263 @@
+//! The handler, under a claim kept alive by a heartbeat, and what becomes of its response.
+
+use super::*;
+
+impl<S, St, ReqBody, ResBody> Keyed<S, St, ReqBody>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: Store,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    /// The handler, under a held claim kept alive by a heartbeat; then record or release.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn would store its arguments twice (see `serve`)"
+    )]
+    pub(super) fn run(
+        self,
+        claim: St::Claim,
+        context: IdempotencyContext,
+        mut parts: Parts,
+        body: Bytes,
+    ) -> impl Future<Output = Served<ResBody, S::Error>> {
+        async move {
+            let Keyed {
+                mut inner, shared, ..
+            } = self;
+            let takeover = context.takeover;
+            let (store, config) = (shared.store, shared.config);
+            let config = &*config;
+            store.attach(&claim, &mut parts.extensions);
+            let guard = ClaimGuard::new(Arc::clone(&store), claim);
+            parts.extensions.insert(context);
+            let request = Request::from_parts(parts, RequestBody::buffered(body));
+            let max_response_bytes = config.max_response_bytes;
+            let handler = async move {
+                let response = inner.call(request).await?;
+                let (parts, body) = response.into_parts();
+                Ok((
+                    parts,
+                    body::buffer(Box::pin(body), max_response_bytes).await,
+                ))
+            };
+            // Pinned here and lent to the heartbeat: an `async fn` taking the future by value
+            // would keep two copies of it in its state (rust-lang/rust#62958).
+            let handling = pin!(AssertUnwindSafe(handler).catch_unwind());
+            let heartbeat = Heartbeat {
+                lease: config.lease,
+                max_time: config.max_handler_time,
+            };
+            let Some(handled) = heartbeat.run(&*store, guard.claim(), handling).await else {
+                // Hung: no longer renewed. The claim is left to its lease (or, in
+                // transactional mode, rolled back with the handler), so a retry takes over.
+                tracing::error!(
+                    max = ?config.max_handler_time,
+                    "handler ran past its maximum time; cancelled, and its key left to lapse"
+                );
+                guard.abandon();
+                outcome(Outcome::Abandoned);
+                return Ok(reject(
+                    config,
+                    Rejection::new(
+                        RejectionKind::HandlerTimedOut,
+                        format!(
+                            "the request did not finish within {:?} and was stopped; retry with \
+                             the same Idempotency-Key once its lease of {:?} has lapsed",
+                            config.max_handler_time, config.lease
+                        ),
+                    )
+                    .with_retry_after(config.lease.as_secs().max(1)),
+                ));
+            };
+
+            let (mut parts, buffered) = match handled {
+                Ok(Ok(handled)) => handled,
+                Ok(Err(error)) => {
+                    outcome(Outcome::Released);
+                    guard.release().await;
+                    return Err(error);
+                }
+                Err(panic) => {
+                    tracing::error!(
+                        panic = panic_message(&*panic),
+                        "handler panicked; key released"
+                    );
+                    outcome(Outcome::Released);
+                    guard.release().await;
+                    return Ok(reject(
+                        config,
+                        Rejection::new(
+                            RejectionKind::HandlerPanicked,
+                            "the request failed on the server and was not completed; \
+                     it is safe to retry with the same Idempotency-Key",
+                        ),
+                    ));
+                }
+            };
+
+            let mut retention = parts
+                .extensions
+                .remove::<Retention>()
+                .unwrap_or_else(|| config.retention.decide(parts.status));
+            let (kept_body, body) = match buffered {
+                Buffered::Complete(bytes, trailers) => {
+                    (Some(bytes.clone()), ResponseBody::full(bytes, trailers))
+                }
+                Buffered::TooLarge { prefix, rest } => {
+                    tracing::warn!(
+                        limit = max_response_bytes,
+                        "response too large to store: delivered, but a retry gets its status only"
+                    );
+                    (None, ResponseBody::prefixed(prefix, rest))
+                }
+                Buffered::Failed { prefix, error } => {
+                    // Its outcome is unknown: a retry runs again rather than replay half an answer.
+                    tracing::warn!(error = %Chain(&*error), "response body failed; key released");
+                    retention = Retention::Release;
+                    (None, ResponseBody::failed(prefix, error))
+                }
+            };
+            match retention {
+                Retention::Keep => {
+                    let record =
+                        Record::capture_without(&parts, kept_body, &config.unstored_headers);
+                    match guard.complete(record, config.lease, config.ttl).await {
+                        Completion::Stored => outcome(if takeover {
+                            Outcome::Takeover
+                        } else {
+                            Outcome::Acquired
+                        }),
+                        Completion::NotCommitted => {
+                            // The handler's writes were to commit with the record, and may not have.
+                            outcome(Outcome::StoreError);
+                            return Ok(reject(
+                                config,
+                                Rejection::new(
+                                    RejectionKind::StoreUnavailable,
+                                    "the request could not be confirmed as committed; retry with the \
+                                 same Idempotency-Key: if it was committed the retry gets its \
+                                 response, otherwise it runs again",
+                                ),
+                            ));
+                        }
+                        Completion::RolledBack => {
+                            outcome(Outcome::Released);
+                            if parts.status.is_success() || parts.status.is_redirection() {
+                                // A success nothing backs: answering it would be a lie.
+                                tracing::error!(
+                                    status = %parts.status,
+                                    "the handler answered success over a failed transaction; \
+                                     nothing was committed"
+                                );
+                                return Ok(reject(
+                                    config,
+                                    Rejection::new(
+                                        RejectionKind::TransactionAborted,
+                                        "the request failed on the server and nothing was \
+                                     committed; it is safe to retry with the same \
+                                     Idempotency-Key",
+                                    ),
+                                ));
+                            }
+                            tracing::info!(
+                                status = %parts.status,
+                                "the handler answered over a failed transaction: delivered, \
+                                 nothing committed, key released"
+                            );
+                        }
+                    }
+                }
+                Retention::Release => {
+                    outcome(Outcome::Released);
+                    guard.release().await;
+                }
+            }
+            Ok(Response::from_parts(parts, body))
+        }
+    }
+}
+
+/// The lease a running handler's claim keeps, and how long the handler may run.
+pub(super) struct Heartbeat {
+    pub(super) lease: Duration,
+    pub(super) max_time: Duration,
+}
+
+impl Heartbeat {
+    /// Runs `future` while renewing `claim`'s lease every third of the lease; `None` when it
+    /// runs past the maximum time (it is then dropped, and its claim no longer renewed).
+    /// Renewal runs beside the handler, never blocking it; a renewal that fails or finds the
+    /// claim lost is logged, and the handler goes on (fencing keeps a lost claim from writing
+    /// its record). After a failed renewal the next comes sooner, so a lease outlives an outage
+    /// shorter than itself.
+    pub(super) async fn run<St: Store, F: Future>(
+        &self,
+        store: &St,
+        claim: &St::Claim,
+        mut future: Pin<&mut F>,
+    ) -> Option<F::Output> {
+        // A handler that answers without waiting needs no heartbeat: don't even start the timer.
+        if let Poll::Ready(output) = poll_once(future.as_mut()).await {
+            return Some(output);
+        }
+        let period = self.lease / 3;
+        let started = tokio::time::Instant::now();
+        let deadline = later(started, self.max_time);
+        let mut next = later(started, period);
+        loop {
+            tokio::select! {
+                biased;
+                output = &mut future => return Some(output),
+                () = tokio::time::sleep_until(deadline) => return None,
+                () = tokio::time::sleep_until(next) => {}
+            }
+            let renewal = pin!(metrics::timed("renew", store.renew(claim, self.lease)));
+            let renewed = tokio::select! {
+                biased;
+                output = &mut future => return Some(output),
+                renewed = renewal => renewed,
+            };
+            let now = tokio::time::Instant::now();
+            next = match renewed {
+                Ok(ClaimStatus::Held) => {
+                    metrics::renewal("held");
+                    later(now, period)
+                }
+                Ok(_) => {
+                    metrics::renewal("lost");
+                    tracing::warn!(
+                        "lease lost while the handler runs (another request took the key over); \
+                         this response will not be stored"
+                    );
+                    later(now, period)
+                }
+                Err(error) => {
+                    metrics::renewal("error");
+                    tracing::warn!(error = %Chain(&error), "lease renewal failed");
+                    later(now, period.min(RETRY_WHILE_UNREACHABLE))
+                }
+            };
+        }
+    }
+}
+
+/// `at + span`, or far in the future where that would overflow.
+pub(super) fn later(at: tokio::time::Instant, span: Duration) -> tokio::time::Instant {
+    at.checked_add(span)
+        .unwrap_or_else(|| at + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
+/// How soon a store that failed is tried again while a claim must be kept alive: an outage
+/// shorter than the lease never lets the lease lapse.
+pub(super) const RETRY_WHILE_UNREACHABLE: Duration = Duration::from_millis(500);
+
+/// Polls `future` once, in the task's context: `Pending` leaves it to be awaited on. Used to skip
+/// setting up a timer for work that turns out to be done already.
+pub(super) async fn poll_once<F: Future>(mut future: Pin<&mut F>) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
+}

@@ -1,0 +1,212 @@
+//! Claiming a key: the one-key statement in either mode, and reading its answer.
+
+use super::*;
+
+/// How many times `begin` runs its statement when a racing commit hides the conflicting row.
+pub(super) const BEGIN_ATTEMPTS: usize = 5;
+
+impl PostgresStore {
+    /// The claim statement of this store's mode, for the attempt `claimant`.
+    pub(super) fn claim_statement(
+        &self,
+        request: &ClaimRequest,
+        claimant: Uuid,
+    ) -> Statement<'static> {
+        let sql = match (self.partitions.is_some(), self.transactional) {
+            (true, _) => BEGIN_PARTITIONED,
+            (false, true) => BEGIN_TRANSACTIONAL,
+            (false, false) => BEGIN_LEASE,
+        };
+        let statement = Statement::new(sql)
+            .with(Param::Key(stored_key(&request.key)))
+            .with(Param::Digest(*request.fingerprint.as_bytes()))
+            .with(Param::Interval(request.lease))
+            .with(Param::Interval(request.ttl))
+            .with(Param::Key(claimant));
+        match (self.partitions.is_some(), self.transactional) {
+            (true, try_lock) => statement.with(Param::Bool(try_lock)),
+            (false, true) => statement.with(Param::Int(advisory_lock_key(request))),
+            (false, false) => statement,
+        }
+    }
+
+    /// A claim that commits on its own (lease mode, and partitioned lease mode). Its caller may
+    /// never read the answer (a timeout, a lost connection, a cancelled request); the attempt's
+    /// [`ClaimAttempt`] then releases whatever it claimed.
+    pub(super) async fn begin_lease(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<Begin<PgClaim>, PostgresStoreError> {
+        let mut attempt = ClaimAttempt::new(self, request.key);
+        if self.batches() {
+            let (pool, timeout) = (self.pool.clone(), self.timeout);
+            let store = self.clone();
+            let claimed = tokio::time::timeout(
+                self.timeout,
+                self.new_claims.run(
+                    (request.clone(), attempt.claimant),
+                    move |writer, batch| claim_new_keys(pool.clone(), timeout, writer, batch),
+                    // Claimed for a request that stopped waiting (it timed out, or was
+                    // cancelled): free the key now rather than when its lease lapses.
+                    move |claimed| {
+                        if let Batched::Done(Some(lease)) = claimed {
+                            let store = store.clone();
+                            tokio::spawn(async move {
+                                let claim = PgClaim { lease, tx: None };
+                                if let Err(error) = store.release(&claim).await {
+                                    tracing::warn!(%error, "releasing an abandoned claim failed; it frees itself when its lease lapses");
+                                }
+                            });
+                        }
+                    },
+                ),
+            )
+            .await;
+            match claimed {
+                Ok(Some(Batched::Done(Some(lease)))) => {
+                    attempt.settle();
+                    return Ok(Begin::Acquired {
+                        claim: PgClaim { lease, tx: None },
+                        takeover: false,
+                    });
+                }
+                Ok(Some(Batched::TimedOut)) | Err(_) => return Err(self.timeout_error("begin")),
+                // The key has a row (or the batch could not say whether it wrote ours): the
+                // one-key statement decides, and finds our row if the batch did write it.
+                Ok(Some(Batched::Done(None) | Batched::Alone) | None) => {}
+            }
+        }
+        for _ in 0..BEGIN_ATTEMPTS {
+            let statement = self.claim_statement(request, attempt.claimant);
+            if let Some(row) = attempt.run(statement).await? {
+                let begin = decode_begin(request, &row)?;
+                attempt.settle();
+                return Ok(begin.map_claim(|lease| PgClaim { lease, tx: None }));
+            }
+        }
+        // No row in any try: nothing was claimed.
+        attempt.settle();
+        Err(PostgresStoreError::Contended)
+    }
+
+    pub(super) async fn begin_transactional(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<Begin<PgClaim>, PostgresStoreError> {
+        let mut tx = self
+            .timed(
+                "begin",
+                self.pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED"),
+            )
+            .await?;
+        for _ in 0..BEGIN_ATTEMPTS {
+            let row = self
+                .timed(
+                    "begin",
+                    self.claim_statement(request, new_claimant())
+                        .fetch_optional(self.prepared, &mut *tx),
+                )
+                .await?;
+            let Some(row) = row else { continue };
+            return match decode_begin(request, &row)? {
+                Begin::Acquired {
+                    claim: lease,
+                    takeover,
+                } => Ok(Begin::Acquired {
+                    claim: PgClaim {
+                        lease,
+                        tx: Some(Box::new(TxClaim {
+                            slot: Arc::new(TxSlot::new(tx)),
+                            request: request.clone(),
+                            fallback: std::sync::Mutex::new(Fallback::None),
+                        })),
+                    },
+                    takeover,
+                }),
+                other => {
+                    let other = other.map_claim(|lease| PgClaim { lease, tx: None });
+                    // Nothing was written; end the transaction (and its lock attempt) now.
+                    self.timed("begin", tx.rollback()).await?;
+                    Ok(other)
+                }
+            };
+        }
+        Err(PostgresStoreError::Contended)
+    }
+}
+
+/// The advisory lock of a key in transactional mode: the first 64 bits of its hash. Two keys
+/// sharing them (a chance of 2⁻⁶⁴ per pair) only make one of them wait its turn with a `409`.
+pub(super) fn advisory_lock_key(request: &ClaimRequest) -> i64 {
+    let mut prefix = [0; 8];
+    prefix.copy_from_slice(&request.key.as_bytes()[..8]);
+    i64::from_be_bytes(prefix)
+}
+
+pub(super) fn decode_begin(
+    request: &ClaimRequest,
+    row: &PgRow,
+) -> Result<Begin<Lease>, PostgresStoreError> {
+    match row.try_get::<&str, _>("outcome")? {
+        "acquired" => {
+            return Ok(Begin::Acquired {
+                claim: Lease {
+                    key: request.key,
+                    token: row.try_get("token")?,
+                },
+                takeover: row.try_get("takeover")?,
+            });
+        }
+        "busy" => {
+            return Ok(Begin::InFlight {
+                lease_remaining: None,
+            });
+        }
+        _ => {}
+    }
+    if !row.try_get::<bool, _>("same_fingerprint")? {
+        return Ok(Begin::Mismatch);
+    }
+    // In flight under this attempt's own claimant: claimed by an earlier try whose answer was
+    // lost (a batch that failed after it committed).
+    if row.try_get::<Option<bool>, _>("mine")? == Some(true) {
+        return Ok(Begin::Acquired {
+            claim: Lease {
+                key: request.key,
+                token: row.try_get("token")?,
+            },
+            takeover: row.try_get("takeover")?,
+        });
+    }
+    let Some(status) = row.try_get::<Option<i16>, _>("status")? else {
+        let remaining: Option<f64> = row.try_get("lease_remaining")?;
+        return Ok(Begin::InFlight {
+            lease_remaining: remaining.and_then(|s| Duration::try_from_secs_f64(s).ok()),
+        });
+    };
+    let status = u16::try_from(status)
+        .ok()
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .ok_or_else(|| PostgresStoreError::Corrupt(format!("status {status}")))?;
+    let names: Vec<String> = row.try_get("header_names")?;
+    let values: Vec<Vec<u8>> = row.try_get("header_values")?;
+    if names.len() != values.len() {
+        return Err(PostgresStoreError::Corrupt(
+            "header names and values differ in length".to_owned(),
+        ));
+    }
+    let mut headers = HeaderMap::with_capacity(names.len());
+    for (name, value) in names.into_iter().zip(values) {
+        let name = HeaderName::try_from(name)
+            .map_err(|e| PostgresStoreError::Corrupt(format!("header name: {e}")))?;
+        let value = HeaderValue::try_from(value)
+            .map_err(|e| PostgresStoreError::Corrupt(format!("header value: {e}")))?;
+        headers.append(name, value);
+    }
+    let body: Option<Vec<u8>> = row.try_get("body")?;
+    let expires_in: Option<f64> = row.try_get("expires_in")?;
+    Ok(Begin::Completed {
+        record: Record::from_parts(status, headers, body.map(Bytes::from)),
+        expires_in: expires_in.and_then(|s| Duration::try_from_secs_f64(s).ok()),
+    })
+}

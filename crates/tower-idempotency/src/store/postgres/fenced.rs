@@ -1,0 +1,94 @@
+//! The operations on a held claim in lease mode, each fenced by the claim's token.
+
+use super::*;
+
+impl PostgresStore {
+    pub(super) async fn renew_lease(
+        &self,
+        held: &Lease,
+        lease: Duration,
+    ) -> Result<ClaimStatus, PostgresStoreError> {
+        let statement =
+            fenced_statement(self.fenced_sql().renew, held).with(Param::Interval(lease));
+        self.fenced("renew", statement, &self.pool).await
+    }
+
+    pub(super) async fn complete_lease(
+        &self,
+        held: &Lease,
+        record: &Record,
+    ) -> Result<ClaimStatus, PostgresStoreError> {
+        if self.batches() && record.size() <= MAX_BATCHED_RECORD {
+            let (pool, timeout) = (self.pool.clone(), self.timeout);
+            let notifications = Arc::clone(&self.notifications);
+            let completed = self
+                .completions
+                .run(
+                    (*held, record.clone()),
+                    move |writer, batch| {
+                        let notify = notifications.emit();
+                        complete_many(pool.clone(), timeout, notify, writer, batch)
+                    },
+                    // Stored, whether or not anyone waits to hear it.
+                    drop,
+                )
+                .await;
+            match completed {
+                Some(Batched::Done(status)) => return Ok(status),
+                Some(Batched::TimedOut) => return Err(self.timeout_error("complete")),
+                Some(Batched::Alone) | None => {}
+            }
+        }
+        self.fenced(
+            "complete",
+            complete_statement(self.complete_sql(), held, record),
+            &self.pool,
+        )
+        .await
+    }
+
+    pub(super) async fn release_lease(
+        &self,
+        held: &Lease,
+    ) -> Result<ClaimStatus, PostgresStoreError> {
+        let sql = if self.notifications.emit() {
+            self.fenced_sql().release_notify
+        } else {
+            self.fenced_sql().release
+        };
+        self.fenced("release", fenced_statement(sql, held), &self.pool)
+            .await
+    }
+
+    /// The fenced completion, announcing the key to waiting duplicates if any may wait.
+    pub(super) fn complete_sql(&self) -> &'static str {
+        if self.notifications.emit() {
+            self.fenced_sql().complete_notify
+        } else {
+            self.fenced_sql().complete
+        }
+    }
+}
+
+pub(super) fn fenced_statement<'a>(sql: &'static str, lease: &'a Lease) -> Statement<'a> {
+    Statement::new(sql)
+        .with(Param::Key(stored_key(&lease.key)))
+        .with(Param::Int(lease.token))
+}
+
+pub(super) fn complete_statement<'a>(
+    sql: &'static str,
+    lease: &'a Lease,
+    record: &'a Record,
+) -> Statement<'a> {
+    let (names, values) = record
+        .headers()
+        .iter()
+        .map(|(name, value)| (name.as_str(), value.as_bytes()))
+        .unzip();
+    fenced_statement(sql, lease)
+        .with(Param::SmallInt(record.status().as_u16() as i16))
+        .with(Param::Texts(names))
+        .with(Param::BytesList(values))
+        .with(Param::OptionalBytes(record.body().map(|b| b.as_ref())))
+}

@@ -1,0 +1,95 @@
+//! Waking duplicates that wait for a key in flight: the announcements of settled keys, and the
+//! listener that hears other instances' (see [`Store::watch_in_flight`]).
+
+use super::*;
+
+/// The store's side of [`InFlightWatch::Notified`]: whether its statements announce settled
+/// keys, and the listener that wakes this process's waiters.
+#[derive(Debug, Default)]
+pub(super) struct Notifications {
+    pub(super) emit: AtomicBool,
+    pub(super) listening: AtomicBool,
+    pub(super) notifier: Notifier,
+}
+
+impl Notifications {
+    pub(super) fn emit(&self) -> bool {
+        self.emit.load(Ordering::Relaxed)
+    }
+
+    /// Starts the listener, once, if there is a runtime to run it on (else at the next call).
+    pub(super) fn listen(self: &Arc<Self>, pool: &PgPool) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.listening.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Until it listens, waiters poll.
+        self.notifier.set_live(false);
+        runtime.spawn(listen(Arc::downgrade(self), pool.clone()));
+    }
+}
+
+/// Wakes this process's waiters whenever any instance announces a settled key; while it cannot
+/// listen (connecting, or reconnecting after a lost connection) waiters poll. Ends once the
+/// store is dropped.
+pub(super) async fn listen(notifications: std::sync::Weak<Notifications>, pool: PgPool) {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let Some(notifier) = notifications.upgrade().map(|n| n.notifier.clone()) else {
+            return;
+        };
+        let listener = async {
+            let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+            listener.listen(SETTLED_CHANNEL).await?;
+            Ok::<_, sqlx::Error>(listener)
+        };
+        let mut listener = match listener.await {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for settled keys; waiters poll meanwhile");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        pause = Duration::from_millis(100);
+        notifier.set_live(true);
+        loop {
+            // Wakes now and then to notice that the store is gone.
+            let received = tokio::time::timeout(Duration::from_secs(1), listener.try_recv()).await;
+            match received {
+                Ok(Ok(Some(notification))) => {
+                    if let Ok(key) = notification.payload().parse::<Uuid>() {
+                        notifier.notify_prefix(*key.as_bytes());
+                    }
+                }
+                // The connection was lost: what was announced meanwhile is lost too.
+                Ok(Ok(None) | Err(_)) => {
+                    notifier.set_live(false);
+                    break;
+                }
+                Err(_) if notifications.strong_count() == 0 => return,
+                Err(_) => {}
+            }
+        }
+    }
+}
+
+impl PostgresStore {
+    /// Wakes the duplicates waiting for `key` after a rollback freed it (a rollback notifies
+    /// nothing). Best effort: a waiter that misses it reads the key again within a second.
+    pub(super) async fn notify_released(&self, key: &ScopeKey) {
+        if !self.notifications.emit() {
+            return;
+        }
+        let statement = Statement::new(NOTIFY_ONE).with(Param::Key(stored_key(key)));
+        if let Err(error) = self
+            .timed("release", statement.execute(self.prepared, &self.pool))
+            .await
+        {
+            tracing::debug!(%error, "could not announce a released key");
+        }
+    }
+}

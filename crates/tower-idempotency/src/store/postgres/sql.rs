@@ -1,0 +1,218 @@
+//! The statements' text: claims, the fenced operations on a held claim, the group commits,
+//! releases by claimant and the notifications of settled keys.
+
+// The claim statement, in two variants sharing their text: lease mode claims unconditionally;
+// transactional mode first tries a transaction-scoped advisory lock on the key and claims only if
+// it got it, so a duplicate never waits on the holder's uncommitted row (it still gets a completed
+// record's replay or mismatch, which needs no lock).
+//
+// The key's row is read first. A key with no row is inserted (`ON CONFLICT DO NOTHING`); a row
+// that is dead (past `expires_at`, or past its TTL counted from its claim and not held under a
+// live lease), or in flight under a lapsed lease with the same fingerprint, is taken over by a
+// conditional `UPDATE` whose row lock orders racing claimers (the loser re-checks the winner's
+// version and leaves it). Otherwise the row is returned as it stands: replays and conflicts
+// neither write, nor lock, nor take a transaction id. The reads share the statement's snapshot,
+// so a row committed by a racing claim after the snapshot was taken can be invisible; the
+// statement then returns nothing and the caller runs it again (rare, and safe: nothing was
+// claimed). `$5` is the attempt's claimant: a row it finds in flight under that id is its own
+// (`mine`), claimed by an earlier try whose answer was lost.
+macro_rules! begin_statement {
+    (lock: $lock:literal, gate: $gate:literal, existing: $existing:literal, busy: $busy:literal) => {
+        concat!(
+            "WITH ",
+            $lock,
+            "existing AS MATERIALIZED (
+                SELECT token, takeover, fingerprint, lease_until, expires_at, created_at, claimant,
+                       status, header_names, header_values, body
+                FROM idempotency.records WHERE scope_key = $1
+            ),
+            inserted AS (
+                INSERT INTO idempotency.records
+                    (scope_key, fingerprint, token, expires_at, lease_until, claimant)
+                SELECT $1, $2, nextval('idempotency.fencing_tokens'),
+                       now() + greatest($4::interval, $3::interval), now() + $3::interval, $5
+                WHERE NOT EXISTS (SELECT FROM existing) ",
+            $gate,
+            " ON CONFLICT (scope_key) DO NOTHING
+                RETURNING token, takeover
+            ),
+            taken AS (
+                UPDATE idempotency.records r SET
+                    fingerprint   = $2,
+                    token         = nextval('idempotency.fencing_tokens'),
+                    takeover      = r.status IS NULL AND r.expires_at > now()
+                                    AND r.created_at + $4::interval > now(),
+                    created_at    = now(),
+                    expires_at    = now() + greatest($4::interval, $3::interval),
+                    lease_until   = now() + $3::interval,
+                    completed_at  = NULL,
+                    status        = NULL,
+                    header_names  = NULL,
+                    header_values = NULL,
+                    body          = NULL,
+                    claimant      = $5
+                WHERE r.scope_key = $1 AND EXISTS (SELECT FROM existing) ",
+            $gate,
+            " AND (r.expires_at <= now()
+                       OR (r.created_at + $4::interval <= now()
+                           AND (r.status IS NOT NULL OR r.lease_until <= now()))
+                       OR (r.status IS NULL AND r.lease_until <= now() AND r.fingerprint = $2))
+                RETURNING r.token, r.takeover
+            ),
+            claimed AS (SELECT token, takeover FROM inserted UNION ALL SELECT token, takeover FROM taken)
+            SELECT 'acquired' AS outcome, token, takeover,
+                   NULL::boolean AS same_fingerprint, NULL::float8 AS lease_remaining,
+                   NULL::float8 AS expires_in,
+                   NULL::int2 AS status, NULL::text[] AS header_names, NULL::bytea[] AS header_values,
+                   NULL::bytea AS body, NULL::boolean AS mine
+            FROM claimed ",
+            $busy,
+            " UNION ALL
+            SELECT 'existing', e.token, e.takeover,
+                   e.fingerprint = $2, extract(epoch FROM e.lease_until - now())::float8,
+                   extract(epoch FROM least(e.expires_at, e.created_at + $4::interval) - now())::float8,
+                   e.status, e.header_names, e.header_values, e.body,
+                   coalesce(e.claimant = $5, false) AND e.status IS NULL
+            FROM existing e
+            WHERE e.expires_at > now()
+              AND NOT (e.created_at + $4::interval <= now()
+                       AND (e.status IS NOT NULL OR e.lease_until <= now()))
+              AND NOT EXISTS (SELECT FROM claimed) ",
+            $existing,
+        )
+    };
+}
+
+pub(super) const BEGIN_LEASE: &str = begin_statement!(lock: "", gate: "", existing: "", busy: "");
+
+pub(super) const BEGIN_TRANSACTIONAL: &str = begin_statement!(
+    lock: "lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($6) AS held), ",
+    gate: "AND (SELECT held FROM lock)",
+    // Without the lock, only a completed record is answered: an uncommitted claim is invisible.
+    existing: "AND ((SELECT held FROM lock) OR e.status IS NOT NULL)",
+    busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+           FROM lock WHERE NOT lock.held AND NOT EXISTS (
+               SELECT FROM existing e WHERE e.status IS NOT NULL AND e.expires_at > now()
+                 AND e.created_at + $4::interval > now())"
+);
+
+// The fenced statements, for the plain table and the partitioned one. `expires_at > now()` costs
+// nothing on the plain table (a held claim has not expired) and prunes the partitioned one.
+macro_rules! fenced_statements {
+    ($table:literal) => {
+        Fenced {
+            renew: concat!(
+                "UPDATE idempotency.",
+                $table,
+                "
+                 SET lease_until = now() + $3::interval,
+                     expires_at = greatest(expires_at, now() + $3::interval)
+                 WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+            ),
+            complete: concat!("", complete!($table)),
+            complete_notify: concat!(
+                "WITH settled AS (",
+                complete!($table),
+                " RETURNING scope_key) ",
+                NOTIFY_SETTLED!()
+            ),
+            release: concat!("", release!($table)),
+            release_notify: concat!(
+                "WITH settled AS (",
+                release!($table),
+                " RETURNING scope_key) ",
+                NOTIFY_SETTLED!()
+            ),
+        }
+    };
+}
+
+macro_rules! complete {
+    ($table:literal) => {
+        concat!(
+            "UPDATE idempotency.",
+            $table,
+            "
+             SET status = $3, header_names = $4, header_values = $5, body = $6,
+                 lease_until = NULL, completed_at = now()
+             WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+        )
+    };
+}
+
+macro_rules! release {
+    ($table:literal) => {
+        concat!(
+            "DELETE FROM idempotency.",
+            $table,
+            "
+             WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+        )
+    };
+}
+
+/// Tells the listeners of every instance that the keys of `settled` settled, when the
+/// statement's transaction commits (see [`PostgresStore::watch_in_flight`]).
+macro_rules! NOTIFY_SETTLED {
+    () => {
+        "SELECT pg_notify('idempotency_settled', scope_key::text) FROM settled"
+    };
+}
+
+/// The channel of [`NOTIFY_SETTLED`]: its payload is a record's key.
+pub(super) const SETTLED_CHANNEL: &str = "idempotency_settled";
+
+/// [`NOTIFY_SETTLED`] for one key, on its own (after a rollback, which notifies nothing).
+pub(super) const NOTIFY_ONE: &str = "SELECT pg_notify('idempotency_settled', $1::text)";
+
+/// Lease mode's group commit of claims (see [`PostgresStore`]): inserts the keys that have no
+/// row, each with its own fencing token, and returns them. The keys come sorted, so two batches
+/// racing for the same keys take them in the same order and cannot deadlock.
+pub(super) const CLAIM_NEW_KEYS: &str = r#"
+INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until, claimant)
+SELECT c.key, c.fingerprint, nextval('idempotency.fencing_tokens'),
+       now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
+       now() + c.lease * interval '1 microsecond', c.claimant
+FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[], $5::uuid[])
+    AS c(key, fingerprint, lease, ttl, claimant)
+ON CONFLICT (scope_key) DO NOTHING
+RETURNING scope_key, token
+"#;
+
+/// Lease mode's group commit of completions: `complete` for many claims, each fenced by its
+/// token, by the migrations' `idempotency.complete_many` (one primary-key `UPDATE` per record,
+/// its plan cached for the session and never a table scan). Header names and values come as
+/// two flat arrays, each record's headers being the slice `[first:last]` of them (empty when
+/// `last < first`).
+pub(super) const COMPLETE_MANY: &str =
+    "SELECT scope_key, token FROM idempotency.complete_many($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+
+/// The statements that act on a held claim; `_notify` variants also wake waiting duplicates.
+pub(super) struct Fenced {
+    pub(super) renew: &'static str,
+    pub(super) complete: &'static str,
+    pub(super) complete_notify: &'static str,
+    pub(super) release: &'static str,
+    pub(super) release_notify: &'static str,
+}
+
+pub(super) const FENCED: Fenced = fenced_statements!("records");
+pub(super) const FENCED_PARTITIONED: Fenced = fenced_statements!("partitioned_records");
+
+pub(super) const BEGIN_PARTITIONED: &str =
+    "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $6, $5)";
+
+/// Deletes what a claim attempt may have claimed, found by its claimant id (see
+/// [`ClaimAttempt`]): only a row still in flight under that id, so never another's claim.
+macro_rules! release_claimant {
+    ($table:literal) => {
+        concat!(
+            "DELETE FROM idempotency.",
+            $table,
+            " WHERE scope_key = $1 AND claimant = $2 AND status IS NULL"
+        )
+    };
+}
+
+pub(super) const RELEASE_CLAIMANT: &str = release_claimant!("records");
+pub(super) const RELEASE_CLAIMANT_PARTITIONED: &str = release_claimant!("partitioned_records");

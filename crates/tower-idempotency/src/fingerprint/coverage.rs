@@ -1,0 +1,277 @@
+//! What a fingerprint covers as the layer is configured (fields left out, headers taken in), and
+//! where it is computed: inline, or off the async workers for a large body.
+
+use super::*;
+
+/// Bodies up to this size are fingerprinted on the async worker; larger ones on the blocking
+/// thread pool.
+pub(super) const INLINE_BODY_BYTES: usize = 64 * 1024;
+
+/// What a request's fingerprint covers, as the layer is configured: the mode, body fields left
+/// out and request headers taken in (see the [module documentation](self#what-it-covers)).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Coverage {
+    pub(crate) mode: FingerprintMode,
+    /// JSON Pointers (RFC 6901) of body fields left out.
+    pub(crate) excluded: Vec<String>,
+    pub(crate) headers: Vec<HeaderName>,
+}
+
+impl Coverage {
+    /// The fingerprint of a request, [`Fingerprint::compute`]'s when nothing is left out or
+    /// taken in.
+    pub(crate) fn fingerprint(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Fingerprint {
+        let content_type = headers.get(http::header::CONTENT_TYPE);
+        if self.excluded.is_empty() && self.headers.is_empty() {
+            return Fingerprint::compute(self.mode, method, uri, content_type, body);
+        }
+        let trimmed;
+        let body = match (self.mode, BodyKind::of(content_type)) {
+            (FingerprintMode::Semantic, BodyKind::Json) if !self.excluded.is_empty() => {
+                match without_json_fields(body, &self.excluded) {
+                    Some(without) => {
+                        trimmed = without;
+                        &trimmed[..]
+                    }
+                    None => body,
+                }
+            }
+            (FingerprintMode::Semantic, BodyKind::Form) if !self.excluded.is_empty() => {
+                trimmed = without_form_fields(body, &self.excluded);
+                &trimmed[..]
+            }
+            _ => body,
+        };
+        let Fingerprint(body_only) =
+            Fingerprint::compute(self.mode, method, uri, content_type, body);
+        if self.headers.is_empty() {
+            return Fingerprint(body_only);
+        }
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-idempotency/fingerprint/headers/v1\0");
+        hasher.update(body_only);
+        for name in &self.headers {
+            put_field(&mut hasher, name.as_str().as_bytes());
+            let values = headers.get_all(name);
+            hasher.update((values.iter().count() as u64).to_be_bytes());
+            for value in values {
+                put_field(&mut hasher, value.as_bytes());
+            }
+        }
+        Fingerprint(hasher.finalize().into())
+    }
+
+    /// The headers a fingerprint reads, for a copy made to fingerprint elsewhere.
+    fn relevant_headers(&self, headers: &HeaderMap) -> HeaderMap {
+        let mut relevant = HeaderMap::new();
+        for name in std::iter::once(&http::header::CONTENT_TYPE).chain(&self.headers) {
+            for value in headers.get_all(name) {
+                relevant.append(name.clone(), value.clone());
+            }
+        }
+        relevant
+    }
+}
+
+/// `body` without the members at `pointers`, re-serialised: `None` when it is not JSON (the
+/// caller then hashes it as it is). Only object members are removed; a pointer that names
+/// nothing, or an array element, is ignored.
+fn without_json_fields(body: &[u8], pointers: &[String]) -> Option<Vec<u8>> {
+    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    for pointer in pointers {
+        let Some((parent, last)) = pointer.rsplit_once('/') else {
+            continue;
+        };
+        let last = last.replace("~1", "/").replace("~0", "~");
+        if let Some(serde_json::Value::Object(members)) = value.pointer_mut(parent) {
+            members.remove(&last);
+        }
+    }
+    serde_json::to_vec(&value).ok()
+}
+
+/// A form body without the fields named by top-level pointers (`/name`), re-encoded pair by pair
+/// as it came.
+fn without_form_fields(body: &[u8], pointers: &[String]) -> Vec<u8> {
+    let names: Vec<String> = pointers
+        .iter()
+        .filter_map(|pointer| pointer.strip_prefix('/'))
+        .filter(|name| !name.contains('/'))
+        .map(|name| name.replace("~1", "/").replace("~0", "~"))
+        .collect();
+    let kept: Vec<&[u8]> = body
+        .split(|b| *b == b'&')
+        .filter(|pair| {
+            let name = pair.split(|b| *b == b'=').next().unwrap_or_default();
+            !names
+                .iter()
+                .any(|excluded| *form_decode(name) == *excluded.as_bytes())
+        })
+        .collect();
+    kept.join(&b'&')
+}
+
+/// The fingerprint of a request for the service: inline for a body up to 64 KiB, on Tokio's
+/// blocking thread pool for a larger one (see the [module documentation](self#bounded-work)).
+pub(crate) async fn compute_for_request(
+    coverage: &Coverage,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Fingerprint {
+    let runtime = match tokio::runtime::Handle::try_current() {
+        Ok(runtime) if body.len() > INLINE_BODY_BYTES => runtime,
+        _ => return coverage.fingerprint(method, uri, headers, body),
+    };
+    let compute = {
+        let (coverage, method, uri) = (coverage.clone(), method.clone(), uri.clone());
+        let (headers, body) = (coverage.relevant_headers(headers), body.clone());
+        move || coverage.fingerprint(&method, &uri, &headers, &body)
+    };
+    // Beyond one per core, more at once would only hold more buffers, not finish sooner.
+    let _slot = blocking_slots().acquire().await;
+    match runtime.spawn_blocking(compute.clone()).await {
+        Ok(fingerprint) => fingerprint,
+        // Cancelled by a runtime shutting down (or panicked): the request still needs its
+        // fingerprint, so it is computed here instead.
+        Err(error) => {
+            tracing::warn!(%error, "fingerprinting on the blocking pool failed; computing inline");
+            compute()
+        }
+    }
+}
+
+/// Admits as many large-body fingerprints to the blocking pool at once as there are cores.
+fn blocking_slots() -> &'static tokio::sync::Semaphore {
+    static SLOTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    SLOTS.get_or_init(|| tokio::sync::Semaphore::new(cores()))
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Polls `future` once.
+    async fn poll_once<F: std::future::Future>(
+        mut future: std::pin::Pin<&mut F>,
+    ) -> std::task::Poll<F::Output> {
+        std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx))).await
+    }
+
+    #[test]
+    fn large_bodies_are_fingerprinted_off_the_async_workers() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            // The one blocking thread is taken until `release` is dropped.
+            let (release, held) = std::sync::mpsc::channel::<()>();
+            let taken = tokio::task::spawn_blocking(move || {
+                let _ = held.recv();
+            });
+            let text = HeaderValue::from_static("text/plain");
+            let (coverage, method, uri) = (
+                Coverage::default(),
+                Method::POST,
+                Uri::from_static("/v1/charges"),
+            );
+            let mut headers = HeaderMap::new();
+            headers.insert(http::header::CONTENT_TYPE, text.clone());
+            let (small_body, large_body) = (
+                Bytes::from(vec![b'x'; INLINE_BODY_BYTES]),
+                Bytes::from(vec![b'x'; INLINE_BODY_BYTES + 1]),
+            );
+            let expected = |size: usize| {
+                Fingerprint::compute(
+                    FingerprintMode::Semantic,
+                    &Method::POST,
+                    &Uri::from_static("/v1/charges"),
+                    Some(&text),
+                    &vec![b'x'; size],
+                )
+            };
+
+            let mut small = std::pin::pin!(compute_for_request(
+                &coverage,
+                &method,
+                &uri,
+                &headers,
+                &small_body
+            ));
+            match poll_once(small.as_mut()).await {
+                std::task::Poll::Ready(fingerprint) => {
+                    assert_eq!(fingerprint, expected(INLINE_BODY_BYTES));
+                }
+                std::task::Poll::Pending => panic!("a 64 KiB body waited for the blocking pool"),
+            }
+            let mut large = std::pin::pin!(compute_for_request(
+                &coverage,
+                &method,
+                &uri,
+                &headers,
+                &large_body
+            ));
+            assert!(
+                poll_once(large.as_mut()).await.is_pending(),
+                "a larger body was fingerprinted on the async worker"
+            );
+            drop(release);
+            taken.await.unwrap();
+            assert_eq!(large.await, expected(INLINE_BODY_BYTES + 1));
+        });
+    }
+
+    #[test]
+    fn large_bodies_are_fingerprinted_one_per_core_at_a_time() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            // Every slot taken, as by as many large bodies being fingerprinted.
+            let taken = blocking_slots().acquire_many(cores() as u32).await.unwrap();
+            let body = Bytes::from(vec![b'x'; INLINE_BODY_BYTES + 1]);
+            let coverage = Coverage {
+                mode: FingerprintMode::Raw,
+                ..Coverage::default()
+            };
+            let (method, uri, headers) = (
+                Method::POST,
+                Uri::from_static("/v1/charges"),
+                HeaderMap::new(),
+            );
+            let mut waiting = std::pin::pin!(compute_for_request(
+                &coverage, &method, &uri, &headers, &body
+            ));
+            assert!(poll_once(waiting.as_mut()).await.is_pending());
+            // The one blocking thread runs its tasks in order: had the fingerprint been handed
+            // to it, it would be done once this later task is.
+            tokio::task::spawn_blocking(|| ()).await.unwrap();
+            assert!(
+                poll_once(waiting.as_mut()).await.is_pending(),
+                "fingerprinted with every slot taken"
+            );
+            drop(taken);
+            let expected = Fingerprint::compute(
+                FingerprintMode::Raw,
+                &Method::POST,
+                &Uri::from_static("/v1/charges"),
+                None,
+                &body,
+            );
+            assert_eq!(waiting.await, expected);
+        });
+    }
+}

@@ -5,11 +5,12 @@ use tower_layer::Layer;
 
 use crate::{
     cache::ReplayCache,
-    fingerprint::{Coverage, FingerprintMode},
+    config::{Config, ConfigError, KeySource, MAX_DURATION, MIN_LEASE},
+    fingerprint::FingerprintMode,
     future::Detached,
     key::KeyRule,
     policy::{Disconnect, RetentionPolicy, StoreFailure},
-    problem::{Rejection, Rendering},
+    problem::Rejection,
     scope::Scope,
     service::{Idempotency, Shared, Waiting},
     store::{MemoryStore, Store},
@@ -39,7 +40,7 @@ use crate::{
 #[must_use]
 pub struct IdempotencyLayer<St> {
     store: Arc<St>,
-    config: Arc<Config>,
+    pub(crate) config: Arc<Config>,
     cache: Arc<ReplayCache>,
     detached: Arc<Detached>,
     waiting: Arc<Waiting>,
@@ -47,99 +48,6 @@ pub struct IdempotencyLayer<St> {
 
 /// The default size of the replay cache.
 const DEFAULT_REPLAY_CACHE_BYTES: usize = 16 * 1024 * 1024;
-
-/// The settings, shared by every clone of the service.
-#[derive(Clone, Debug)]
-pub(crate) struct Config {
-    pub(crate) ttl: Duration,
-    pub(crate) lease: Duration,
-    pub(crate) methods: Vec<Method>,
-    pub(crate) required: bool,
-    pub(crate) max_body_bytes: usize,
-    pub(crate) body_timeout: Duration,
-    pub(crate) max_response_bytes: usize,
-    pub(crate) scope: Scope,
-    pub(crate) fingerprint: Coverage,
-    pub(crate) key_source: KeySource,
-    pub(crate) key_rule: Option<KeyRule>,
-    pub(crate) store_failure: StoreFailure,
-    pub(crate) retention: RetentionPolicy,
-    pub(crate) disconnect: Disconnect,
-    pub(crate) max_detached: usize,
-    pub(crate) max_handler_time: Duration,
-    pub(crate) unstored_headers: Vec<HeaderName>,
-    pub(crate) rendering: Rendering,
-    /// Zero: a duplicate of a key in flight gets `409` at once.
-    pub(crate) in_flight_wait: Duration,
-    pub(crate) max_waiting: usize,
-}
-
-/// Where a request's key comes from.
-#[derive(Clone)]
-pub(crate) enum KeySource {
-    Header(HeaderName),
-    Request(Arc<KeyFn>),
-}
-
-/// An app's way to take a key from the request.
-pub(crate) type KeyFn =
-    dyn Fn(&http::request::Parts, &bytes::Bytes) -> Option<String> + Send + Sync;
-
-impl Default for KeySource {
-    fn default() -> Self {
-        Self::Header(crate::key::IDEMPOTENCY_KEY.clone())
-    }
-}
-
-impl fmt::Debug for KeySource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Header(name) => f.debug_tuple("Header").field(name).finish(),
-            Self::Request(_) => f.write_str("Request(..)"),
-        }
-    }
-}
-
-/// The longest duration a setting takes: longer ones are taken as this, which is forever for
-/// every purpose here and keeps clock arithmetic and database intervals far from overflow.
-pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-/// The shortest lease: it is renewed every third of itself, and a store needs some time to
-/// answer a renewal.
-pub const MIN_LEASE: Duration = Duration::from_millis(10);
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            ttl: Duration::from_secs(24 * 60 * 60),
-            lease: Duration::from_secs(30),
-            methods: vec![Method::POST, Method::PATCH],
-            required: false,
-            max_body_bytes: 2 * 1024 * 1024,
-            body_timeout: Duration::from_secs(30),
-            max_response_bytes: 1024 * 1024,
-            scope: Scope::default(),
-            fingerprint: Coverage::default(),
-            key_source: KeySource::default(),
-            key_rule: None,
-            store_failure: StoreFailure::default(),
-            retention: RetentionPolicy::default(),
-            disconnect: Disconnect::default(),
-            max_detached: 1024,
-            max_handler_time: Duration::from_secs(10 * 60),
-            unstored_headers: Vec::new(),
-            rendering: Rendering::default(),
-            in_flight_wait: Duration::ZERO,
-            max_waiting: 1024,
-        }
-    }
-}
-
-impl Config {
-    pub(crate) fn covers(&self, method: &Method) -> bool {
-        self.methods.contains(method)
-    }
-}
 
 impl<St: Store> IdempotencyLayer<St> {
     /// A layer keeping its keys in `store`, with the default settings:
@@ -595,159 +503,9 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
     }
 }
 
-/// An invalid [`IdempotencyLayer`] setting.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// A duration or limit that must be positive was zero.
-    Zero(&'static str),
-    /// A duration shorter than the setting's minimum.
-    TooShort {
-        /// The setting.
-        setting: &'static str,
-        /// Its minimum.
-        min: Duration,
-    },
-    /// The layer must cover at least one method.
-    NoMethods,
-    /// A JSON Pointer must be empty or start with `/`.
-    InvalidPointer(String),
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Zero(setting) => write!(f, "idempotency setting `{setting}` must not be zero"),
-            Self::TooShort { setting, min } => {
-                write!(
-                    f,
-                    "idempotency setting `{setting}` must be at least {min:?}"
-                )
-            }
-            Self::NoMethods => f.write_str("idempotency layer must cover at least one method"),
-            Self::InvalidPointer(pointer) => {
-                write!(
-                    f,
-                    "`{pointer}` is not a JSON Pointer: it must start with `/`"
-                )
-            }
-        }
-    }
-}
-
-impl std::error::Error for ConfigError {}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn invalid_settings_are_errors() {
-        let layer = IdempotencyLayer::memory;
-        assert_eq!(
-            layer().with_ttl(Duration::ZERO).unwrap_err(),
-            ConfigError::Zero("ttl")
-        );
-        assert_eq!(
-            layer().with_lease(Duration::ZERO).unwrap_err(),
-            ConfigError::Zero("lease")
-        );
-        assert_eq!(
-            layer().with_methods([]).unwrap_err(),
-            ConfigError::NoMethods
-        );
-        assert_eq!(
-            layer().with_max_body_bytes(0).unwrap_err(),
-            ConfigError::Zero("max_body_bytes")
-        );
-        assert_eq!(
-            layer().with_body_timeout(Duration::ZERO).unwrap_err(),
-            ConfigError::Zero("body_timeout")
-        );
-        assert_eq!(
-            layer().with_lease(Duration::from_nanos(2)).unwrap_err(),
-            ConfigError::TooShort {
-                setting: "lease",
-                min: MIN_LEASE
-            }
-        );
-        assert_eq!(
-            layer().with_max_handler_time(Duration::ZERO).unwrap_err(),
-            ConfigError::Zero("max_handler_time")
-        );
-        let saturated = layer().with_ttl(Duration::MAX).unwrap();
-        assert_eq!(saturated.config.ttl, MAX_DURATION);
-    }
-
-    /// Issue 28.9: no setting panics, whatever the duration (`Duration::MAX` included), and a
-    /// layer built from those accepted serves a keyed request and its replay.
-    mod no_setting_panics {
-        use proptest::prelude::*;
-        use tower::ServiceExt;
-
-        use super::*;
-
-        fn any_duration() -> impl Strategy<Value = Duration> {
-            prop_oneof![
-                (any::<u64>(), 0..1_000_000_000u32).prop_map(|(s, n)| Duration::new(s, n)),
-                (0..10_000_000_000u64).prop_map(Duration::from_nanos),
-                Just(Duration::MAX),
-                Just(Duration::ZERO),
-            ]
-        }
-
-        proptest! {
-            #![proptest_config(ProptestConfig::with_cases(64))]
-            #[test]
-            fn any_duration_is_refused_or_served(
-                ttl in any_duration(),
-                lease in any_duration(),
-                body_timeout in any_duration(),
-                max_handler_time in any_duration(),
-            ) {
-                let mut layer = IdempotencyLayer::memory().with_scope(Scope::single_tenant());
-                for set in [
-                    |l: IdempotencyLayer<MemoryStore>, d| l.with_ttl(d),
-                    |l: IdempotencyLayer<MemoryStore>, d| l.with_lease(d),
-                    |l: IdempotencyLayer<MemoryStore>, d| l.with_body_timeout(d),
-                    |l: IdempotencyLayer<MemoryStore>, d| l.with_max_handler_time(d),
-                ]
-                .into_iter()
-                .zip([ttl, lease, body_timeout, max_handler_time])
-                .map(|(set, d)| move |l| set(l, d))
-                {
-                    if let Ok(set) = set(layer.clone()) {
-                        layer = set;
-                    }
-                }
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .start_paused(true)
-                    .build()
-                    .unwrap();
-                runtime.block_on(async {
-                    // The handler waits once, so the heartbeat starts.
-                    let handler = tower::service_fn(|_| async {
-                        tokio::task::yield_now().await;
-                        Ok::<_, std::convert::Infallible>(http::Response::new(
-                            http_body_util::Full::new(bytes::Bytes::from_static(b"ok")),
-                        ))
-                    });
-                    let service = tower_layer::Layer::layer(&layer, handler);
-                    let request = || {
-                        http::Request::post("/")
-                            .header("idempotency-key", "k")
-                            .body(http_body_util::Full::new(bytes::Bytes::new()))
-                            .unwrap()
-                    };
-                    let first = service.clone().oneshot(request()).await.unwrap();
-                    assert_eq!(first.status(), http::StatusCode::OK);
-                    let retry = service.oneshot(request()).await.unwrap();
-                    assert_eq!(retry.headers()["idempotent-replayed"], "true");
-                });
-            }
-        }
-    }
 
     #[test]
     fn a_memory_store_gets_no_replay_cache_unless_asked() {

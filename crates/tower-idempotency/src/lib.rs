@@ -100,6 +100,7 @@
 mod body;
 mod cache;
 mod chain;
+mod config;
 mod context;
 pub mod fingerprint;
 mod future;
@@ -119,13 +120,14 @@ pub mod store;
 pub mod transaction;
 
 pub use body::{RequestBody, ResponseBody};
+pub use config::{ConfigError, MAX_DURATION, MIN_LEASE};
 pub use context::IdempotencyContext;
 #[cfg(feature = "axum")]
 pub use context::MissingIdempotencyContext;
 pub use fingerprint::{Fingerprint, FingerprintMode};
 pub use future::ResponseFuture;
 pub use key::{IdempotencyKey, KeyError, KeyRule};
-pub use layer::{ConfigError, IdempotencyLayer, MAX_DURATION, MIN_LEASE};
+pub use layer::IdempotencyLayer;
 pub use policy::{Disconnect, Retention, RetentionPolicy, StoreFailure};
 pub use problem::{Rejection, RejectionKind};
 pub use record::Record;

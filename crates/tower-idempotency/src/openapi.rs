@@ -53,8 +53,8 @@ use utoipa::openapi::{
 };
 
 use crate::{
+    config::{Config, KeySource, MAX_DURATION},
     key::header_title,
-    layer::{Config, KeySource, MAX_DURATION},
     problem::{PROBLEM_JSON, RejectionKind},
     record::IDEMPOTENT_REPLAYED,
 };

@@ -12,7 +12,7 @@ use std::{
 use tokio::sync::Semaphore;
 use tower_idempotency::{
     Record,
-    store::{Begin, ClaimRequest, ClaimStatus, Store},
+    store::{ClaimRequest, ClaimStatus, KeyState, Store},
 };
 
 /// Wraps a store: counts settled claims, signals them, and fails every call while [`down`].
@@ -169,7 +169,7 @@ impl<St: Store> Store for ObservedStore<St> {
     type Claim = St::Claim;
     type Error = ObservedError<St::Error>;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<Begin<St::Claim>, Self::Error> {
+    async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<St::Claim>, Self::Error> {
         self.shared.begins.fetch_add(1, Ordering::SeqCst);
         self.check().map_err(ObservedError::Down)?;
         let begun = self.inner.begin(request).await;

@@ -13,7 +13,7 @@ use tokio::{io::AsyncWriteExt, net::TcpStream, task::JoinSet};
 use tower_idempotency::{
     Disconnect, Fingerprint, FingerprintMode, IdempotencyKey, IdempotencyLayer, Principal,
     RetentionPolicy, ScopeKey, StoreFailure,
-    store::{Begin, ClaimRequest, ClaimStatus, PostgresStore, Store},
+    store::{ClaimRequest, ClaimStatus, KeyState, PostgresStore, Store},
 };
 
 use crate::{
@@ -700,7 +700,7 @@ pub async fn repeated_replays_skip_the_store<B: Backend>() {
 /// takes over runs, and the stale holder can no longer write.
 pub async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out<B: Backend>() {
     let h = Harness::<B>::start().await;
-    let Ok(Begin::Acquired { claim: stale, .. }) = h
+    let Ok(KeyState::Acquired { claim: stale, .. }) = h
         .store
         .inner()
         .begin(&claim_request("k-crash", CHARGE))

@@ -9,7 +9,7 @@ use std::{alloc::System, time::Duration};
 use cap::Cap;
 use tower_idempotency::{
     Fingerprint, ScopeKey,
-    store::{Begin, ClaimRequest, ClaimStatus, MemoryStore, Store},
+    store::{ClaimRequest, ClaimStatus, KeyState, MemoryStore, Store},
 };
 
 /// Counts the bytes this process holds on the heap.
@@ -45,7 +45,7 @@ async fn a_million_released_claims_leave_the_store_no_bigger() {
         let store = MemoryStore::new();
         let before = HEAP.allocated();
         for request in requests.iter().cycle().take(CLAIMS) {
-            let Ok(Begin::Acquired { claim, takeover }) = store.begin(request).await else {
+            let Ok(KeyState::Acquired { claim, takeover }) = store.begin(request).await else {
                 panic!("a released key must be acquired again");
             };
             assert!(!takeover);

@@ -19,7 +19,7 @@ use metrics_util::{
 use sqlx::Executor;
 use tower_idempotency::{
     IdempotencyLayer, Scope, metrics as names,
-    store::{Begin, PostgresStore, Store, continuously_delete_expired},
+    store::{KeyState, PostgresStore, Store, continuously_delete_expired},
 };
 
 type Metrics = Vec<(CompositeKey, Option<Unit>, Option<SharedString>, DebugValue)>;
@@ -191,7 +191,7 @@ async fn outcomes_rejections_and_store_latency_are_recorded() {
     };
 
     // A holder that stopped (claimed directly, its lease then lapsed): the retry takes over.
-    let Ok(Begin::Acquired { .. }) = store.begin(&claim_request("t1", CHARGE)).await else {
+    let Ok(KeyState::Acquired { .. }) = store.begin(&claim_request("t1", CHARGE)).await else {
         panic!("the stopped holder claims first");
     };
     db.pool()

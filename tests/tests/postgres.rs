@@ -267,7 +267,7 @@ mod postgres_only {
     /// in-flight one is still held, and the table takes new keys.
     #[tokio::test]
     async fn records_from_before_the_uuid_key_migration_are_found_after_it() {
-        use tower_idempotency::store::{Begin, Store};
+        use tower_idempotency::store::{KeyState, Store};
 
         init_tracing();
         let db = TestDb::new().await;
@@ -309,7 +309,7 @@ mod postgres_only {
         let store = PostgresStore::new(db.pool().clone());
         store.migrate().await.expect("the uuid key migration");
         match store.begin(&completed).await.expect("begin") {
-            Begin::Completed { record, .. } => {
+            KeyState::Completed { record, .. } => {
                 assert_eq!(record.status(), StatusCode::CREATED);
                 assert_eq!(record.headers()["content-type"], "application/json");
                 assert_eq!(record.body().map(|b| &b[..]), Some(&b"{\"id\":1}"[..]));
@@ -319,13 +319,13 @@ mod postgres_only {
         assert!(
             matches!(
                 store.begin(&in_flight).await.expect("begin"),
-                Begin::InFlight { .. }
+                KeyState::InFlight { .. }
             ),
             "the claim in flight is still held"
         );
         assert!(matches!(
             store.begin(&request(3)).await.expect("begin"),
-            Begin::Acquired {
+            KeyState::Acquired {
                 takeover: false,
                 ..
             }
@@ -367,7 +367,7 @@ mod postgres_only {
         use http::{HeaderMap, HeaderValue};
         use tower_idempotency::{
             Record,
-            store::{Begin, ClaimStatus, Store},
+            store::{ClaimStatus, KeyState, Store},
         };
 
         let (_db, store) = migrated().await;
@@ -411,14 +411,14 @@ mod postgres_only {
             match claimed.expect("task") {
                 (
                     i,
-                    Begin::Acquired {
+                    KeyState::Acquired {
                         claim,
                         takeover: false,
                     },
                 ) => {
                     assert!(held.insert(i, claim).is_none(), "key {i} acquired twice");
                 }
-                (i, Begin::InFlight { .. }) => in_flight[usize::from(i)] += 1,
+                (i, KeyState::InFlight { .. }) => in_flight[usize::from(i)] += 1,
                 (i, other) => panic!("key {i}: {other:?}"),
             }
         }
@@ -442,7 +442,9 @@ mod postgres_only {
 
         for i in 0..64u8 {
             match store.begin(&request(i)).await.expect("replay") {
-                Begin::Completed { record: stored, .. } => assert_eq!(stored, record(i), "key {i}"),
+                KeyState::Completed { record: stored, .. } => {
+                    assert_eq!(stored, record(i), "key {i}")
+                }
                 other => panic!("key {i}: {other:?}"),
             }
         }
@@ -456,12 +458,12 @@ mod postgres_only {
     async fn claims_and_completions_batched_together_stay_apart() {
         use tower_idempotency::{
             Record,
-            store::{Begin, ClaimStatus, Store},
+            store::{ClaimStatus, KeyState, Store},
         };
 
         enum Done {
             Completed(u8, ClaimStatus),
-            Claimed(u8, Begin<tower_idempotency::store::PgClaim>),
+            Claimed(u8, KeyState<tower_idempotency::store::PgClaim>),
         }
 
         let (_db, store) = migrated().await;
@@ -476,7 +478,7 @@ mod postgres_only {
         let mut held = Vec::new();
         for i in 0..32u8 {
             match store.begin(&request(i)).await.expect("begin") {
-                Begin::Acquired { claim, .. } => held.push((i, claim)),
+                KeyState::Acquired { claim, .. } => held.push((i, claim)),
                 other => panic!("key {i}: {other:?}"),
             }
         }
@@ -501,9 +503,9 @@ mod postgres_only {
         while let Some(done) = tasks.join_next().await {
             match done.expect("task") {
                 Done::Completed(i, status) => assert_eq!(status, ClaimStatus::Held, "key {i}"),
-                Done::Claimed(i, Begin::Acquired { .. }) if i >= 100 => acquired.push(i),
-                Done::Claimed(i, Begin::InFlight { .. }) if i < 32 => {}
-                Done::Claimed(i, Begin::Completed { record: stored, .. }) if i < 32 => {
+                Done::Claimed(i, KeyState::Acquired { .. }) if i >= 100 => acquired.push(i),
+                Done::Claimed(i, KeyState::InFlight { .. }) if i < 32 => {}
+                Done::Claimed(i, KeyState::Completed { record: stored, .. }) if i < 32 => {
                     assert_eq!(stored, record(i), "key {i}");
                 }
                 Done::Claimed(i, other) => panic!("key {i}: {other:?}"),
@@ -513,7 +515,9 @@ mod postgres_only {
         assert_eq!(acquired, (100..132).collect::<Vec<_>>());
         for i in 0..32u8 {
             match store.begin(&request(i)).await.expect("replay") {
-                Begin::Completed { record: stored, .. } => assert_eq!(stored, record(i), "key {i}"),
+                KeyState::Completed { record: stored, .. } => {
+                    assert_eq!(stored, record(i), "key {i}")
+                }
                 other => panic!("key {i}: {other:?}"),
             }
         }
@@ -617,7 +621,7 @@ mod postgres_only {
     /// analyze. Scans counted by PostgreSQL for the one session that made the plans.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn claim_plans_made_when_autovacuum_first_looks_find_keys_by_index() {
-        use tower_idempotency::store::{Begin, Store};
+        use tower_idempotency::store::{KeyState, Store};
 
         let (db, store) = migrated().await;
         let options: Vec<String> = sqlx::query_scalar(
@@ -646,7 +650,7 @@ mod postgres_only {
             claims.spawn(async move { store.begin(&request(i)).await.expect("claim") });
         }
         while let Some(claim) = claims.join_next().await {
-            assert!(matches!(claim.expect("task"), Begin::Acquired { .. }));
+            assert!(matches!(claim.expect("task"), KeyState::Acquired { .. }));
         }
         sqlx::query("ANALYZE idempotency.records")
             .execute(db.pool())
@@ -663,7 +667,7 @@ mod postgres_only {
         for i in 0..7 {
             assert!(matches!(
                 session.begin(&request(i)).await.expect("retry"),
-                Begin::InFlight { .. }
+                KeyState::InFlight { .. }
             ));
         }
         sqlx::query(
@@ -692,7 +696,7 @@ mod postgres_only {
         let before = scans().await;
         assert!(matches!(
             session.begin(&request(500)).await.expect("retry"),
-            Begin::InFlight { .. }
+            KeyState::InFlight { .. }
         ));
         let after = scans().await;
         assert_eq!(after.0 - before.0, 0, "no sequential scan of the table");
@@ -703,7 +707,7 @@ mod postgres_only {
     /// waited) is released at once, not left in flight until its lease lapses.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_claim_batched_for_a_request_that_is_gone_is_released() {
-        use tower_idempotency::store::{Begin, Store};
+        use tower_idempotency::store::{KeyState, Store};
 
         let (db, store) = migrated().await;
         let request = claim_request(9, 1);
@@ -731,7 +735,7 @@ mod postgres_only {
         wait_until(&db, "SELECT count(*) = 0 FROM idempotency.records").await;
         assert!(matches!(
             store.begin(&request).await.expect("begin"),
-            Begin::Acquired {
+            KeyState::Acquired {
                 takeover: false,
                 ..
             }
@@ -743,7 +747,7 @@ mod postgres_only {
     /// the batches queued behind it go out on a fresh one.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_whose_connection_dies_is_claimed_alone_and_batching_goes_on() {
-        use tower_idempotency::store::{Begin, Store};
+        use tower_idempotency::store::{KeyState, Store};
 
         let (db, store) = migrated().await;
         let request = |i: u8| claim_request(i, i);
@@ -774,7 +778,7 @@ mod postgres_only {
             assert!(
                 matches!(
                     begin,
-                    Ok(Begin::Acquired {
+                    Ok(KeyState::Acquired {
                         takeover: false,
                         ..
                     })
@@ -786,7 +790,7 @@ mod postgres_only {
         for claimed in (9..=16).map(claim) {
             let (i, begin) = claimed.await.expect("task");
             assert!(
-                matches!(begin, Ok(Begin::Acquired { .. })),
+                matches!(begin, Ok(KeyState::Acquired { .. })),
                 "key {i}: {begin:?}"
             );
         }
@@ -803,7 +807,7 @@ mod postgres_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batched_claim_that_committed_then_failed_is_held_by_its_request() {
         use idempotency_tests::faults::CuttingProxy;
-        use tower_idempotency::store::{Begin, Store};
+        use tower_idempotency::store::{KeyState, Store};
 
         let (db, _) = migrated().await;
         let proxy = CuttingProxy::start(&db).await;
@@ -820,14 +824,14 @@ mod postgres_only {
         assert!(
             matches!(
                 begin,
-                Begin::Acquired {
+                KeyState::Acquired {
                     takeover: false,
                     ..
                 }
             ),
             "{begin:?}"
         );
-        let Begin::Acquired { claim, .. } = begin else {
+        let KeyState::Acquired { claim, .. } = begin else {
             unreachable!()
         };
         // The claim is really held: it completes, and the key replays.
@@ -839,7 +843,7 @@ mod postgres_only {
         );
         assert!(matches!(
             store.begin(&request).await.expect("begin"),
-            Begin::Completed { .. }
+            KeyState::Completed { .. }
         ));
     }
 
@@ -847,7 +851,7 @@ mod postgres_only {
     /// commits afterwards is released once it does, not left to block its key.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batched_claim_that_timed_out_is_released_when_it_commits() {
-        use tower_idempotency::store::{Begin, Store};
+        use tower_idempotency::store::{KeyState, Store};
 
         let (db, store) = migrated().await;
         let store = store.with_timeout(Duration::from_millis(300));
@@ -878,7 +882,7 @@ mod postgres_only {
         // Another payload under the key is a new request, not a 422.
         assert!(matches!(
             store.begin(&claim_request(12, 2)).await.expect("begin"),
-            Begin::Acquired {
+            KeyState::Acquired {
                 takeover: false,
                 ..
             }
@@ -890,13 +894,13 @@ mod postgres_only {
     /// hangs up) leaves no claim behind once the statement commits.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_cancelled_single_key_claim_is_released_when_it_commits() {
-        use tower_idempotency::store::{Begin, Store};
+        use tower_idempotency::store::{KeyState, Store};
 
         let (db, store) = migrated().await;
         let request = claim_request(13, 1);
         assert!(matches!(
             store.begin(&request).await.expect("begin"),
-            Begin::Acquired { .. }
+            KeyState::Acquired { .. }
         ));
         db.pool()
             .execute("UPDATE idempotency.records SET lease_until = now() - interval '1 second'")
@@ -926,7 +930,7 @@ mod postgres_only {
         wait_until(&db, "SELECT count(*) = 0 FROM idempotency.records").await;
         assert!(matches!(
             store.begin(&claim_request(13, 2)).await.expect("begin"),
-            Begin::Acquired {
+            KeyState::Acquired {
                 takeover: false,
                 ..
             }
@@ -1178,7 +1182,7 @@ mod postgres_only {
     async fn expiry_never_deletes_a_record_taken_over_while_it_runs() {
         use tower_idempotency::{
             Fingerprint, Record, ScopeKey,
-            store::{Begin, ClaimRequest, ClaimStatus, Store},
+            store::{ClaimRequest, ClaimStatus, KeyState, Store},
         };
 
         let (db, store) = migrated().await;
@@ -1200,7 +1204,8 @@ mod postgres_only {
         for round in 0..4u16 {
             let keys = round * 600..(round + 1) * 600;
             for i in keys.clone() {
-                let Begin::Acquired { .. } = store.begin(&request(i)).await.expect("begin") else {
+                let KeyState::Acquired { .. } = store.begin(&request(i)).await.expect("begin")
+                else {
                     panic!("key {i} not acquired");
                 };
             }
@@ -1217,7 +1222,7 @@ mod postgres_only {
             for i in keys.clone().step_by(2) {
                 let store = store.clone();
                 tasks.spawn(async move {
-                    let Begin::Acquired { claim, .. } =
+                    let KeyState::Acquired { claim, .. } =
                         store.begin(&request(i)).await.expect("begin")
                     else {
                         panic!("expired key {i} not taken over");
@@ -1263,10 +1268,10 @@ mod postgres_only {
             assert_eq!(expired, 0, "no expired record left");
             for i in keys {
                 match store.begin(&request(i)).await.expect("begin") {
-                    Begin::Completed { record: stored, .. } if i % 2 == 0 => {
+                    KeyState::Completed { record: stored, .. } if i % 2 == 0 => {
                         assert_eq!(stored, record(i), "key {i}");
                     }
-                    Begin::Acquired { claim, .. } if i % 2 == 1 => {
+                    KeyState::Acquired { claim, .. } if i % 2 == 1 => {
                         // Gone, as it should be; let the key go again.
                         let released = store.release(&claim).await.expect("release");
                         assert_eq!(released, ClaimStatus::Held, "key {i}");
@@ -1337,7 +1342,8 @@ mod partitioned {
     use tower_idempotency::{
         Fingerprint, ScopeKey,
         store::{
-            Begin, ClaimRequest, ExpiredDeletion, PgClaim, PostgresStore, PostgresStoreError, Store,
+            ClaimRequest, ExpiredDeletion, KeyState, PgClaim, PostgresStore, PostgresStoreError,
+            Store,
         },
     };
 
@@ -1537,7 +1543,7 @@ mod partitioned {
         store: &PostgresStore,
         key: u8,
         expiry: f64,
-    ) -> Result<Begin<PgClaim>, PostgresStoreError> {
+    ) -> Result<KeyState<PgClaim>, PostgresStoreError> {
         // Whole seconds: sqlx refuses a `Duration` finer than an `interval`'s microseconds.
         let ttl = (expiry - db_now(db).await).round() as u64;
         store
@@ -1574,7 +1580,7 @@ mod partitioned {
         for key in 0..3 {
             let expiry = db_now(&db).await + 1800.0 * f64::from(key + 1);
             let begun = claim_expiring_at(&db, &old, key, expiry).await;
-            assert!(matches!(begun, Ok(Begin::Acquired { .. })), "{begun:?}");
+            assert!(matches!(begun, Ok(KeyState::Acquired { .. })), "{begun:?}");
         }
 
         let ahead = old_ahead + 2 * WIDTH;
@@ -1602,7 +1608,7 @@ mod partitioned {
                 .midpoint(end as f64);
             let begun = claim_expiring_at(&db, &new, key, expiry).await;
             assert!(
-                matches!(begun, Ok(Begin::Acquired { .. })),
+                matches!(begun, Ok(KeyState::Acquired { .. })),
                 "expiring at {expiry} in [{start}, {end}): {begun:?}"
             );
         }
@@ -1647,7 +1653,7 @@ mod partitioned {
         assert_eq!(report.created as usize, made, "{report:?} {live:?}");
 
         let begun = claim_expiring_at(&db, &store, 1, (end + 5400) as f64).await;
-        assert!(matches!(begun, Ok(Begin::Acquired { .. })), "{begun:?}");
+        assert!(matches!(begun, Ok(KeyState::Acquired { .. })), "{begun:?}");
     }
 
     /// Partitions narrower than the width (left by a width change) go once they expire.

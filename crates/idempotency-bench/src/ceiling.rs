@@ -16,7 +16,7 @@ use http::{HeaderMap, HeaderValue, StatusCode, header::CONTENT_TYPE};
 use tokio::time::Instant;
 use tower_idempotency::{
     Fingerprint, IdempotencyKey, Principal, Record, ScopeKey,
-    store::{Begin, ClaimRequest, ClaimStatus, Store},
+    store::{ClaimRequest, ClaimStatus, KeyState, Store},
 };
 
 use crate::{
@@ -126,7 +126,7 @@ pub(crate) async fn run<St: Store>(
 
 async fn claim_complete<St: Store>(store: &St, request: &ClaimRequest) -> Result<(), String> {
     match store.begin(request).await {
-        Ok(Begin::Acquired { claim, .. }) => match store.complete(&claim, &record()).await {
+        Ok(KeyState::Acquired { claim, .. }) => match store.complete(&claim, &record()).await {
             Ok(ClaimStatus::Held) => Ok(()),
             Ok(status) => Err(format!("complete: {status:?}")),
             Err(error) => Err(format!("complete: {error}")),
@@ -138,7 +138,7 @@ async fn claim_complete<St: Store>(store: &St, request: &ClaimRequest) -> Result
 
 async fn lookup<St: Store>(store: &St, request: &ClaimRequest) -> Result<(), String> {
     match store.begin(request).await {
-        Ok(Begin::Completed { .. }) => Ok(()),
+        Ok(KeyState::Completed { .. }) => Ok(()),
         Ok(_) => Err("begin on a completed key did not answer Completed".to_owned()),
         Err(error) => Err(format!("begin: {error}")),
     }

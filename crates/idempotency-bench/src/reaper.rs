@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tower_idempotency::{
     Record,
-    store::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Store},
+    store::{ClaimRequest, ClaimStatus, ExpiredDeletion, KeyState, Store},
 };
 
 /// The prefix of the line a server prints when the backlog is gone.
@@ -202,7 +202,7 @@ impl<S: Store> Store for TimedReaper<S> {
     fn begin(
         &self,
         request: &ClaimRequest,
-    ) -> impl Future<Output = Result<Begin<Self::Claim>, Self::Error>> + Send {
+    ) -> impl Future<Output = Result<KeyState<Self::Claim>, Self::Error>> + Send {
         self.inner.begin(request)
     }
 

@@ -46,7 +46,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use redis::{Script, Value, aio::ConnectionManager};
 use tower_idempotency::{
     Record,
-    store::{Begin, ClaimRequest, ClaimStatus, Lease, Store},
+    store::{ClaimRequest, ClaimStatus, Fence, KeyState, Store},
 };
 
 /// Claims a key, or says why not. `KEYS`: the record, the token counter. `ARGV`: fingerprint,
@@ -175,7 +175,7 @@ impl RedisStore {
     async fn fenced(
         &self,
         script: &Script,
-        claim: &Lease,
+        claim: &Fence,
         arg: impl redis::ToRedisArgs,
     ) -> Result<ClaimStatus, RedisStoreError> {
         let acted: i64 = script
@@ -193,10 +193,10 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
-    type Claim = Lease;
+    type Claim = Fence;
     type Error = RedisStoreError;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, RedisStoreError> {
+    async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, RedisStoreError> {
         let answer: Vec<Value> = self
             .scripts
             .begin
@@ -215,14 +215,14 @@ impl Store for RedisStore {
         };
         let remaining = |i| int(i).map(|ms| Duration::from_millis(ms.max(0).unsigned_abs()));
         Ok(match int(0)? {
-            0 => Begin::Acquired {
-                claim: Lease {
+            0 => KeyState::Acquired {
+                claim: Fence {
                     key: request.key,
                     token: int(1)?,
                 },
                 takeover: int(2)? == 1,
             },
-            1 => Begin::InFlight {
+            1 => KeyState::InFlight {
                 lease_remaining: Some(remaining(1)?),
             },
             2 => {
@@ -231,12 +231,12 @@ impl Store for RedisStore {
                         "a completed key without its record".into(),
                     ));
                 };
-                Begin::Completed {
+                KeyState::Completed {
                     record: decode(bytes)?,
                     expires_in: Some(remaining(1)?),
                 }
             }
-            3 => Begin::Mismatch,
+            3 => KeyState::Mismatch,
             other => {
                 return Err(RedisStoreError::Corrupt(format!(
                     "unknown answer {other} from the claim script"
@@ -245,20 +245,20 @@ impl Store for RedisStore {
         })
     }
 
-    async fn renew(&self, claim: &Lease, lease: Duration) -> Result<ClaimStatus, RedisStoreError> {
+    async fn renew(&self, claim: &Fence, lease: Duration) -> Result<ClaimStatus, RedisStoreError> {
         self.fenced(&self.scripts.renew, claim, millis(lease)).await
     }
 
     async fn complete(
         &self,
-        claim: &Lease,
+        claim: &Fence,
         record: &Record,
     ) -> Result<ClaimStatus, RedisStoreError> {
         self.fenced(&self.scripts.complete, claim, encode(record))
             .await
     }
 
-    async fn release(&self, claim: &Lease) -> Result<ClaimStatus, RedisStoreError> {
+    async fn release(&self, claim: &Fence) -> Result<ClaimStatus, RedisStoreError> {
         self.fenced(&self.scripts.release, claim, 0).await
     }
 }

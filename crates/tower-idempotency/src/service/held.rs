@@ -6,7 +6,7 @@ use super::*;
 /// A held claim that is released if dropped unsettled: a cancelled request (see
 /// [`Disconnect::Cancel`]) or a task torn down with its runtime frees its key instead of leaving
 /// it to its lease.
-pub(super) struct ClaimGuard<St: Store> {
+pub(super) struct HeldKey<St: Store> {
     pub(super) store: Arc<St>,
     pub(super) claim: Option<St::Claim>,
 }
@@ -21,7 +21,7 @@ pub(super) enum Completion {
     RolledBack,
 }
 
-impl<St: Store> ClaimGuard<St> {
+impl<St: Store> HeldKey<St> {
     pub(super) fn new(store: Arc<St>, claim: St::Claim) -> Self {
         Self {
             store,
@@ -99,7 +99,7 @@ impl<St: Store> ClaimGuard<St> {
     }
 }
 
-impl<St: Store> Drop for ClaimGuard<St> {
+impl<St: Store> Drop for HeldKey<St> {
     fn drop(&mut self) {
         let Some(claim) = self.claim.take() else {
             return;

@@ -133,7 +133,7 @@ where
                 },
             };
             let begin = match begin {
-                Begin::InFlight { .. } if !config.in_flight_wait.is_zero() => {
+                KeyState::InFlight { .. } if !config.in_flight_wait.is_zero() => {
                     match self
                         .shared
                         .wait_while_in_flight(scope_key, fingerprint)
@@ -146,7 +146,7 @@ where
                 begin => begin,
             };
             match begin {
-                Begin::Acquired { claim, takeover } => {
+                KeyState::Acquired { claim, takeover } => {
                     if takeover {
                         tracing::warn!(
                             "took over an idempotency key whose holder's lease lapsed; \
@@ -160,8 +160,8 @@ where
                     };
                     self.run(claim, context, parts, body).await
                 }
-                Begin::Completed { record, .. } => Ok(replayed(&record)),
-                Begin::InFlight { .. } => {
+                KeyState::Completed { record, .. } => Ok(replayed(&record)),
+                KeyState::InFlight { .. } => {
                     outcome(Outcome::Conflict);
                     Ok(reject(
                         config,
@@ -172,7 +172,7 @@ where
                         ),
                     ))
                 }
-                Begin::Mismatch => Ok(mismatch(config)),
+                KeyState::Mismatch => Ok(mismatch(config)),
             }
         }
     }
@@ -227,13 +227,13 @@ impl<St: Store> Shared<St> {
         &self,
         key: ScopeKey,
         fingerprint: Fingerprint,
-    ) -> Option<Begin<St::Claim>> {
+    ) -> Option<KeyState<St::Claim>> {
         match self.cache.get(&key, &fingerprint)? {
-            Hit::Replay(record) => Some(Begin::Completed {
+            Hit::Replay(record) => Some(KeyState::Completed {
                 record,
                 expires_in: None,
             }),
-            Hit::Mismatch => Some(Begin::Mismatch),
+            Hit::Mismatch => Some(KeyState::Mismatch),
         }
     }
 
@@ -243,7 +243,7 @@ impl<St: Store> Shared<St> {
         &self,
         key: ScopeKey,
         fingerprint: Fingerprint,
-    ) -> Result<Begin<St::Claim>, St::Error> {
+    ) -> Result<KeyState<St::Claim>, St::Error> {
         let request = ClaimRequest {
             key,
             fingerprint,
@@ -251,7 +251,7 @@ impl<St: Store> Shared<St> {
             ttl: self.config.ttl,
         };
         let begin = metrics::timed("begin", self.store.begin(&request)).await?;
-        if let Begin::Completed {
+        if let KeyState::Completed {
             record,
             expires_in: Some(expires_in),
         } = &begin

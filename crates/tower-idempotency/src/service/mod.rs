@@ -38,7 +38,7 @@ use crate::{
     record::Record,
     replay,
     scope::{Principal, ScopeKey},
-    store::{Begin, ClaimRequest, ClaimStatus, InFlightWatch, Store},
+    store::{ClaimRequest, ClaimStatus, InFlightWatch, KeyState, Store},
 };
 
 mod held;

@@ -33,7 +33,7 @@ where
             let (store, config) = (shared.store, shared.config);
             let config = &*config;
             store.attach(&claim, &mut parts.extensions);
-            let guard = ClaimGuard::new(Arc::clone(&store), claim);
+            let guard = HeldKey::new(Arc::clone(&store), claim);
             parts.extensions.insert(context);
             let request = Request::from_parts(parts, RequestBody::buffered(body));
             let max_response_bytes = config.max_response_bytes;

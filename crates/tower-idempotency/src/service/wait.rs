@@ -45,8 +45,8 @@ impl<St: Store> Shared<St> {
         &self,
         key: ScopeKey,
         fingerprint: Fingerprint,
-    ) -> Result<Begin<St::Claim>, St::Error> {
-        let in_flight = Begin::InFlight {
+    ) -> Result<KeyState<St::Claim>, St::Error> {
+        let in_flight = KeyState::InFlight {
             lease_remaining: None,
         };
         let Some(_slot) = self.waiting.enter(self.config.max_waiting) else {
@@ -67,12 +67,12 @@ impl<St: Store> Shared<St> {
             // Read after subscribing: a settlement in between still wakes the next wait.
             let begin = self.claim(key, fingerprint).await?;
             let now = tokio::time::Instant::now();
-            if !matches!(begin, Begin::InFlight { .. }) || now >= deadline {
+            if !matches!(begin, KeyState::InFlight { .. }) || now >= deadline {
                 metrics::waited(match &begin {
-                    Begin::InFlight { .. } => "timed_out",
-                    Begin::Acquired { .. } => "acquired",
-                    Begin::Completed { .. } => "replayed",
-                    Begin::Mismatch => "mismatch",
+                    KeyState::InFlight { .. } => "timed_out",
+                    KeyState::Acquired { .. } => "acquired",
+                    KeyState::Completed { .. } => "replayed",
+                    KeyState::Mismatch => "mismatch",
                 });
                 return Ok(begin);
             }

@@ -2,7 +2,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tower_idempotency::store::{Begin, ClaimRequest, ClaimStatus, MemoryStore, Store};
+//! use tower_idempotency::store::{KeyState, ClaimRequest, ClaimStatus, MemoryStore, Store};
 //! use tower_idempotency::{Fingerprint, Record, ScopeKey};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -16,14 +16,14 @@
 //! };
 //!
 //! // The first request acquires the key and runs the handler...
-//! let Ok(Begin::Acquired { claim, .. }) = store.begin(&request).await else { panic!() };
+//! let Ok(KeyState::Acquired { claim, .. }) = store.begin(&request).await else { panic!() };
 //! // ...a duplicate meanwhile learns it is in flight...
-//! assert!(matches!(store.begin(&request).await, Ok(Begin::InFlight { .. })));
+//! assert!(matches!(store.begin(&request).await, Ok(KeyState::InFlight { .. })));
 //! // ...the holder stores the response...
 //! let record = Record::from_parts(http::StatusCode::OK, Default::default(), Some("ok".into()));
 //! assert_eq!(store.complete(&claim, &record).await, Ok(ClaimStatus::Held));
 //! // ...and every retry gets it.
-//! let Ok(Begin::Completed { record: replayed, .. }) = store.begin(&request).await else { panic!() };
+//! let Ok(KeyState::Completed { record: replayed, .. }) = store.begin(&request).await else { panic!() };
 //! assert_eq!(replayed, record);
 //! # }
 //! ```
@@ -35,10 +35,10 @@
 //!
 //! | stored state | same fingerprint | other fingerprint |
 //! |---|---|---|
-//! | nothing, or a record past its TTL and not held under a live lease | [`Acquired`](Begin::Acquired) | [`Acquired`](Begin::Acquired) |
-//! | in flight, lease live | [`InFlight`](Begin::InFlight) | [`Mismatch`](Begin::Mismatch) |
-//! | in flight, lease lapsed (holder crashed) | [`Acquired`](Begin::Acquired) with `takeover` | [`Mismatch`](Begin::Mismatch) |
-//! | completed | [`Completed`](Begin::Completed) | [`Mismatch`](Begin::Mismatch) |
+//! | nothing, or a record past its TTL and not held under a live lease | [`Acquired`](KeyState::Acquired) | [`Acquired`](KeyState::Acquired) |
+//! | in flight, lease live | [`InFlight`](KeyState::InFlight) | [`Mismatch`](KeyState::Mismatch) |
+//! | in flight, lease lapsed (holder crashed) | [`Acquired`](KeyState::Acquired) with `takeover` | [`Mismatch`](KeyState::Mismatch) |
+//! | completed | [`Completed`](KeyState::Completed) | [`Mismatch`](KeyState::Mismatch) |
 //!
 //! Every acquisition hands out a new **fencing token**, larger than any the key had before.
 //! [`renew`](Store::renew), [`complete`](Store::complete) and [`release`](Store::release) act only
@@ -81,9 +81,10 @@ pub struct ClaimRequest {
     pub ttl: Duration,
 }
 
-/// The answer to [`Store::begin`].
+/// What [`Store::begin`] found the key in: free, and now the caller's (`Acquired`); in flight
+/// under another request; completed; or another request's (`Mismatch`).
 #[derive(Debug, Clone, PartialEq)]
-pub enum Begin<C> {
+pub enum KeyState<C> {
     /// The caller holds the key and runs the handler.
     Acquired {
         /// The claim, to renew, complete or release.
@@ -110,17 +111,17 @@ pub enum Begin<C> {
     Mismatch,
 }
 
-impl<C> Begin<C> {
-    /// Maps the claim of an [`Acquired`](Begin::Acquired) answer, for stores that wrap others.
-    pub fn map_claim<D>(self, f: impl FnOnce(C) -> D) -> Begin<D> {
+impl<C> KeyState<C> {
+    /// Maps the claim of an [`Acquired`](KeyState::Acquired) answer, for stores that wrap others.
+    pub fn map_claim<D>(self, f: impl FnOnce(C) -> D) -> KeyState<D> {
         match self {
-            Self::Acquired { claim, takeover } => Begin::Acquired {
+            Self::Acquired { claim, takeover } => KeyState::Acquired {
                 claim: f(claim),
                 takeover,
             },
-            Self::InFlight { lease_remaining } => Begin::InFlight { lease_remaining },
-            Self::Completed { record, expires_in } => Begin::Completed { record, expires_in },
-            Self::Mismatch => Begin::Mismatch,
+            Self::InFlight { lease_remaining } => KeyState::InFlight { lease_remaining },
+            Self::Completed { record, expires_in } => KeyState::Completed { record, expires_in },
+            Self::Mismatch => KeyState::Mismatch,
         }
     }
 }
@@ -141,10 +142,11 @@ pub enum ClaimStatus {
     RolledBack,
 }
 
-/// A claim on a key in a store that fences holders by token: the claim type of
-/// [`MemoryStore`], held inside [`PgClaim`], and ready for other stores to use.
+/// A claimed key and the fencing token its claim was handed: the claim type of [`MemoryStore`],
+/// held inside [`PgClaim`], and ready for other stores to use. A store acts on a claim only while
+/// the key still carries its token, which fences out a holder that was taken over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Lease {
+pub struct Fence {
     /// The claimed key.
     pub key: ScopeKey,
     /// The fencing token handed out with this claim.
@@ -164,7 +166,7 @@ pub trait Store: Send + Sync + 'static {
     fn begin(
         &self,
         request: &ClaimRequest,
-    ) -> impl Future<Output = Result<Begin<Self::Claim>, Self::Error>> + Send;
+    ) -> impl Future<Output = Result<KeyState<Self::Claim>, Self::Error>> + Send;
 
     /// Extends a held claim's lease to `lease` from now.
     fn renew(
@@ -341,22 +343,22 @@ mod tests {
     }
 
     impl Store for Flaky {
-        type Claim = Lease;
+        type Claim = Fence;
         type Error = Down;
 
-        async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, Down> {
+        async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, Down> {
             infallible(self.inner.begin(request).await)
         }
 
-        async fn renew(&self, claim: &Lease, lease: Duration) -> Result<ClaimStatus, Down> {
+        async fn renew(&self, claim: &Fence, lease: Duration) -> Result<ClaimStatus, Down> {
             infallible(self.inner.renew(claim, lease).await)
         }
 
-        async fn complete(&self, claim: &Lease, record: &Record) -> Result<ClaimStatus, Down> {
+        async fn complete(&self, claim: &Fence, record: &Record) -> Result<ClaimStatus, Down> {
             infallible(self.inner.complete(claim, record).await)
         }
 
-        async fn release(&self, claim: &Lease) -> Result<ClaimStatus, Down> {
+        async fn release(&self, claim: &Fence) -> Result<ClaimStatus, Down> {
             infallible(self.inner.release(claim).await)
         }
     }
@@ -391,7 +393,7 @@ mod tests {
             };
             assert!(matches!(
                 store.begin(&request).await,
-                Ok(Begin::Acquired { .. })
+                Ok(KeyState::Acquired { .. })
             ));
         }
         tokio::time::advance(Duration::from_secs(11)).await;
@@ -418,26 +420,26 @@ mod tests {
     }
 
     impl Store for Backlog {
-        type Claim = Lease;
+        type Claim = Fence;
         type Error = MemoryStoreError;
 
-        async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, Self::Error> {
+        async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, Self::Error> {
             self.inner.begin(request).await
         }
 
-        async fn renew(&self, claim: &Lease, lease: Duration) -> Result<ClaimStatus, Self::Error> {
+        async fn renew(&self, claim: &Fence, lease: Duration) -> Result<ClaimStatus, Self::Error> {
             self.inner.renew(claim, lease).await
         }
 
         async fn complete(
             &self,
-            claim: &Lease,
+            claim: &Fence,
             record: &Record,
         ) -> Result<ClaimStatus, Self::Error> {
             self.inner.complete(claim, record).await
         }
 
-        async fn release(&self, claim: &Lease) -> Result<ClaimStatus, Self::Error> {
+        async fn release(&self, claim: &Fence) -> Result<ClaimStatus, Self::Error> {
             self.inner.release(claim).await
         }
     }

@@ -65,7 +65,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use sha2::{Digest, Sha256};
 
-use super::{Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, Store};
+use super::{ClaimRequest, ClaimStatus, ExpiredDeletion, KeyState, Store};
 use crate::{chain::Chain, fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
 /// A lease and TTL long enough never to run out during a check.
@@ -151,13 +151,13 @@ pub async fn check_expired_deletion<St: ExpiredDeletion>(store: &St, short: Dura
     assert!(
         matches!(
             ok(RULE, "begin", store.begin(&live).await),
-            Begin::Completed { .. }
+            KeyState::Completed { .. }
         ),
         "{RULE}: a record within its TTL was deleted"
     );
     let answer = ok(RULE, "begin", store.begin(&outliving).await);
     assert!(
-        matches!(answer, Begin::InFlight { .. }),
+        matches!(answer, KeyState::InFlight { .. }),
         "{RULE}: a claim whose lease outlives its TTL must stay in flight, got {}",
         describe(&answer)
     );
@@ -166,7 +166,7 @@ pub async fn check_expired_deletion<St: ExpiredDeletion>(store: &St, short: Dura
         assert!(
             matches!(
                 answer,
-                Begin::Acquired {
+                KeyState::Acquired {
                     takeover: false,
                     ..
                 }
@@ -292,7 +292,7 @@ pub(super) async fn acquire<St: Store>(
     request: &ClaimRequest,
 ) -> St::Claim {
     match ok(rule, "begin", store.begin(request).await) {
-        Begin::Acquired { claim, .. } => claim,
+        KeyState::Acquired { claim, .. } => claim,
         other => panic!(
             "{rule}: a new key must be acquired, got {}",
             describe(&other)
@@ -335,16 +335,16 @@ pub(super) fn lost<E: std::error::Error + 'static>(
 }
 
 /// An answer, without its claim (a store's claim type need not be `Debug`).
-pub(super) fn describe<C>(answer: &Begin<C>) -> String {
+pub(super) fn describe<C>(answer: &KeyState<C>) -> String {
     match answer {
-        Begin::Acquired { takeover, .. } => format!("Acquired {{ takeover: {takeover} }}"),
-        Begin::InFlight { lease_remaining } => {
+        KeyState::Acquired { takeover, .. } => format!("Acquired {{ takeover: {takeover} }}"),
+        KeyState::InFlight { lease_remaining } => {
             format!("InFlight {{ lease_remaining: {lease_remaining:?} }}")
         }
-        Begin::Completed { record, expires_in } => format!(
+        KeyState::Completed { record, expires_in } => format!(
             "Completed {{ status: {}, expires_in: {expires_in:?} }}",
             record.status()
         ),
-        Begin::Mismatch => "Mismatch".to_owned(),
+        KeyState::Mismatch => "Mismatch".to_owned(),
     }
 }

@@ -13,7 +13,7 @@ pub(super) async fn a_new_key_is_acquired_and_its_duplicates_refused<St: Store>(
     assert!(
         matches!(
             answer,
-            Begin::Acquired {
+            KeyState::Acquired {
                 takeover: false,
                 ..
             }
@@ -23,14 +23,14 @@ pub(super) async fn a_new_key_is_acquired_and_its_duplicates_refused<St: Store>(
     );
     let answer = ok(RULE, "begin", store.begin(&request).await);
     match answer {
-        Begin::InFlight {
+        KeyState::InFlight {
             lease_remaining: Some(remaining),
         } => assert!(
             remaining <= request.lease,
             "{RULE}: the lease has {remaining:?} left, more than the {:?} it was given",
             request.lease
         ),
-        Begin::InFlight {
+        KeyState::InFlight {
             lease_remaining: None,
         } => {}
         other => panic!(
@@ -49,7 +49,7 @@ pub(super) async fn a_completed_key_replays_its_record_exactly<St: Store>(store:
         held(RULE, "complete", store.complete(&claim, &kept).await);
         for _ in 0..2 {
             match ok(RULE, "begin", store.begin(&request).await) {
-                Begin::Completed { record, expires_in } => {
+                KeyState::Completed { record, expires_in } => {
                     assert_eq!(record, kept, "{RULE}: record {i} came back changed");
                     let order = |r: &Record| {
                         r.headers()
@@ -90,7 +90,7 @@ pub(super) async fn a_released_key_is_free_and_its_claim_fenced_out<St: Store>(
     held(RULE, "release", store.release(&released).await);
     let other = other_payload(&request);
     let answer = ok(RULE, "begin", store.begin(&other).await);
-    let Begin::Acquired {
+    let KeyState::Acquired {
         claim: next,
         takeover: false,
     } = answer
@@ -117,8 +117,8 @@ pub(super) async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out
     // Until the store sees the lease as lapsed, a duplicate is in flight.
     let (fresh, takeover) = poll(RULE, short, || async {
         match ok(RULE, "begin", store.begin(&request).await) {
-            Begin::Acquired { claim, takeover } => Some((claim, takeover)),
-            Begin::InFlight { .. } => None,
+            KeyState::Acquired { claim, takeover } => Some((claim, takeover)),
+            KeyState::InFlight { .. } => None,
             other => panic!(
                 "{RULE}: a claim in flight must be in flight or taken over, got {}",
                 describe(&other)
@@ -154,7 +154,7 @@ pub(super) async fn a_renewed_lease_does_not_lapse<St: Store>(
     tokio::time::sleep(short * 2).await;
     let answer = ok(RULE, "begin", store.begin(&request).await);
     assert!(
-        matches!(answer, Begin::InFlight { .. }),
+        matches!(answer, KeyState::InFlight { .. }),
         "{RULE}: a claim renewed for {LONG:?} must be in flight after its first lease, got {}",
         describe(&answer)
     );
@@ -184,8 +184,8 @@ pub(super) async fn an_expired_record_is_new<St: Store>(store: &St, keys: &Keys,
     let other = other_payload(&request);
     let takeover = poll(RULE, short, || async {
         match ok(RULE, "begin", store.begin(&other).await) {
-            Begin::Acquired { takeover, .. } => Some(takeover),
-            Begin::Mismatch => None,
+            KeyState::Acquired { takeover, .. } => Some(takeover),
+            KeyState::Mismatch => None,
             answer => panic!(
                 "{RULE}: another payload for a completed key must be a mismatch until it \
                  expires, then new; got {}",
@@ -225,7 +225,7 @@ pub(super) async fn racing_requests_acquire_a_key_once<St: Store + Clone>(store:
         for racer in racers {
             let (fingerprint, answer) = racer.await.expect("a racing begin panicked");
             let answer = ok(RULE, "begin", answer);
-            if let Begin::Acquired { .. } = answer {
+            if let KeyState::Acquired { .. } = answer {
                 assert!(
                     winner.is_none(),
                     "{RULE}: {RACERS} racing begins acquired one key twice"
@@ -238,9 +238,9 @@ pub(super) async fn racing_requests_acquire_a_key_once<St: Store + Clone>(store:
             .unwrap_or_else(|| panic!("{RULE}: none of {RACERS} racing begins acquired a new key"));
         for (fingerprint, answer) in &answers {
             match answer {
-                Begin::Acquired { .. } => {}
-                Begin::InFlight { .. } if *fingerprint == winner => {}
-                Begin::Mismatch if *fingerprint != winner => {}
+                KeyState::Acquired { .. } => {}
+                KeyState::InFlight { .. } if *fingerprint == winner => {}
+                KeyState::Mismatch if *fingerprint != winner => {}
                 other => panic!(
                     "{RULE}: a loser must be in flight (same payload as the winner) or a \
                      mismatch (another payload), got {}",
@@ -265,7 +265,7 @@ pub(super) async fn another_payload_is_a_mismatch<St: Store>(
 ) {
     let answer = ok(rule, "begin", store.begin(&other_payload(request)).await);
     assert!(
-        matches!(answer, Begin::Mismatch),
+        matches!(answer, KeyState::Mismatch),
         "{rule}: another payload for a key {state} must be a mismatch, got {}",
         describe(&answer)
     );
@@ -275,7 +275,7 @@ pub(super) async fn another_payload_is_a_mismatch<St: Store>(
 pub(super) async fn replays_the_record<St: Store>(rule: &str, store: &St, request: &ClaimRequest) {
     let answer = ok(rule, "begin", store.begin(request).await);
     assert!(
-        matches!(&answer, Begin::Completed { record: r, .. } if *r == record()),
+        matches!(&answer, KeyState::Completed { record: r, .. } if *r == record()),
         "{rule}: the record completed last must replay, got {}",
         describe(&answer)
     );

@@ -11,7 +11,7 @@ use std::{
 use tokio::time::Instant;
 
 use super::{
-    Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, InFlightWatch, Lease, Notifier, Store,
+    ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch, KeyState, Notifier, Store,
 };
 use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
@@ -190,7 +190,7 @@ impl MemoryStore {
     /// Runs `f` on the entry still held by `lease`, if any, found with one probe of the map.
     fn with_held(
         &self,
-        lease: &Lease,
+        lease: &Fence,
         f: impl FnOnce(hash_map::OccupiedEntry<'_, ScopeKey, Entry>),
     ) -> ClaimStatus {
         let mut records = self.records(&lease.key);
@@ -211,10 +211,10 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
-    type Claim = Lease;
+    type Claim = Fence;
     type Error = MemoryStoreError;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<Begin<Lease>, MemoryStoreError> {
+    async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, MemoryStoreError> {
         let now = Instant::now();
         match self.try_begin(request, now) {
             // Full: make room from the expired records, if that was not just tried, and again.
@@ -225,7 +225,7 @@ impl Store for MemoryStore {
         }
     }
 
-    async fn renew(&self, claim: &Lease, lease: Duration) -> Result<ClaimStatus, MemoryStoreError> {
+    async fn renew(&self, claim: &Fence, lease: Duration) -> Result<ClaimStatus, MemoryStoreError> {
         Ok(self.with_held(claim, |mut held| {
             let entry = held.get_mut();
             let lease_until = later(Instant::now(), lease);
@@ -236,7 +236,7 @@ impl Store for MemoryStore {
 
     async fn complete(
         &self,
-        claim: &Lease,
+        claim: &Fence,
         record: &Record,
     ) -> Result<ClaimStatus, MemoryStoreError> {
         // Packed outside the lock.
@@ -249,7 +249,7 @@ impl Store for MemoryStore {
         Ok(status)
     }
 
-    async fn release(&self, claim: &Lease) -> Result<ClaimStatus, MemoryStoreError> {
+    async fn release(&self, claim: &Fence) -> Result<ClaimStatus, MemoryStoreError> {
         let status = self.with_held(claim, |held| {
             let (_, entry) = held.remove_entry();
             self.count(0, entry.bytes());
@@ -277,7 +277,7 @@ impl MemoryStore {
         &self,
         request: &ClaimRequest,
         now: Instant,
-    ) -> Result<Begin<Lease>, MemoryStoreError> {
+    ) -> Result<KeyState<Fence>, MemoryStoreError> {
         let mut shard = self.records(&request.key);
         let records = &mut *shard;
         let freed = records.expire_oldest(now, EXPIRE_PER_CLAIM);
@@ -295,20 +295,20 @@ impl MemoryStore {
                     // Never taken from its holder, even past its TTL.
                     State::InFlight { lease_until } if *lease_until > now => {
                         if entry.fingerprint != request.fingerprint {
-                            return Ok(Begin::Mismatch);
+                            return Ok(KeyState::Mismatch);
                         }
-                        return Ok(Begin::InFlight {
+                        return Ok(KeyState::InFlight {
                             lease_remaining: Some(lease_until.saturating_duration_since(now)),
                         });
                     }
                     _ if ends <= now => false,
-                    _ if entry.fingerprint != request.fingerprint => return Ok(Begin::Mismatch),
+                    _ if entry.fingerprint != request.fingerprint => return Ok(KeyState::Mismatch),
                     State::Completed(packed) => {
                         // A handle out of the lock; rebuilt into a record after it is released.
                         let (packed, expires_in) =
                             (packed.clone(), ends.saturating_duration_since(now));
                         drop(shard);
-                        return Ok(Begin::Completed {
+                        return Ok(KeyState::Completed {
                             record: packed.unpack(),
                             expires_in: Some(expires_in),
                         });
@@ -350,8 +350,8 @@ impl MemoryStore {
             token,
         });
         self.count(ENTRY_BYTES, replaced);
-        Ok(Begin::Acquired {
-            claim: Lease {
+        Ok(KeyState::Acquired {
+            claim: Fence {
                 key: request.key,
                 token,
             },

@@ -15,9 +15,9 @@ fn record() -> Record {
     Record::from_parts(StatusCode::CREATED, Default::default(), Some("done".into()))
 }
 
-async fn acquire(store: &MemoryStore, request: &ClaimRequest) -> (Lease, bool) {
+async fn acquire(store: &MemoryStore, request: &ClaimRequest) -> (Fence, bool) {
     match store.begin(request).await.unwrap() {
-        Begin::Acquired { claim, takeover } => (claim, takeover),
+        KeyState::Acquired { claim, takeover } => (claim, takeover),
         other => panic!("expected to acquire, got {other:?}"),
     }
 }
@@ -54,7 +54,7 @@ async fn lapsed_lease_is_taken_over_and_the_stale_holder_is_fenced_out() {
     tokio::time::advance(Duration::from_secs(29)).await;
     assert!(matches!(
         store.begin(&request(1)).await,
-        Ok(Begin::InFlight { .. })
+        Ok(KeyState::InFlight { .. })
     ));
     tokio::time::advance(Duration::from_secs(2)).await;
     let (fresh, takeover) = acquire(&store, &request(1)).await;
@@ -75,7 +75,7 @@ async fn lapsed_lease_is_taken_over_and_the_stale_holder_is_fenced_out() {
     );
     assert_eq!(
         store.begin(&request(1)).await,
-        Ok(Begin::Completed {
+        Ok(KeyState::Completed {
             record: record(),
             expires_in: Some(Duration::from_secs(3600))
         })
@@ -92,7 +92,7 @@ async fn a_lease_longer_than_the_ttl_keeps_the_record() {
     tokio::time::advance(Duration::from_secs(30)).await;
     assert!(matches!(
         store.begin(&long_lease).await,
-        Ok(Begin::InFlight { .. })
+        Ok(KeyState::InFlight { .. })
     ));
 }
 
@@ -115,7 +115,7 @@ async fn a_completed_record_expires_at_its_ttl_though_the_lease_is_longer() {
     );
     assert_eq!(
         store.begin(&short_ttl(1)).await,
-        Ok(Begin::Completed {
+        Ok(KeyState::Completed {
             record: record(),
             expires_in: Some(Duration::from_secs(1))
         }),
@@ -134,11 +134,11 @@ async fn a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses() {
     tokio::time::advance(Duration::from_secs(29)).await;
     assert_eq!(
         store.begin(&short_ttl(1)).await,
-        Ok(Begin::InFlight {
+        Ok(KeyState::InFlight {
             lease_remaining: Some(Duration::from_secs(1))
         })
     );
-    assert_eq!(store.begin(&short_ttl(2)).await, Ok(Begin::Mismatch));
+    assert_eq!(store.begin(&short_ttl(2)).await, Ok(KeyState::Mismatch));
     assert_eq!(store.delete_expired(10).await, Ok(0));
     assert_eq!(
         store.renew(&claim, Duration::from_secs(30)).await,
@@ -147,7 +147,7 @@ async fn a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses() {
     tokio::time::advance(Duration::from_secs(29)).await;
     assert!(matches!(
         store.begin(&short_ttl(2)).await,
-        Ok(Begin::Mismatch)
+        Ok(KeyState::Mismatch)
     ));
     // Lapsed, and past its TTL: dead, so the next claim is new.
     tokio::time::advance(Duration::from_secs(1)).await;
@@ -172,7 +172,7 @@ async fn renewal_keeps_the_lease_alive() {
     }
     assert!(matches!(
         store.begin(&request(1)).await,
-        Ok(Begin::InFlight { .. })
+        Ok(KeyState::InFlight { .. })
     ));
 }
 
@@ -180,12 +180,12 @@ async fn renewal_keeps_the_lease_alive() {
 async fn a_different_fingerprint_is_a_mismatch_until_expiry() {
     let store = MemoryStore::new();
     let (claim, _) = acquire(&store, &request(1)).await;
-    assert_eq!(store.begin(&request(2)).await, Ok(Begin::Mismatch));
+    assert_eq!(store.begin(&request(2)).await, Ok(KeyState::Mismatch));
     assert_eq!(
         store.complete(&claim, &record()).await,
         Ok(ClaimStatus::Held)
     );
-    assert_eq!(store.begin(&request(2)).await, Ok(Begin::Mismatch));
+    assert_eq!(store.begin(&request(2)).await, Ok(KeyState::Mismatch));
     tokio::time::advance(Duration::from_secs(3600)).await;
     let (_, takeover) = acquire(&store, &request(2)).await;
     assert!(!takeover, "an expired record is new, not a takeover");
@@ -225,11 +225,11 @@ async fn a_bounded_store_refuses_new_keys_when_full_and_drops_nothing_it_holds()
     assert_eq!(store.complete(&a, &record()).await, Ok(ClaimStatus::Held));
     assert!(matches!(
         store.begin(&keyed(1)).await,
-        Ok(Begin::Completed { .. })
+        Ok(KeyState::Completed { .. })
     ));
     assert!(matches!(
         store.begin(&keyed(2)).await,
-        Ok(Begin::InFlight { .. })
+        Ok(KeyState::InFlight { .. })
     ));
     assert_eq!(
         store
@@ -238,7 +238,7 @@ async fn a_bounded_store_refuses_new_keys_when_full_and_drops_nothing_it_holds()
                 ..keyed(2)
             })
             .await,
-        Ok(Begin::Mismatch)
+        Ok(KeyState::Mismatch)
     );
     tokio::time::advance(Duration::from_secs(31)).await;
     let (b2, takeover) = acquire(&store, &keyed(2)).await;
@@ -315,7 +315,7 @@ async fn an_unbounded_store_holds_about_one_ttl_of_keys_without_a_reaper() {
     // Within their TTL, records are kept as before.
     assert!(matches!(
         store.begin(&periodic(0, 19, ttl)).await,
-        Ok(Begin::Completed { .. })
+        Ok(KeyState::Completed { .. })
     ));
 }
 
@@ -339,7 +339,7 @@ async fn a_claim_renewed_past_its_ttl_is_kept_until_its_new_expiry() {
     acquire(&store, &periodic(5, 1, ttl)).await;
     assert!(matches!(
         store.begin(&renewed).await,
-        Ok(Begin::InFlight { .. })
+        Ok(KeyState::InFlight { .. })
     ));
     assert_eq!(
         store.complete(&claim, &record()).await,
@@ -407,18 +407,18 @@ mod properties {
             ..request.clone()
         };
         for _ in 0..3 {
-            if let Ok(Begin::Acquired { claim, .. }) = store.begin(&released).await {
+            if let Ok(KeyState::Acquired { claim, .. }) = store.begin(&released).await {
                 let _ = store.renew(&claim, renewal).await;
                 let _ = store.release(&claim).await;
             }
             match store.begin(&request).await {
-                Ok(Begin::Acquired { claim, .. }) => {
+                Ok(KeyState::Acquired { claim, .. }) => {
                     let _ = store.begin(&request).await;
                     let _ = store.renew(&claim, renewal).await;
                     tokio::time::advance(step).await;
                     let _ = store.complete(&claim, &record()).await;
                 }
-                Ok(Begin::Completed {
+                Ok(KeyState::Completed {
                     expires_in: Some(expires_in),
                     ..
                 }) => prop_assert!(expires_in <= ttl, "{expires_in:?} left of {ttl:?}"),

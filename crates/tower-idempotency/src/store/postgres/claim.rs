@@ -36,7 +36,7 @@ impl PostgresStore {
     pub(super) async fn begin_lease(
         &self,
         request: &ClaimRequest,
-    ) -> Result<Begin<PgClaim>, PostgresStoreError> {
+    ) -> Result<KeyState<PgClaim>, PostgresStoreError> {
         let mut attempt = ClaimAttempt::new(self, request.key);
         if self.batches() {
             let (pool, timeout) = (self.pool.clone(), self.timeout);
@@ -65,7 +65,7 @@ impl PostgresStore {
             match claimed {
                 Ok(Some(Batched::Done(Some(lease)))) => {
                     attempt.settle();
-                    return Ok(Begin::Acquired {
+                    return Ok(KeyState::Acquired {
                         claim: PgClaim { lease, tx: None },
                         takeover: false,
                     });
@@ -92,7 +92,7 @@ impl PostgresStore {
     pub(super) async fn begin_transactional(
         &self,
         request: &ClaimRequest,
-    ) -> Result<Begin<PgClaim>, PostgresStoreError> {
+    ) -> Result<KeyState<PgClaim>, PostgresStoreError> {
         let mut tx = self
             .timed(
                 "begin",
@@ -109,10 +109,10 @@ impl PostgresStore {
                 .await?;
             let Some(row) = row else { continue };
             return match decode_begin(request, &row)? {
-                Begin::Acquired {
+                KeyState::Acquired {
                     claim: lease,
                     takeover,
-                } => Ok(Begin::Acquired {
+                } => Ok(KeyState::Acquired {
                     claim: PgClaim {
                         lease,
                         tx: Some(Box::new(TxClaim {
@@ -146,11 +146,11 @@ pub(super) fn advisory_lock_key(request: &ClaimRequest) -> i64 {
 pub(super) fn decode_begin(
     request: &ClaimRequest,
     row: &PgRow,
-) -> Result<Begin<Lease>, PostgresStoreError> {
+) -> Result<KeyState<Fence>, PostgresStoreError> {
     match row.try_get::<&str, _>("outcome")? {
         "acquired" => {
-            return Ok(Begin::Acquired {
-                claim: Lease {
+            return Ok(KeyState::Acquired {
+                claim: Fence {
                     key: request.key,
                     token: row.try_get("token")?,
                 },
@@ -158,20 +158,20 @@ pub(super) fn decode_begin(
             });
         }
         "busy" => {
-            return Ok(Begin::InFlight {
+            return Ok(KeyState::InFlight {
                 lease_remaining: None,
             });
         }
         _ => {}
     }
     if !row.try_get::<bool, _>("same_fingerprint")? {
-        return Ok(Begin::Mismatch);
+        return Ok(KeyState::Mismatch);
     }
     // In flight under this attempt's own claimant: claimed by an earlier try whose answer was
     // lost (a batch that failed after it committed).
     if row.try_get::<Option<bool>, _>("mine")? == Some(true) {
-        return Ok(Begin::Acquired {
-            claim: Lease {
+        return Ok(KeyState::Acquired {
+            claim: Fence {
                 key: request.key,
                 token: row.try_get("token")?,
             },
@@ -180,7 +180,7 @@ pub(super) fn decode_begin(
     }
     let Some(status) = row.try_get::<Option<i16>, _>("status")? else {
         let remaining: Option<f64> = row.try_get("lease_remaining")?;
-        return Ok(Begin::InFlight {
+        return Ok(KeyState::InFlight {
             lease_remaining: remaining.and_then(|s| Duration::try_from_secs_f64(s).ok()),
         });
     };
@@ -205,7 +205,7 @@ pub(super) fn decode_begin(
     }
     let body: Option<Vec<u8>> = row.try_get("body")?;
     let expires_in: Option<f64> = row.try_get("expires_in")?;
-    Ok(Begin::Completed {
+    Ok(KeyState::Completed {
         record: Record::from_parts(status, headers, body.map(Bytes::from)),
         expires_in: expires_in.and_then(|s| Duration::try_from_secs_f64(s).ok()),
     })

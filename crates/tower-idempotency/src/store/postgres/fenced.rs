@@ -5,7 +5,7 @@ use super::*;
 impl PostgresStore {
     pub(super) async fn renew_lease(
         &self,
-        held: &Lease,
+        held: &Fence,
         lease: Duration,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         let statement =
@@ -15,7 +15,7 @@ impl PostgresStore {
 
     pub(super) async fn complete_lease(
         &self,
-        held: &Lease,
+        held: &Fence,
         record: &Record,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         if self.batches() && record.size() <= MAX_BATCHED_RECORD {
@@ -49,7 +49,7 @@ impl PostgresStore {
 
     pub(super) async fn release_lease(
         &self,
-        held: &Lease,
+        held: &Fence,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         let sql = if self.notifications.emit() {
             self.fenced_sql().release_notify
@@ -70,7 +70,7 @@ impl PostgresStore {
     }
 }
 
-pub(super) fn fenced_statement<'a>(sql: &'static str, lease: &'a Lease) -> Statement<'a> {
+pub(super) fn fenced_statement<'a>(sql: &'static str, lease: &'a Fence) -> Statement<'a> {
     Statement::new(sql)
         .with(Param::Key(stored_key(&lease.key)))
         .with(Param::Int(lease.token))
@@ -78,7 +78,7 @@ pub(super) fn fenced_statement<'a>(sql: &'static str, lease: &'a Lease) -> State
 
 pub(super) fn complete_statement<'a>(
     sql: &'static str,
-    lease: &'a Lease,
+    lease: &'a Fence,
     record: &'a Record,
 ) -> Statement<'a> {
     let (names, values) = record

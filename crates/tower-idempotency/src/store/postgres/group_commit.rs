@@ -4,7 +4,7 @@
 use super::*;
 
 /// Lease mode's claims of new keys, each with its attempt's claimant, batched.
-pub(super) type ClaimBatcher = Batcher<(ClaimRequest, Uuid), Batched<Option<Lease>>>;
+pub(super) type ClaimBatcher = Batcher<(ClaimRequest, Uuid), Batched<Option<Fence>>>;
 
 /// The most operations one batch writes.
 pub(super) const MAX_BATCH: usize = 256;
@@ -33,7 +33,7 @@ pub(super) async fn claim_new_keys(
     timeout: Duration,
     mut writer: BatchWriter,
     batch: Vec<(ClaimRequest, Uuid)>,
-) -> (BatchWriter, Vec<Batched<Option<Lease>>>) {
+) -> (BatchWriter, Vec<Batched<Option<Fence>>>) {
     crate::metrics::batch("claim", batch.len());
     let keys: Vec<Uuid> = batch.iter().map(|(r, _)| stored_key(&r.key)).collect();
     let mut order: Vec<usize> = (0..batch.len()).collect();
@@ -78,7 +78,7 @@ pub(super) async fn claim_new_keys(
             if alone {
                 Batched::Alone
             } else {
-                Batched::Done(tokens.get(&key).map(|&token| Lease {
+                Batched::Done(tokens.get(&key).map(|&token| Fence {
                     key: request.key,
                     token,
                 }))
@@ -100,7 +100,7 @@ pub(super) async fn complete_many(
     timeout: Duration,
     notify: bool,
     mut writer: BatchWriter,
-    batch: Vec<(Lease, Record)>,
+    batch: Vec<(Fence, Record)>,
 ) -> (BatchWriter, Vec<Batched<ClaimStatus>>) {
     crate::metrics::batch("complete", batch.len());
     let mut keys = Vec::with_capacity(batch.len());

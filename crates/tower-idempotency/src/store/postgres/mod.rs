@@ -19,7 +19,7 @@ use sqlx::{
 };
 
 use super::{
-    Begin, ClaimRequest, ClaimStatus, ExpiredDeletion, InFlightWatch, Lease, Notifier, Store,
+    ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch, KeyState, Notifier, Store,
     batch::Batcher,
 };
 use crate::{record::Record, scope::ScopeKey, transaction::TxSlot};
@@ -123,20 +123,20 @@ pub struct PostgresStore {
     /// Waiters poll every so often instead ([`with_in_flight_polling`](Self::with_in_flight_polling)).
     in_flight_polling: Option<Duration>,
     /// Lease mode's group commit of completions.
-    completions: Arc<Batcher<(Lease, Record), Batched<ClaimStatus>>>,
+    completions: Arc<Batcher<(Fence, Record), Batched<ClaimStatus>>>,
 }
 
 /// A claim held in a [`PostgresStore`]: its fencing token and, in transactional mode, the open
 /// transaction.
 #[derive(Debug)]
 pub struct PgClaim {
-    lease: Lease,
+    lease: Fence,
     tx: Option<Box<TxClaim>>,
 }
 
 impl PgClaim {
     /// The claimed key and its fencing token.
-    pub fn lease(&self) -> &Lease {
+    pub fn fence(&self) -> &Fence {
         &self.lease
     }
 }
@@ -296,7 +296,7 @@ impl Store for PostgresStore {
     type Claim = PgClaim;
     type Error = PostgresStoreError;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<Begin<PgClaim>, PostgresStoreError> {
+    async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<PgClaim>, PostgresStoreError> {
         if self.transactional {
             // Boxed: opening a transaction is a large future, which would otherwise make every
             // lease-mode request's future as large.
@@ -319,7 +319,7 @@ impl Store for PostgresStore {
             Fallback::None if tx_claim.slot.is_settled() => Ok(ClaimStatus::Lost),
             Fallback::None => Ok(ClaimStatus::Held),
             Fallback::Reclaim => self.reclaim(tx_claim).await,
-            Fallback::Lease(held) => self.renew_lease(&held, lease).await,
+            Fallback::Fence(held) => self.renew_lease(&held, lease).await,
         }
     }
 
@@ -335,14 +335,14 @@ impl Store for PostgresStore {
             Fallback::None => {}
             Fallback::Reclaim => {
                 return match (self.reclaim(tx_claim).await?, tx_claim.fallback()) {
-                    (ClaimStatus::Held, Fallback::Lease(held)) => {
+                    (ClaimStatus::Held, Fallback::Fence(held)) => {
                         self.complete_lease(&held, record).await
                     }
                     // Held, with the record found stored; or lost to another request.
                     (status, _) => Ok(status),
                 };
             }
-            Fallback::Lease(held) => return self.complete_lease(&held, record).await,
+            Fallback::Fence(held) => return self.complete_lease(&held, record).await,
         }
         let slot = &tx_claim.slot;
         let Some(mut tx) = slot
@@ -388,7 +388,7 @@ impl Store for PostgresStore {
         match tx_claim.fallback() {
             Fallback::None => {}
             Fallback::Reclaim => return Ok(ClaimStatus::Lost),
-            Fallback::Lease(held) => return self.release_lease(&held).await,
+            Fallback::Fence(held) => return self.release_lease(&held).await,
         }
         // Rolling back undoes the claim and the handler's writes together.
         let Some(tx) = tx_claim

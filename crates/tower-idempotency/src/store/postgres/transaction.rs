@@ -21,7 +21,7 @@ pub(super) enum Fallback {
     /// The transaction is gone and the key not yet claimed again.
     Reclaim,
     /// Claimed again, in lease mode.
-    Lease(Lease),
+    Fence(Fence),
 }
 
 impl TxClaim {
@@ -58,7 +58,7 @@ impl PostgresStore {
         tx_claim.set_fallback(Fallback::Reclaim);
         match self.reclaim(tx_claim).await {
             Ok(ClaimStatus::Held) => match tx_claim.fallback() {
-                Fallback::Lease(held) => self.complete_lease(&held, record).await,
+                Fallback::Fence(held) => self.complete_lease(&held, record).await,
                 // Stored already: the commit reported as failed went through.
                 _ => Ok(ClaimStatus::Held),
             },
@@ -74,15 +74,15 @@ impl PostgresStore {
         tx_claim: &TxClaim,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         match self.begin_lease(&tx_claim.request).await? {
-            Begin::Acquired { claim, .. } => {
-                tx_claim.set_fallback(Fallback::Lease(claim.lease));
+            KeyState::Acquired { claim, .. } => {
+                tx_claim.set_fallback(Fallback::Fence(claim.lease));
                 Ok(ClaimStatus::Held)
             }
-            Begin::Completed { .. } => {
+            KeyState::Completed { .. } => {
                 tx_claim.set_fallback(Fallback::None);
                 Ok(ClaimStatus::Held)
             }
-            Begin::InFlight { .. } | Begin::Mismatch => {
+            KeyState::InFlight { .. } | KeyState::Mismatch => {
                 tracing::error!(
                     "another request claimed the key while its response was being stored; \
                      the handler may run twice"

@@ -139,9 +139,8 @@ pub(crate) fn timed<F: std::future::Future>(operation: &'static str, future: F) 
 
 #[cfg(feature = "metrics")]
 pin_project_lite::pin_project! {
-    /// A store operation's future, timed from its first poll to its output. A struct rather
-    /// than an `async fn`, which would hold the operation's future twice (argument and awaited
-    /// copy).
+    /// A store operation's future, timed from its first poll to its output; a struct, to keep
+    /// requests' futures small (see the service module).
     pub(crate) struct Timed<F> {
         #[pin]
         future: F,

@@ -18,13 +18,9 @@ where
     /// Body and fingerprint, then the claim. Unless the app chose [`Disconnect::Cancel`], the
     /// response future hands this future to a task of its own if it is dropped unfinished (the
     /// client hung up), so a handler is never stopped half-way.
-    ///
-    /// A function returning an `async` block rather than an `async fn`, whose arguments would be
-    /// stored twice in the future (see rust-lang/rust#62958), and this future is allocated for
-    /// every keyed request.
     #[expect(
         clippy::manual_async_fn,
-        reason = "an async fn would store its arguments twice"
+        reason = "the future stays small (see the service module)"
     )]
     pub(super) fn serve(
         mut self,

@@ -1,5 +1,11 @@
 //! The middleware, in the order a request meets it:
-//! key → scope → body and fingerprint → claim → handler → record → replay.
+//! key → scope (here) → body, fingerprint and claim ([`keyed`]) → handler ([`run`]) → record or
+//! release ([`held`]) → replay or refusal ([`outcome`]).
+//!
+//! A keyed request's future is allocated for every request, so its size is a per-request cost.
+//! An `async fn` stores its arguments in its state and again where it awaits them
+//! (rust-lang/rust#62958), so the stages here are functions returning `async` blocks, the
+//! handler's future is pinned once and lent, and the store's timers are combinators.
 
 use std::{
     fmt,
@@ -289,13 +295,8 @@ impl Config {
 mod tests {
     use super::*;
 
-    /// A keyed request's future is allocated for every request and moved between its stages,
-    /// so its size is a per-request cost. It was 37 KiB in lease mode while the store's timers
-    /// held each statement's future twice and the transactional begin was inlined.
-    ///
-    /// Layouts are as shipped only when optimised (MIR inlining changes what an `.await`
-    /// holds: without the boxed transactional begin the future is 4 KiB unoptimised but 10 KiB
-    /// optimised), so it runs in release builds; CI runs it with `cargo test --release`.
+    /// The keyed request's future stays small (see the module documentation). Layouts are as
+    /// shipped only when optimised, so this runs in release builds (CI: `cargo test --release`).
     #[cfg(feature = "postgres")]
     #[cfg_attr(
         debug_assertions,

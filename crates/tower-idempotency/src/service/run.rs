@@ -16,7 +16,7 @@ where
     /// The handler, under a held claim kept alive by a heartbeat; then record or release.
     #[expect(
         clippy::manual_async_fn,
-        reason = "an async fn would store its arguments twice (see `serve`)"
+        reason = "the future stays small (see the service module)"
     )]
     pub(super) fn run(
         self,
@@ -45,8 +45,7 @@ where
                     body::buffer(Box::pin(body), max_response_bytes).await,
                 ))
             };
-            // Pinned here and lent to the heartbeat: an `async fn` taking the future by value
-            // would keep two copies of it in its state (rust-lang/rust#62958).
+            // Pinned here and lent to the heartbeat (see the service module).
             let handling = pin!(AssertUnwindSafe(handler).catch_unwind());
             let heartbeat = Heartbeat {
                 lease: config.lease,

@@ -158,8 +158,8 @@ impl<'a> Statement<'a> {
 }
 
 impl PostgresStore {
-    /// `future` under the store's timeout. A plain function rather than an `async fn`, which
-    /// would hold `future` twice (argument and awaited copy): sqlx's futures run to kilobytes.
+    /// `future` under the store's timeout; a combinator, to keep requests' futures small (see
+    /// the service module).
     pub(super) fn timed<T>(
         &self,
         operation: &'static str,

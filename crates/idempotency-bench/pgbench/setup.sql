@@ -8,3 +8,5 @@ CREATE SCHEMA idempotency;
 \ir ../../../migrations/20261123000001_uuid_scope_keys.sql
 \ir ../../../migrations/20261125000001_complete_many.sql
 \ir ../../../migrations/20261125000002_autovacuum_thresholds.sql
+\ir ../../../migrations/20261125000003_claimants_and_ttl.sql
+\ir ../../../migrations/20261125000004_settled_notifications.sql

@@ -36,6 +36,14 @@ pub(crate) const CHARGES_SCHEMA: &str = include_str!("../pgbench/charges.sql");
 const INSERT_CHARGE: &str =
     "INSERT INTO charges (account, amount, currency) VALUES ($1, $2, $3) RETURNING id";
 
+/// How long a duplicate of a key in flight waits for it in the apps that wait
+/// ([`App::LeaseWait`], [`App::SlowLeaseWait`]).
+pub(crate) const IN_FLIGHT_WAIT: Duration = Duration::from_secs(5);
+
+/// How long the slow apps' handler takes ([`App::SlowLease`], [`App::SlowLeaseWait`]): long
+/// enough that every duplicate of a storm arrives while the first request runs.
+pub(crate) const SLOW_HANDLER: Duration = Duration::from_millis(200);
+
 /// The width of partitioned mode's partitions: a quarter of the layer's default 24 h TTL, as
 /// `PostgresStore::partitioned` advises.
 pub(crate) const PARTITION_WIDTH: Duration = Duration::from_secs(6 * 60 * 60);
@@ -47,6 +55,16 @@ pub(crate) enum App {
     Bare,
     /// The charge handler behind `IdempotencyLayer::postgres(pool)`, on the same pool.
     Lease,
+    /// The same with duplicates waiting for a key in flight
+    /// (`with_in_flight_wait(IN_FLIGHT_WAIT)`): every completion also notifies the store's
+    /// listeners.
+    LeaseWait,
+    /// [`Lease`](Self::Lease) with a handler that sleeps [`SLOW_HANDLER`] before its
+    /// `INSERT`: duplicates get `409` while it runs.
+    SlowLease,
+    /// [`SlowLease`](Self::SlowLease) with duplicates waiting for the first request
+    /// (`with_in_flight_wait(IN_FLIGHT_WAIT)`).
+    SlowLeaseWait,
     /// The same with the in-process replay cache off (`with_replay_cache(0)`): every replay
     /// reads the store.
     LeaseNoCache,
@@ -77,6 +95,9 @@ impl App {
         match self {
             Self::Bare
             | Self::Lease
+            | Self::LeaseWait
+            | Self::SlowLease
+            | Self::SlowLeaseWait
             | Self::LeaseNoCache
             | Self::LeasePartitioned
             | Self::Transactional => true,
@@ -93,6 +114,9 @@ impl App {
         match self {
             Self::Bare => "bare",
             Self::Lease => "lease",
+            Self::LeaseWait => "lease-wait",
+            Self::SlowLease => "slow-lease",
+            Self::SlowLeaseWait => "slow-lease-wait",
             Self::LeaseNoCache => "lease-no-cache",
             Self::LeasePartitioned => "lease-partitioned",
             Self::Transactional => "transactional",
@@ -107,7 +131,11 @@ impl App {
     /// The store the app's layer uses (and its expiry loop), for apps with a PostgreSQL layer.
     pub(crate) fn store(self, pool: &PgPool) -> Option<PostgresStore> {
         match self {
-            Self::Lease | Self::LeaseNoCache => Some(PostgresStore::new(pool.clone())),
+            Self::Lease
+            | Self::LeaseWait
+            | Self::SlowLease
+            | Self::SlowLeaseWait
+            | Self::LeaseNoCache => Some(PostgresStore::new(pool.clone())),
             Self::Transactional => Some(PostgresStore::new(pool.clone()).transactional()),
             Self::LeasePartitioned => Some(partitioned_store(pool)),
             Self::Bare
@@ -131,6 +159,13 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
     let routes = match (app, pool) {
         (App::Bare, Some(pool)) => charges(pool),
         (App::Lease, Some(pool)) => charges(pool.clone()).layer(IdempotencyLayer::postgres(pool)),
+        (App::LeaseWait, Some(pool)) => charges(pool.clone())
+            .layer(IdempotencyLayer::postgres(pool).with_in_flight_wait(IN_FLIGHT_WAIT)),
+        (App::SlowLease, Some(pool)) => {
+            slow_charges(pool.clone()).layer(IdempotencyLayer::postgres(pool))
+        }
+        (App::SlowLeaseWait, Some(pool)) => slow_charges(pool.clone())
+            .layer(IdempotencyLayer::postgres(pool).with_in_flight_wait(IN_FLIGHT_WAIT)),
         (App::LeaseNoCache, Some(pool)) => {
             charges(pool.clone()).layer(IdempotencyLayer::postgres(pool).with_replay_cache(0))
         }
@@ -147,7 +182,14 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
         (App::AnyBodyBare, _) => any_body(),
         (App::AnyBodyMemory, _) => any_body().layer(IdempotencyLayer::memory()),
         (
-            App::Bare | App::Lease | App::LeaseNoCache | App::LeasePartitioned | App::Transactional,
+            App::Bare
+            | App::Lease
+            | App::LeaseWait
+            | App::SlowLease
+            | App::SlowLeaseWait
+            | App::LeaseNoCache
+            | App::LeasePartitioned
+            | App::Transactional,
             None,
         ) => {
             unreachable!("the caller connects a pool for every app that uses the database")
@@ -161,6 +203,19 @@ fn charges(pool: PgPool) -> Router {
     Router::new()
         .route(CHARGES_PATH, post(create_charge))
         .with_state(pool)
+}
+
+/// The charge handler, after [`SLOW_HANDLER`] of waiting (inside the idempotency layer, so the
+/// key stays in flight meanwhile).
+fn slow_charges(pool: PgPool) -> Router {
+    charges(pool).layer(middleware::from_fn(slowly))
+}
+
+/// Sleeps [`SLOW_HANDLER`], then hands the request on: a handler that takes its time, as one
+/// calling a payment network does.
+async fn slowly(request: Request, next: Next) -> Response {
+    tokio::time::sleep(SLOW_HANDLER).await;
+    next.run(request).await
 }
 
 fn no_io() -> Router {

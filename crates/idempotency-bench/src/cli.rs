@@ -97,6 +97,11 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 1_000, value_name = "N")]
     pub(crate) duplicate_keys: usize,
 
+    /// Keys per round in the duplicate storms (`duplicate-storm*`), each sent by 32 requests at
+    /// once, one key after the other (after one warm-up key).
+    #[arg(long, default_value_t = 20, value_name = "N")]
+    pub(crate) storm_keys: usize,
+
     /// A PostgreSQL setting for the run's databases only (`ALTER DATABASE ... SET`, so every
     /// session on them, the servers' included, starts with it), e.g. `wal_compression=lz4`:
     /// for trying a server setting on the scenarios. Repeatable.

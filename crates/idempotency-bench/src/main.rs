@@ -8,12 +8,12 @@
 //!     [--connections N] [--rounds N] [--scenarios a,b,...] [--database-url URL]
 //!     [--pool-size N] [--json PATH] [--list]
 //!     [--full-store-rows N] [--expired-rows N] [--reaper-batch N] [--instances N]
-//!     [--duplicate-keys N] [--db-setting NAME=VALUE ...] [--no-pool-checks]
+//!     [--duplicate-keys N] [--storm-keys N] [--db-setting NAME=VALUE ...] [--no-pool-checks]
 //! ```
 //!
 //! The report (markdown) goes to stdout, progress to stderr: `... > bench.md` keeps the table.
 //! A full run with the defaults (10 s per scenario after 2 s of warm-up, 32 connections,
-//! 3 rounds, every core scenario) takes about 8 minutes. The [scale scenarios](#scale-scenarios)
+//! 3 rounds, every core scenario) takes about 9 minutes. The [scale scenarios](#scale-scenarios)
 //! run only when named. Short runs
 //! (`--duration-secs 3 --warmup-secs 1`) check that everything works; published numbers come
 //! from a long run on a quiet machine. It is not a test, and CI only builds it.
@@ -54,6 +54,7 @@
 //! |---|---|---|
 //! | `bare` | — | the charge handler: one `INSERT` into `charges` through a pool, no layer |
 //! | `lease` | bare | the same, behind `IdempotencyLayer::postgres(pool)`, a new key per request |
+//! | `lease-wait` | lease | the same with `.with_in_flight_wait(Duration::from_secs(5))`: every completion also announces its key (`pg_notify` in the batched `complete_many`) and one pooled connection listens; new keys, so nobody waits |
 //! | `transactional` | bare | the same `INSERT` through the `IdempotentTx` of `.transactional()`: claim, charge and record in one commit |
 //! | `replay` | bare | the lease server answering retries of keys completed before the window |
 //! | `memory-bare` | — | a handler doing no I/O, no layer |
@@ -61,6 +62,8 @@
 //! | `memory-bare-busy` | memory-bare | the no-I/O handler spending 1 µs of CPU per request first, no layer: what a microsecond of work costs here |
 //! | `store-ceiling` | bare | the store's `begin` + `complete` for new keys, through sqlx, no HTTP |
 //! | `store-lookup` | bare | the store's `begin` on completed keys (a replay's lookup), no HTTP |
+//! | `duplicate-storm-no-wait` | — | 32 requests with one key at once to a lease server whose handler takes 200 ms, key after key, waiting off: one runs, the rest get `409` |
+//! | `duplicate-storm` | duplicate-storm-no-wait | the same storm with `.with_in_flight_wait(5 s)`: the duplicates wait for the first answer |
 //! | `large-bodies` | — | 1 MiB JSON bodies through the lease layer at 64 connections |
 //! | `hostile-bare` | — | nearly 2 MiB forms `a&a&a…` (a million pairs) to a no-I/O handler that parses no body, no layer, 16 connections |
 //! | `hostile-form` | hostile-bare | the same behind `IdempotencyLayer::memory()`: the fingerprint of a million pairs |
@@ -69,6 +72,25 @@
 //! The `hostile-*` scenarios are there for the server's CPU time per request and peak RSS on
 //! bodies built to make a fingerprint expensive (see `tower_idempotency::fingerprint`); their
 //! baseline receives bodies of the same size without the layer.
+//!
+//! `lease-wait` is there for what waiting costs the requests that never wait (issue 29: at
+//! least 0.95× `lease`'s throughput): a layer built with waiting makes every completion and
+//! release of its store notify, whether or not a duplicate waits, and keeps one connection of
+//! the pool listening.
+//!
+//! The **duplicate storms** are not closed loops. Each round starts a fresh server whose
+//! handler sleeps 200 ms before its `INSERT`, opens 32 keep-alive connections, sends one
+//! warm-up key, then `--storm-keys` (20) keys one after the other, each by 32 requests released
+//! at once (one per connection, the same account and key). Per key, the run counts the
+//! executions (the key's rows in `charges`: each key charges an account of its own), the
+//! replays, the `409`s and any other answer, and times every duplicate's answer from the
+//! executing request's answer. With waiting on (`duplicate-storm`, target "1 execution, 31
+//! replays, 0 409s per key") any other outcome on any key is a correctness failure: it is
+//! listed under **CORRECTNESS FAILURES** and the run exits non-zero. With waiting off, only a
+//! key run more than once (or never) is. The table's row for a storm gives the requests'
+//! client-side latencies and req/s over the storms; a **Duplicate storms** section under the
+//! tables gives the per-key counts round by round and over all rounds, and how soon after the
+//! first answer the duplicates had theirs.
 //!
 //! `replay` runs with the layer's default 16 MiB replay cache, and each connection retries 16
 //! keys, so after each key's first retry it measures the cache, not the store; the scale
@@ -222,10 +244,11 @@
 //! # Adding a scenario
 //!
 //! Scenarios are data: one more entry in `scenario::SCENARIOS` (name, baseline, how it runs,
-//! targets). A new kind of server is a variant of `app::App`, a new kind of request a variant
-//! of `load::Keys` or `load::BodySize`, a database in a new state a `scenario::Database`
-//! (prepared in `run::Databases`); the runner, the tables and the target checks take it from
-//! there.
+//! targets). A baseline may have its own (`lease-wait` → `lease` → `bare`): selecting a
+//! scenario runs the whole chain. A new kind of server is a variant of `app::App`, a new kind
+//! of request a variant of `load::Keys` or `load::BodySize`, a database in a new state a
+//! `scenario::Database` (prepared in `run::Databases`); the runner, the tables and the target
+//! checks take it from there.
 //!
 //! # Profiling
 //!
@@ -253,6 +276,7 @@ mod scale;
 mod scenario;
 mod server;
 mod stats;
+mod storm;
 
 use std::process::ExitCode;
 

@@ -9,6 +9,7 @@ use crate::{
     reaper::ReaperReport,
     scenario::{Scenario, Target},
     stats::Tally,
+    storm::{StormReport, StormSummary},
 };
 
 /// A scenario that fails more than this share of its requests fails its targets.
@@ -38,6 +39,8 @@ pub(crate) struct Sample {
     /// Reaping scenarios: the load over at least `--duration-secs` from the reaper's start
     /// (seconds, p99 in µs), beside the table's figures which are those while it ran.
     pub(crate) fixed_view: Option<(f64, f64)>,
+    /// Storm scenarios: every key's outcome.
+    pub(crate) storm: Option<StormReport>,
 }
 
 /// CPU time used during the window, by who.
@@ -76,6 +79,7 @@ impl Sample {
             reaper: None,
             wal_bytes: None,
             fixed_view: None,
+            storm: None,
         }
     }
 
@@ -158,6 +162,7 @@ impl Sample {
             "failures": self.failures,
             "reaper": self.reaper,
             "wal_bytes": self.wal_bytes,
+            "storm": self.storm,
         })
     }
 }
@@ -313,6 +318,79 @@ impl Results {
             }
         }
         out.push_str(&self.expiry_table());
+        out
+    }
+
+    /// The duplicate storms, round by round, and over all rounds; empty when none ran.
+    pub(crate) fn storm_section(&self) -> String {
+        let storms: Vec<_> = self
+            .scenarios
+            .iter()
+            .filter(|(_, samples)| samples.iter().any(|s| s.storm.is_some()))
+            .collect();
+        if storms.is_empty() {
+            return String::new();
+        }
+        let mut out = String::from(
+            "\n### Duplicate storms\n\n\
+             Each key sent by many requests at once, one connection each, to a lease-mode server \
+             whose handler takes its time; per key, its executions (its rows in `charges`), \
+             replays, `409`s and other answers (a range when keys differ), and when the \
+             duplicates were answered, counted from the executing request's answer:\n\n\
+             | scenario | waiting | round | keys | executions per key | replays per key | \
+             409s per key | other answers | duplicates answered before the first, per key | \
+             after it: p50 | p99 | max |\n\
+             |---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
+        );
+        let row = |out: &mut String, name: &str, round: String, report: &[&StormReport]| {
+            let Some(summary) = StormSummary::of(report.iter().copied()) else {
+                return;
+            };
+            let waits = report.first().is_some_and(|r| r.waits);
+            let [p50, p99, max] = summary.after_first().map(|v| v.unwrap_or("—".to_owned()));
+            let _ = writeln!(
+                out,
+                "| {name} | {} | {round} | {} | {} | {} | {} | {} | {} | {p50} | {p99} | {max} |",
+                if waits { "on" } else { "off" },
+                summary.keys,
+                summary.executions,
+                summary.replays,
+                summary.conflicts,
+                summary.other,
+                summary.before_first,
+            );
+        };
+        for (scenario, samples) in &storms {
+            for sample in samples.iter() {
+                if let Some(report) = &sample.storm {
+                    row(
+                        &mut out,
+                        scenario.name,
+                        (sample.round + 1).to_string(),
+                        &[report],
+                    );
+                }
+            }
+        }
+        for (scenario, samples) in &storms {
+            let reports: Vec<&StormReport> =
+                samples.iter().filter_map(|s| s.storm.as_ref()).collect();
+            row(&mut out, scenario.name, "all".to_owned(), &reports);
+        }
+        out.push('\n');
+        for (scenario, samples) in &storms {
+            let reports: Vec<&StormReport> =
+                samples.iter().filter_map(|s| s.storm.as_ref()).collect();
+            let Some(summary) = StormSummary::of(reports.iter().copied()) else {
+                continue;
+            };
+            let waits = reports.first().is_some_and(|r| r.waits);
+            let _ = writeln!(
+                out,
+                "- {}",
+                summary.line(scenario.name, waits, reports.len())
+            );
+        }
         out
     }
 
@@ -478,7 +556,7 @@ fn verdict(targets: &[Target], s: &Summary) -> String {
             Target::P99(max) => s.p99_ratio.map(|r| r <= max),
             Target::PeakRss(max) => s.rss.map(|rss| rss <= max as f64),
             // Failures were checked above.
-            Target::ExactlyOnce => Some(true),
+            Target::ExactlyOnce | Target::StormReplayed(_) => Some(true),
         };
         match holds {
             Some(true) => {}

@@ -19,6 +19,7 @@ use crate::{
     scenario::{self, After, Database, During, Http, Instances, Runner, SCENARIOS, Scenario},
     server::{self, ServeOptions, ServerProcess},
     stats::Window,
+    storm,
 };
 
 /// How long completing the keys a replay scenario retries may take.
@@ -86,6 +87,7 @@ pub(crate) async fn run(args: BenchArgs) -> Result<(), BoxError> {
     }
     out.push_str("\nCPU time per request (medians over rounds):\n\n");
     out.push_str(&results.cpu_table());
+    out.push_str(&results.storm_section());
     out.push_str(&results.scale_section());
     print!("{out}");
 
@@ -270,7 +272,7 @@ async fn rounds(
             // One write per line, once measured, so that what the servers log meanwhile (sqlx's
             // slow-statement warnings, say) lands between lines rather than inside one.
             eprintln!(
-                "round {}/{rounds}  {:<20}{}",
+                "round {}/{rounds}  {:<24}{}",
                 round + 1,
                 scenario.name,
                 progress(&sample)
@@ -294,6 +296,7 @@ async fn measure(
 ) -> Result<Sample, BoxError> {
     match scenario.runner {
         Runner::Http(http) => measure_http(dbs, scenario, &http, args, round).await,
+        Runner::Storm(storm) => storm::measure(dbs.run(), storm, args, round).await,
         Runner::Store { op } => {
             let db = dbs.run();
             let warmup = Duration::from_secs(args.warmup_secs);
@@ -643,7 +646,9 @@ async fn cpu_probe(
     after.since(&before)
 }
 
-struct CpuSnapshot {
+/// CPU time and context switches of the servers, the database's backends and this process,
+/// at one moment.
+pub(crate) struct CpuSnapshot {
     server: Option<Duration>,
     backends: Vec<(u32, Duration)>,
     client: Option<Duration>,
@@ -660,7 +665,7 @@ fn sum_over<T: std::iter::Sum<T>>(pids: &[u32], read: fn(u32) -> std::io::Result
 }
 
 impl CpuSnapshot {
-    fn take(servers: &[u32], backends: &[u32], client: u32) -> Self {
+    pub(crate) fn take(servers: &[u32], backends: &[u32], client: u32) -> Self {
         Self {
             server: sum_over(servers, procfs::cpu_time),
             backends: backends
@@ -673,7 +678,7 @@ impl CpuSnapshot {
         }
     }
 
-    fn since(&self, before: &Self) -> Cpu {
+    pub(crate) fn since(&self, before: &Self) -> Cpu {
         let diff = |after: Option<Duration>, before: Option<Duration>| {
             Some(after?.saturating_sub(before?))
         };
@@ -711,6 +716,17 @@ fn progress(sample: &Sample) -> String {
     }
     if let Some(rss) = sample.peak_rss {
         let _ = write!(line, "  RSS {:>10}", report::format_bytes(rss as f64));
+    }
+    if let Some(summary) = sample
+        .storm
+        .as_ref()
+        .and_then(|r| storm::StormSummary::of([r]))
+    {
+        let _ = write!(
+            line,
+            "  per key: executions {}, replays {}, 409s {}, other {}",
+            summary.executions, summary.replays, summary.conflicts, summary.other
+        );
     }
     if tally.errors > 0 {
         let _ = write!(line, "  {} errors", tally.errors);
@@ -811,6 +827,23 @@ fn header(
     }
     if !scale.is_empty() {
         let _ = writeln!(out, "- scale scenarios: {}", scale.join("; "));
+    }
+    let storms: Vec<String> = selected
+        .iter()
+        .filter_map(|s| match s.runner {
+            Runner::Storm(storm) => Some(format!("{}: {}", s.name, storm.size)),
+            _ => None,
+        })
+        .collect();
+    if !storms.is_empty() {
+        let _ = writeln!(
+            out,
+            "- duplicate storms: {} keys a round after one warm-up key, each sent by that many \
+             requests at once ({}), to a fresh server whose handler takes {} ms",
+            args.storm_keys,
+            storms.join(", "),
+            crate::app::SLOW_HANDLER.as_millis(),
+        );
     }
     if !args.db_settings.is_empty() {
         let _ = writeln!(

@@ -1,7 +1,7 @@
 //! The scenarios, as data: what runs, against which baseline, and the targets it must meet.
 //!
 //! A new scenario is one more entry in [`SCENARIOS`]: a server [`App`] and a [`Workload`] for
-//! HTTP ([`Http`]), or a [`StoreOp`] for the store alone. A scenario that needs a new kind of
+//! HTTP ([`Http`]), a [`StoreOp`] for the store alone, or a [`Storm`] of duplicates. A scenario that needs a new kind of
 //! server adds a variant to [`App`]; one that needs a new kind of request, a variant to
 //! [`Keys`] or [`BodySize`]; one that needs its database in some state first (a full store,
 //! expired records), a [`Database`] that `run::Databases` prepares. The table and the targets
@@ -40,6 +40,21 @@ pub(crate) enum Runner {
     Http(Http),
     /// The PostgreSQL store's operations through its `Store` trait, in the benchmark process.
     Store { op: StoreOp },
+    /// Storms of duplicates: one server process, many requests with one key at once.
+    Storm(Storm),
+}
+
+/// A storm scenario: for each of `--storm-keys` keys, [`size`](Self::size) requests with that
+/// key sent at once, each on a connection of its own, to one server of `app`; see `storm`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Storm {
+    /// A server whose handler is slow, so that every duplicate arrives while the first runs.
+    pub(crate) app: App,
+    /// Requests per key.
+    pub(crate) size: usize,
+    /// Whether the duplicates wait for the first request (and must all be replays of it), or
+    /// may be refused with `409`.
+    pub(crate) waits: bool,
 }
 
 /// An HTTP scenario: which servers, on which database, doing what.
@@ -137,6 +152,9 @@ pub(crate) enum Target {
     PeakRss(u64),
     /// Every key of the duplicate burst executed exactly once, in every round.
     ExactlyOnce,
+    /// Every key of a storm of this many duplicates executed once and replayed to all the
+    /// others, with no `409` and no other answer, in every round.
+    StormReplayed(usize),
 }
 
 impl fmt::Display for Target {
@@ -146,6 +164,11 @@ impl fmt::Display for Target {
             Self::P99(ratio) => write!(f, "p99 ≤ {ratio}×"),
             Self::PeakRss(bytes) => write!(f, "RSS ≤ {} MiB", bytes / MIB),
             Self::ExactlyOnce => f.write_str("one execution per key"),
+            Self::StormReplayed(size) => write!(
+                f,
+                "1 execution, {} replays, 0 409s per key",
+                size.saturating_sub(1)
+            ),
         }
     }
 }
@@ -169,6 +192,9 @@ const CACHED_REPLAYS: Workload = Workload {
     },
     body: BodySize::Small,
 };
+
+/// Requests per key in the duplicate storms.
+const STORM_SIZE: usize = 32;
 
 /// The hostile bodies' size: just under the layer's default limit (2 MiB), and axum's.
 const HOSTILE_BODY_BYTES: usize = 2 * 1024 * 1024 - 1024;
@@ -199,6 +225,16 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         runner: Runner::Http(Http::new(App::Lease, NEW_CHARGES)),
         scale: false,
         targets: &[Target::Throughput(0.6)],
+    },
+    Scenario {
+        name: "lease-wait",
+        about: "lease mode with duplicates waiting for their key (with_in_flight_wait(5 s)), so \
+                every completion also announces its key (pg_notify in the batched completion) and \
+                one pooled connection listens; a new key per request, so nobody waits",
+        baseline: Some("lease"),
+        runner: Runner::Http(Http::new(App::LeaseWait, NEW_CHARGES)),
+        scale: false,
+        targets: &[Target::Throughput(0.95)],
     },
     Scenario {
         name: "transactional",
@@ -269,6 +305,33 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         },
         scale: false,
         targets: &[],
+    },
+    Scenario {
+        name: "duplicate-storm-no-wait",
+        about: "32 requests with one key at once, each on its own connection, to a lease server \
+                whose handler takes 200 ms, for --storm-keys keys (20), waiting off (the default): \
+                one runs, the duplicates get 409",
+        baseline: None,
+        runner: Runner::Storm(Storm {
+            app: App::SlowLease,
+            size: STORM_SIZE,
+            waits: false,
+        }),
+        scale: false,
+        targets: &[],
+    },
+    Scenario {
+        name: "duplicate-storm",
+        about: "the same storm with waiting on (with_in_flight_wait(5 s)): the duplicates wait for \
+                the first answer, woken by LISTEN/NOTIFY, and must all be replays of it",
+        baseline: Some("duplicate-storm-no-wait"),
+        runner: Runner::Storm(Storm {
+            app: App::SlowLeaseWait,
+            size: STORM_SIZE,
+            waits: true,
+        }),
+        scale: false,
+        targets: &[Target::StormReplayed(STORM_SIZE)],
     },
     Scenario {
         name: "large-bodies",
@@ -507,8 +570,12 @@ pub(crate) fn select(names: &[String]) -> Result<Vec<&'static Scenario>, BoxErro
                     .collect();
                 format!("unknown scenario `{member}`; known: {}", known.join(", "))
             })?;
-            wanted.push(scenario.name);
-            wanted.extend(scenario.baseline);
+            // A baseline may have its own (lease-wait, lease, bare): each ratio needs its own.
+            let mut next = Some(scenario);
+            while let Some(scenario) = next {
+                wanted.push(scenario.name);
+                next = scenario.baseline.and_then(find);
+            }
         }
     }
     Ok(SCENARIOS
@@ -522,7 +589,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_are_unique_and_baselines_exist_and_are_plain() {
+    fn names_are_unique_and_baseline_chains_end() {
         for (i, scenario) in SCENARIOS.iter().enumerate() {
             assert!(
                 SCENARIOS[..i].iter().all(|s| s.name != scenario.name),
@@ -536,9 +603,25 @@ mod tests {
             );
             if let Some(baseline) = scenario.baseline {
                 let baseline = find(baseline).expect("baseline exists");
-                assert!(baseline.baseline.is_none(), "baselines have no baseline");
-                assert!(matches!(baseline.runner, Runner::Http(_)));
+                // A chain of baselines ends, earlier in the table.
+                assert!(
+                    SCENARIOS[..i].iter().any(|s| s.name == baseline.name),
+                    "{}",
+                    scenario.name
+                );
+                let storm = |s: &Scenario| matches!(s.runner, Runner::Storm(_));
+                assert!(!matches!(baseline.runner, Runner::Store { .. }));
+                assert_eq!(storm(baseline), storm(scenario), "{}", scenario.name);
                 assert_eq!(baseline.scale, scenario.scale, "{}", scenario.name);
+            }
+            for target in scenario.targets {
+                if let Target::StormReplayed(size) = target {
+                    assert!(
+                        matches!(scenario.runner, Runner::Storm(s) if s.waits && s.size == *size),
+                        "{}",
+                        scenario.name
+                    );
+                }
             }
             let relative = scenario
                 .targets
@@ -562,6 +645,8 @@ mod tests {
         assert_eq!(names(picked), ["bare", "replay", "memory-bare", "memory"]);
         let picked = select(&["memory-bare-busy".into(), "memory".into()]).unwrap();
         assert_eq!(names(picked), ["memory-bare", "memory", "memory-bare-busy"]);
+        let picked = select(&["lease-wait".into()]).unwrap();
+        assert_eq!(names(picked), ["bare", "lease", "lease-wait"]);
         assert!(select(&["nope".into()]).is_err());
     }
 

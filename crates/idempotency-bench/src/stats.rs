@@ -109,6 +109,14 @@ impl Tally {
         }
     }
 
+    /// Records a successful request that took `took`, outside any window (the storms time
+    /// every request they send).
+    pub(crate) fn record_latency(&mut self, took: Duration) {
+        self.ok += 1;
+        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.latency.saturating_record(micros.max(1));
+    }
+
     /// Counts a failure that is not tied to a request's timing (a connection that failed).
     pub(crate) fn error(&mut self, error: String) {
         self.errors += 1;

@@ -209,6 +209,14 @@ impl<St: Store> Store for ObservedStore<St> {
         Ok(self.settle(status, &self.shared.released))
     }
 
+    async fn abandon(&self, claim: &St::Claim) -> Result<ClaimStatus, Self::Error> {
+        self.check().map_err(ObservedError::Down)?;
+        self.inner
+            .abandon(claim)
+            .await
+            .map_err(ObservedError::Inner)
+    }
+
     fn attach(&self, claim: &St::Claim, extensions: &mut http::Extensions) {
         self.inner.attach(claim, extensions);
     }

@@ -35,7 +35,7 @@ use bytes::Bytes;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
-use tower_idempotency::{RejectionKind, problem::PROBLEM_TYPE_BASE};
+use tower_idempotency::{PROBLEM_TYPE_BASE, RejectionKind};
 
 use crate::{catch, faults::Storm, instance::Addrs, rng::Rng};
 

@@ -105,7 +105,7 @@ impl Config {
     }
 }
 
-/// An invalid [`IdempotencyLayer`] setting.
+/// An invalid [`IdempotencyLayer`](crate::IdempotencyLayer) setting.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConfigError {

@@ -1,29 +1,4 @@
-//! Reading the `Idempotency-Key` request header.
-//!
-//! ```
-//! use http::HeaderMap;
-//! use tower_idempotency::IdempotencyKey;
-//!
-//! let mut headers = HeaderMap::new();
-//! headers.insert("idempotency-key", "\"8e03978e-40d5\"".parse().unwrap());
-//! let quoted = IdempotencyKey::from_headers(&headers).unwrap().unwrap();
-//!
-//! headers.insert("idempotency-key", "8e03978e-40d5".parse().unwrap());
-//! let bare = IdempotencyKey::from_headers(&headers).unwrap().unwrap();
-//!
-//! assert_eq!(quoted, bare);
-//! assert_eq!(bare.as_str(), "8e03978e-40d5");
-//! ```
-//!
-//! The IETF draft defines the field as an RFC 9651 structured-field String
-//! (`Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`). Clients in the wild, Stripe's own
-//! SDKs among them, send the bare value instead, which is usually not a valid sf-token (a UUID may
-//! start with a digit). Both forms are accepted and name the same key, as above.
-//!
-//! A value that starts with `"` must parse as an sf-string (parameters, which the draft defines
-//! none of, are ignored as RFC 9651 requires). Any other value is taken literally and must be
-//! printable ASCII without spaces or quotes. Empty values, values longer than [`MAX_KEY_LEN`]
-//! characters and repeated header lines are rejected; the layer answers those with `400`.
+//! Reading the key: see [`IdempotencyKey`].
 
 use std::{borrow::Cow, fmt, sync::Arc};
 
@@ -37,7 +12,30 @@ pub const MAX_KEY_LEN: usize = 255;
 
 /// A validated idempotency key, as the client sent it (without sf-string quoting).
 ///
-/// See the [module documentation](self) for what is accepted.
+/// ```
+/// use http::HeaderMap;
+/// use tower_idempotency::IdempotencyKey;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert("idempotency-key", "\"8e03978e-40d5\"".parse().unwrap());
+/// let quoted = IdempotencyKey::from_headers(&headers).unwrap().unwrap();
+///
+/// headers.insert("idempotency-key", "8e03978e-40d5".parse().unwrap());
+/// let bare = IdempotencyKey::from_headers(&headers).unwrap().unwrap();
+///
+/// assert_eq!(quoted, bare);
+/// assert_eq!(bare.as_str(), "8e03978e-40d5");
+/// ```
+///
+/// The IETF draft defines the field as an RFC 9651 structured-field String
+/// (`Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`). Clients in the wild, Stripe's own
+/// SDKs among them, send the bare value instead, which is usually not a valid sf-token (a UUID may
+/// start with a digit). Both forms are accepted and name the same key, as above.
+///
+/// A value that starts with `"` must parse as an sf-string (parameters, which the draft defines
+/// none of, are ignored as RFC 9651 requires). Any other value is taken literally and must be
+/// printable ASCII without spaces or quotes. Empty values, values longer than [`MAX_KEY_LEN`]
+/// characters and repeated header lines are rejected; the layer answers those with `400`.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct IdempotencyKey(Arc<str>);
 

@@ -199,7 +199,7 @@ impl<St: Store> IdempotencyLayer<St> {
 
     /// The largest response body stored for replay. A larger response is still delivered in
     /// full; its record keeps the status and headers but not the body, and a retry gets the
-    /// original status with a problem body saying so (see [`replay`](crate::replay)). The
+    /// original status with a problem body saying so (see [`Record`](crate::Record#responses-too-large-to-store)). The
     /// handler is never run again for that key.
     pub fn with_max_response_bytes(mut self, limit: usize) -> Self {
         self.config_mut().max_response_bytes = limit;
@@ -220,7 +220,7 @@ impl<St: Store> IdempotencyLayer<St> {
 
     /// Leaves body fields out of the fingerprint, by JSON Pointer (RFC 6901): `/client_sent_at`,
     /// `/metadata/trace_id`; for a form body, a top-level pointer names a field. A retry that
-    /// differs only in them is the same request. See [`fingerprint`](crate::fingerprint).
+    /// differs only in them is the same request. See [`Fingerprint`](crate::Fingerprint#what-it-covers).
     ///
     /// # Errors
     ///
@@ -241,7 +241,7 @@ impl<St: Store> IdempotencyLayer<St> {
 
     /// Takes request headers into the fingerprint (an API version such as `Stripe-Version`,
     /// `Accept`): a retry whose values differ is another request, `422`. See
-    /// [`fingerprint`](crate::fingerprint).
+    /// [`Fingerprint`](crate::Fingerprint#what-it-covers).
     pub fn with_fingerprint_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config_mut().fingerprint.headers.extend(names);
         self
@@ -333,13 +333,14 @@ impl<St: Store> IdempotencyLayer<St> {
         self
     }
 
-    /// How long a handler may run. Past it the layer stops renewing its lease and cancels it
-    /// (drops its future): a hung handler would otherwise hold its key forever, answering `409`
-    /// to every retry. Its client, if still there, gets `503`. The claim is not released but
-    /// left to lapse, so the retry that takes the key over is told so
-    /// ([`IdempotencyContext::takeover`](crate::IdempotencyContext::takeover)) and can look for
-    /// the cancelled attempt's partial effects; in transactional mode its writes are rolled back
-    /// and the key is free at once. A duration longer than [`MAX_DURATION`] is taken as that.
+    /// How long a handler may run. Past it the layer stops renewing its lease and stops the
+    /// handler (drops its future): a hung handler would otherwise hold its key forever, answering
+    /// `409` to every retry. Its client, if still there, gets `503`. The claim is given up
+    /// ([`Store::abandon`]): the next retry takes the key over at once and is told so
+    /// ([`IdempotencyContext::takeover`](crate::IdempotencyContext::takeover)), so it can look
+    /// for the stopped attempt's partial effects; in transactional mode its writes are rolled
+    /// back instead, and the retry starts clean. A duration longer than [`MAX_DURATION`] is taken
+    /// as that.
     ///
     /// # Errors
     ///
@@ -456,7 +457,7 @@ impl IdempotencyLayer<crate::store::PostgresStore> {
         Self::new(crate::store::PostgresStore::new(pool))
     }
 
-    /// Switches the store to [transactional mode](crate::transaction): the handler's writes
+    /// Switches the store to [transactional mode](crate::guide::modes): the handler's writes
     /// through [`IdempotentTx`](crate::IdempotentTx) and the stored response commit together.
     pub fn transactional(mut self) -> Self {
         let store = Arc::make_mut(&mut self.store);

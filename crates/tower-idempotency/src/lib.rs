@@ -57,26 +57,26 @@
 //! | handler answers 400/401/403/405/408/411/413/414/415/422/429/431, or 5xx | delivered, key released: a corrected retry runs ([`RetentionPolicy`]) |
 //! | handler panics | `500` problem, key released |
 //! | client disconnects mid-handler | the handler finishes and its response is stored for the retry |
-//! | holder crashes | lease mode: its lease lapses (30 s) and the next retry takes the key over; [transactional mode](transaction): free at once, nothing happened |
+//! | holder crashes | lease mode: its lease lapses (30 s) and the next retry takes the key over; [transactional mode](guide::modes): free at once, nothing happened |
 //! | store unreachable | `503` problem, `Retry-After` (or fail open, [`StoreFailure`]) |
 //!
-//! Every refusal is an RFC 9457 `application/problem+json` body ([`problem`]).
+//! Every refusal is an RFC 9457 `application/problem+json` body ([`Rejection`]).
 //!
 //! # How a request flows
 //!
-//! 1. [`key`]: the `Idempotency-Key` header is parsed (sf-string or bare token).
-//! 2. [`scope`]: the key is scoped to the authenticated [`Principal`], method and path, and hashed.
-//! 3. [`fingerprint`]: the body is buffered (bounded) and fingerprinted.
+//! 1. [`IdempotencyKey`]: the `Idempotency-Key` header is parsed (sf-string or bare token).
+//! 2. [`Scope`]: the key is scoped to the authenticated [`Principal`], method and path, and hashed.
+//! 3. [`Fingerprint`]: the body is buffered (bounded) and fingerprinted.
 //! 4. [`store`]: the key is claimed in one atomic step ([`Store::begin`](store::Store::begin)).
 //! 5. The handler runs under a lease renewed by a heartbeat, to completion even if the client
 //!    hangs up.
-//! 6. [`record`]: its response is captured and stored, or the key released ([`RetentionPolicy`]).
-//! 7. [`replay`]: retries get the record back.
+//! 6. [`Record`]: its response is captured and stored, or the key released ([`RetentionPolicy`]).
+//! 7. [Replays](Record#replays): retries get the record back.
 //!
 //! # Features
 //!
 //! * `postgres` (default): [`PostgresStore`](store::PostgresStore) on sqlx, with its
-//!   [transactional mode](transaction) in which the handler's writes and the stored response
+//!   [transactional mode](guide::modes) in which the handler's writes and the stored response
 //!   commit together.
 //! * `axum`: [`IdempotencyContext`] and [`IdempotentTx`] as axum extractors.
 //! * `metrics`: counters and histograms through the `metrics` facade ([`metrics`]).
@@ -102,35 +102,39 @@ mod cache;
 mod chain;
 mod config;
 mod context;
-pub mod fingerprint;
+mod fingerprint;
 mod future;
-pub mod key;
+pub mod guide;
+mod key;
 mod layer;
 pub mod metrics;
 #[cfg(feature = "utoipa")]
 pub mod openapi;
-pub mod policy;
-pub mod problem;
-pub mod record;
-pub mod replay;
-pub mod scope;
+mod policy;
+mod problem;
+mod record;
+mod replay;
+mod scope;
 mod service;
 pub mod store;
 #[cfg(feature = "postgres")]
-pub mod transaction;
+mod transaction;
 
 pub use body::{RequestBody, ResponseBody};
 pub use config::{ConfigError, MAX_DURATION, MIN_LEASE};
 pub use context::IdempotencyContext;
 #[cfg(feature = "axum")]
 pub use context::MissingIdempotencyContext;
+#[doc(hidden)]
+pub use fingerprint::{CanonicalJsonError, FormPair, canonical_form_pairs, canonical_json};
 pub use fingerprint::{Fingerprint, FingerprintMode};
 pub use future::ResponseFuture;
-pub use key::{IdempotencyKey, KeyError, KeyRule};
+pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyRule, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
 pub use policy::{Disconnect, Retention, RetentionPolicy, StoreFailure};
-pub use problem::{Rejection, RejectionKind};
-pub use record::Record;
+pub use problem::{PROBLEM_JSON, PROBLEM_TYPE_BASE, Rejection, RejectionKind};
+pub use record::{IDEMPOTENT_REPLAYED, Record};
+pub use replay::BODY_NOT_STORED_TYPE;
 pub use scope::{EmptyPrincipal, Principal, Scope, ScopeKey};
 pub use service::Idempotency;
 #[cfg(feature = "postgres")]

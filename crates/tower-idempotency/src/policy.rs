@@ -1,26 +1,22 @@
-//! Decisions the layer makes on the application's behalf, and how to change them.
-//!
-//! * [`RetentionPolicy`]: which handler responses are kept (replayed to retries) and which
-//!   release the key so a later retry runs again. A handler overrides it for one response with
-//!   a [`Retention`] response extension.
-//! * [`StoreFailure`]: what a request gets when the store cannot be reached.
-//! * [`Disconnect`]: what happens to a running handler when its client hangs up.
-//!
-//! ```
-//! use axum::{Extension, http::StatusCode, response::IntoResponse};
-//! use tower_idempotency::Retention;
-//!
-//! // A 409 that means "try again later, nothing was done": release the key for this response.
-//! async fn handler() -> impl IntoResponse {
-//!     (StatusCode::CONFLICT, Extension(Retention::Release), "account is locked, retry later")
-//! }
-//! ```
+//! Decisions the layer makes on the application's behalf: [`RetentionPolicy`], [`StoreFailure`], [`Disconnect`].
 
 use std::{fmt, sync::Arc};
 
 use http::StatusCode;
 
-/// Keep or release a key after its handler answered.
+/// Keep or release a key after its handler answered. The layer decides by the
+/// [`RetentionPolicy`]; a handler decides for one response with a `Retention` response
+/// extension:
+///
+/// ```
+/// use axum::{Extension, http::StatusCode, response::IntoResponse};
+/// use tower_idempotency::Retention;
+///
+/// // A 409 that means "try again later, nothing was done": release the key for this response.
+/// async fn handler() -> impl IntoResponse {
+///     (StatusCode::CONFLICT, Extension(Retention::Release), "account is locked, retry later")
+/// }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Retention {
     /// Store the response; every retry with this key gets it replayed.

@@ -1,37 +1,4 @@
-//! Refusals, as RFC 9457 `application/problem+json` responses.
-//!
-//! Every answer the layer gives instead of running the handler is a [`Rejection`]: a problem
-//! body with `type`, `title`, `status` and `detail`, and a copy of the rejection in the response
-//! extensions so outer layers (metrics, logging, a custom error renderer) can tell it apart from
-//! the handler's own responses.
-//!
-//! ```
-//! use tower_idempotency::problem::{Rejection, RejectionKind};
-//!
-//! let response = Rejection::new(RejectionKind::InFlight, "the original request is still running")
-//!     .into_response::<http_body_util::Full<bytes::Bytes>>();
-//! assert_eq!(response.status(), 409);
-//! assert_eq!(response.headers()["content-type"], "application/problem+json");
-//! assert_eq!(response.headers()["retry-after"], "1");
-//! let rejection = response.extensions().get::<Rejection>().unwrap();
-//! assert_eq!(rejection.kind(), RejectionKind::InFlight);
-//! ```
-//!
-//! | kind | status | when |
-//! |---|---|---|
-//! | [`KeyMissing`](RejectionKind::KeyMissing) | 400 | the key is [required](crate::IdempotencyLayer::required) and absent |
-//! | [`KeyInvalid`](RejectionKind::KeyInvalid) | 400 | the header is malformed, empty, too long or repeated |
-//! | [`BodyUnreadable`](RejectionKind::BodyUnreadable) | 400 | the request body failed while being read |
-//! | [`BodyTimeout`](RejectionKind::BodyTimeout) | 408 | the body did not arrive within `body_timeout` |
-//! | [`InFlight`](RejectionKind::InFlight) | 409 | the first request with this key is still running (`Retry-After: 1`) |
-//! | [`BodyTooLarge`](RejectionKind::BodyTooLarge) | 413 | the body exceeds `max_body_bytes` |
-//! | [`Mismatch`](RejectionKind::Mismatch) | 422 | the key was used with another request to the endpoint (query or body; also method or path with [`Scope::across_endpoints`](crate::Scope::across_endpoints)) |
-//! | [`PrincipalMissing`](RejectionKind::PrincipalMissing) | 500 | no principal to scope the key to (a misconfiguration) |
-//! | [`HandlerPanicked`](RejectionKind::HandlerPanicked) | 500 | the handler panicked; the key is released |
-//! | [`TransactionAborted`](RejectionKind::TransactionAborted) | 500 | transactional mode: the handler answered success over a transaction one of its statements had failed; nothing committed, the key is released |
-//! | [`StoreUnavailable`](RejectionKind::StoreUnavailable) | 503 | the store failed and the layer fails closed (`Retry-After`) |
-//! | [`Overloaded`](RejectionKind::Overloaded) | 503 | too many handlers still run for clients that hung up ([`with_max_detached`](crate::IdempotencyLayer::with_max_detached)); nothing run (`Retry-After`) |
-//! | [`HandlerTimedOut`](RejectionKind::HandlerTimedOut) | 503 | the handler ran past [`with_max_handler_time`](crate::IdempotencyLayer::with_max_handler_time) and was cancelled (`Retry-After`: the lease) |
+//! Refusals: see [`Rejection`].
 
 use std::{borrow::Cow, fmt, sync::Arc};
 
@@ -39,12 +6,13 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 
 /// Base of the problem `type` URIs: the documentation of each [`RejectionKind`] variant.
-pub const PROBLEM_TYPE_BASE: &str = "https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/enum.RejectionKind.html#variant.";
+pub const PROBLEM_TYPE_BASE: &str =
+    "https://docs.rs/tower-idempotency/latest/tower_idempotency/enum.RejectionKind.html#variant.";
 
 /// The media type of problem bodies.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-/// Why the layer answered instead of the handler; see the [module documentation](self).
+/// Why the layer answered instead of the handler; see [`Rejection`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum RejectionKind {
@@ -156,6 +124,39 @@ impl RejectionKind {
 }
 
 /// A refusal by the layer: rendered as a problem response and kept in its extensions.
+///
+/// Every answer the layer gives instead of running the handler is a [`Rejection`]: a problem
+/// body with `type`, `title`, `status` and `detail`, and a copy of the rejection in the response
+/// extensions so outer layers (metrics, logging, a custom error renderer) can tell it apart from
+/// the handler's own responses.
+///
+/// ```
+/// use tower_idempotency::{Rejection, RejectionKind};
+///
+/// let response = Rejection::new(RejectionKind::InFlight, "the original request is still running")
+///     .into_response::<http_body_util::Full<bytes::Bytes>>();
+/// assert_eq!(response.status(), 409);
+/// assert_eq!(response.headers()["content-type"], "application/problem+json");
+/// assert_eq!(response.headers()["retry-after"], "1");
+/// let rejection = response.extensions().get::<Rejection>().unwrap();
+/// assert_eq!(rejection.kind(), RejectionKind::InFlight);
+/// ```
+///
+/// | kind | status | when |
+/// |---|---|---|
+/// | [`KeyMissing`](RejectionKind::KeyMissing) | 400 | the key is [required](crate::IdempotencyLayer::required) and absent |
+/// | [`KeyInvalid`](RejectionKind::KeyInvalid) | 400 | the header is malformed, empty, too long or repeated |
+/// | [`BodyUnreadable`](RejectionKind::BodyUnreadable) | 400 | the request body failed while being read |
+/// | [`BodyTimeout`](RejectionKind::BodyTimeout) | 408 | the body did not arrive within `body_timeout` |
+/// | [`InFlight`](RejectionKind::InFlight) | 409 | the first request with this key is still running (`Retry-After: 1`) |
+/// | [`BodyTooLarge`](RejectionKind::BodyTooLarge) | 413 | the body exceeds `max_body_bytes` |
+/// | [`Mismatch`](RejectionKind::Mismatch) | 422 | the key was used with another request to the endpoint (query or body; also method or path with [`Scope::across_endpoints`](crate::Scope::across_endpoints)) |
+/// | [`PrincipalMissing`](RejectionKind::PrincipalMissing) | 500 | no principal to scope the key to (a misconfiguration) |
+/// | [`HandlerPanicked`](RejectionKind::HandlerPanicked) | 500 | the handler panicked; the key is released |
+/// | [`TransactionAborted`](RejectionKind::TransactionAborted) | 500 | transactional mode: the handler answered success over a transaction one of its statements had failed; nothing committed, the key is released |
+/// | [`StoreUnavailable`](RejectionKind::StoreUnavailable) | 503 | the store failed and the layer fails closed (`Retry-After`) |
+/// | [`Overloaded`](RejectionKind::Overloaded) | 503 | too many handlers still run for clients that hung up ([`with_max_detached`](crate::IdempotencyLayer::with_max_detached)); nothing run (`Retry-After`) |
+/// | [`HandlerTimedOut`](RejectionKind::HandlerTimedOut) | 503 | the handler ran past [`with_max_handler_time`](crate::IdempotencyLayer::with_max_handler_time) and was stopped; its key is given up (`Retry-After: 1`) |
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejection {
     kind: RejectionKind,

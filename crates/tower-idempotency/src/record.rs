@@ -1,40 +1,4 @@
-//! What is kept of a response: the [`Record`] a completed key replays.
-//!
-//! ```
-//! use http::{Response, StatusCode};
-//! use tower_idempotency::Record;
-//!
-//! let response = Response::builder()
-//!     .status(StatusCode::CREATED)
-//!     .header("location", "/v1/charges/ch_1")
-//!     .header("set-cookie", "session=secret")
-//!     .body(())
-//!     .unwrap();
-//! let (parts, ()) = response.into_parts();
-//! let record = Record::capture(&parts, Some(bytes::Bytes::from_static(b"{}")));
-//! assert_eq!(record.status(), StatusCode::CREATED);
-//! assert!(record.headers().contains_key("location"));
-//! assert!(!record.headers().contains_key("set-cookie"));
-//! ```
-//!
-//! The layer records the handler's status, headers and body bytes. Headers that describe one
-//! delivery rather than the outcome are dropped before anything reaches the store:
-//!
-//! | dropped | why |
-//! |---|---|
-//! | `Date` | the replay is a new message; hyper adds a fresh one |
-//! | `Set-Cookie`, `Set-Cookie2` | session secrets never go to the store, and a replay must not re-establish a session |
-//! | `Authentication-Info` | authentication state of the original exchange (RFC 9110), not of the retry |
-//! | `Clear-Site-Data` | an instruction to the client of one response; replayed, it would log out or wipe a later session |
-//! | `Age` | how long a cache held that delivery |
-//! | `Content-Length` | recomputed from the body on replay |
-//! | hop-by-hop: `Connection`, `Keep-Alive`, `Proxy-Connection`, `Transfer-Encoding`, `TE`, `Trailer`, `Upgrade`, `Proxy-Authenticate`, and any field named in `Connection` | they belong to one connection |
-//! | `Idempotent-Replayed` | set by the replay itself |
-//!
-//! Everything else, `Content-Type`, `Location`, `ETag`, `Cache-Control` and custom headers
-//! included, is kept in order, repeated fields too. An app adds headers of its own to the
-//! dropped ones with
-//! [`IdempotencyLayer::with_unstored_headers`](crate::IdempotencyLayer::with_unstored_headers).
+//! What is kept of a response: see [`Record`].
 
 use std::sync::Arc;
 
@@ -45,6 +9,59 @@ use http::{HeaderMap, HeaderName, StatusCode, header, response};
 pub static IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// A completed key's response, as stored and replayed.
+///
+/// ```
+/// use http::{Response, StatusCode};
+/// use tower_idempotency::Record;
+///
+/// let response = Response::builder()
+///     .status(StatusCode::CREATED)
+///     .header("location", "/v1/charges/ch_1")
+///     .header("set-cookie", "session=secret")
+///     .body(())
+///     .unwrap();
+/// let (parts, ()) = response.into_parts();
+/// let record = Record::capture(&parts, Some(bytes::Bytes::from_static(b"{}")));
+/// assert_eq!(record.status(), StatusCode::CREATED);
+/// assert!(record.headers().contains_key("location"));
+/// assert!(!record.headers().contains_key("set-cookie"));
+/// ```
+///
+/// The layer records the handler's status, headers and body bytes. Headers that describe one
+/// delivery rather than the outcome are dropped before anything reaches the store:
+///
+/// | dropped | why |
+/// |---|---|
+/// | `Date` | the replay is a new message; hyper adds a fresh one |
+/// | `Set-Cookie`, `Set-Cookie2` | session secrets never go to the store, and a replay must not re-establish a session |
+/// | `Authentication-Info` | authentication state of the original exchange (RFC 9110), not of the retry |
+/// | `Clear-Site-Data` | an instruction to the client of one response; replayed, it would log out or wipe a later session |
+/// | `Age` | how long a cache held that delivery |
+/// | `Content-Length` | recomputed from the body on replay |
+/// | hop-by-hop: `Connection`, `Keep-Alive`, `Proxy-Connection`, `Transfer-Encoding`, `TE`, `Trailer`, `Upgrade`, `Proxy-Authenticate`, and any field named in `Connection` | they belong to one connection |
+/// | `Idempotent-Replayed` | set by the replay itself |
+///
+/// Everything else, `Content-Type`, `Location`, `ETag`, `Cache-Control` and custom headers
+/// included, is kept in order, repeated fields too. An app adds headers of its own to the
+/// dropped ones with
+/// [`IdempotencyLayer::with_unstored_headers`](crate::IdempotencyLayer::with_unstored_headers).
+///
+/// # Replays
+///
+/// A replay carries the original status, the kept headers (above) and the exact body bytes,
+/// plus `Idempotent-Replayed: true`; `Content-Length` is computed from the body and `Date` is
+/// added by the server, as for any response. Trailers reach the first response's client but are
+/// not stored: a replay carries none, so an API whose outcome is in its trailers (gRPC's
+/// `grpc-status`) cannot rely on replays for it.
+///
+/// ## Responses too large to store
+///
+/// A response larger than the layer's `max_response_bytes` is delivered to its client in full
+/// but only its status and headers are recorded. A retry still never runs the handler again:
+/// it gets the **original status** (so a `201` still says the operation succeeded) and the
+/// original headers that describe the outcome (`Location`, `ETag`...), with the body replaced by
+/// an `application/problem+json` document whose `type` links here and whose `detail` says the
+/// original body was not kept. Fetch the resource (for example at its `Location`) to see it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Record(Arc<Parts>);
 
@@ -58,7 +75,7 @@ struct Parts {
 
 impl Record {
     /// Captures a response for storage, dropping the headers listed in the
-    /// [module documentation](self). `body` is `None` when the body was not kept (it was larger
+    /// [`Record`] documentation. `body` is `None` when the body was not kept (it was larger
     /// than the layer's `max_response_bytes`, or failed while being read).
     pub fn capture(parts: &response::Parts, body: Option<Bytes>) -> Self {
         Self::capture_without(parts, body, &[])

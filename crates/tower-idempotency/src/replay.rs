@@ -1,33 +1,4 @@
-//! Answering a retry: the stored [`Record`] as a response.
-//!
-//! A replay carries the original status, the kept headers (see [`record`](crate::record)) and
-//! the exact body bytes, plus `Idempotent-Replayed: true`; `Content-Length` is computed from the
-//! body and `Date` is added by the server, as for any response. Trailers reach the first
-//! response's client but are not stored: a replay carries none, so an API whose outcome is in
-//! its trailers (gRPC's `grpc-status`) cannot rely on replays for it.
-//!
-//! ```
-//! use http::{HeaderMap, StatusCode};
-//! use tower_idempotency::{Record, replay};
-//!
-//! let mut headers = HeaderMap::new();
-//! headers.insert("content-type", "application/json".parse().unwrap());
-//! let record = Record::from_parts(StatusCode::OK, headers, Some(r#"{"id":"ch_1"}"#.into()));
-//!
-//! let response = replay::response::<http_body_util::Full<bytes::Bytes>>(&record);
-//! assert_eq!(response.status(), StatusCode::OK);
-//! assert_eq!(response.headers()["idempotent-replayed"], "true");
-//! assert_eq!(response.headers()["content-type"], "application/json");
-//! ```
-//!
-//! # Responses too large to store
-//!
-//! A response larger than the layer's `max_response_bytes` is delivered to its client in full
-//! but only its status and headers are recorded. A retry still never runs the handler again:
-//! it gets the **original status** (so a `201` still says the operation succeeded) and the
-//! original headers that describe the outcome (`Location`, `ETag`...), with the body replaced by
-//! an `application/problem+json` document whose `type` links here and whose `detail` says the
-//! original body was not kept. Fetch the resource (for example at its `Location`) to see it.
+//! Answering a retry: the stored record as a response (see [`Record`](crate::Record#replays)).
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, header};
@@ -38,10 +9,10 @@ use crate::{
 };
 
 /// The problem `type` of a replay whose body was not stored.
-pub const BODY_NOT_STORED_TYPE: &str = "https://docs.rs/tower-idempotency/latest/tower_idempotency/replay/index.html#responses-too-large-to-store";
+pub const BODY_NOT_STORED_TYPE: &str = "https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.Record.html#responses-too-large-to-store";
 
 /// The replay of `record`.
-pub fn response<B: From<Bytes>>(record: &Record) -> Response<B> {
+pub(crate) fn response<B: From<Bytes>>(record: &Record) -> Response<B> {
     let mut response = Response::new(B::from(Bytes::new()));
     *response.status_mut() = record.status();
     *response.headers_mut() = record.headers().clone();

@@ -1,40 +1,4 @@
-//! Whose key is it: the principal, and the scoped record key.
-//!
-//! ```
-//! use axum::{Router, routing::post, middleware::{self, Next}, extract::Request};
-//! use axum::{http::StatusCode, response::Response};
-//! use tower_idempotency::{IdempotencyLayer, Principal};
-//!
-//! async fn authenticate(mut request: Request, next: Next) -> Result<Response, StatusCode> {
-//!     // A real app checks the credential and finds the account here.
-//!     let principal = Principal::new("acct_123").map_err(|_| StatusCode::UNAUTHORIZED)?;
-//!     request.extensions_mut().insert(principal);
-//!     Ok(next.run(request).await)
-//! }
-//!
-//! let app: Router = Router::new()
-//!     .route("/v1/charges", post(|| async { "charged" }))
-//!     .layer(IdempotencyLayer::memory())
-//!     // Outermost: runs first, so the principal is there when the idempotency layer looks.
-//!     .layer(middleware::from_fn(authenticate));
-//! ```
-//!
-//! A key is only meaningful for the client that made it up. The record the layer stores is
-//! addressed by a [`ScopeKey`]: the SHA-256 of the **principal**, the method, the path and the
-//! key, so one tenant's `Idempotency-Key: 1` never meets another's, the same key on two endpoints
-//! names two operations, and neither principals nor raw keys reach the store in clear.
-//!
-//! The principal comes from the application's authentication, which runs *before* this layer
-//! (in axum, a layer added *after* this one with `.layer(...)`) and inserts a [`Principal`] into
-//! the request extensions. Keying on the authenticated account rather than on a credential means
-//! a retry made after a token refresh still finds its record.
-//!
-//! **No principal, no service.** When a covered request carries an `Idempotency-Key` but the
-//! [`Scope`] finds no principal, the layer does not guess: sharing one scope between everyone who
-//! is unauthenticated would let one client replay another's response. It answers `500` with a
-//! problem body naming the misconfiguration (usually the authentication layer sits inside this
-//! one instead of outside it), runs nothing and stores nothing. An application that really has a
-//! single tenant says so with [`Scope::single_tenant`].
+//! Whose key it is: see [`Principal`] and [`Scope`].
 
 use std::{fmt, sync::Arc};
 
@@ -43,10 +7,44 @@ use sha2::{Digest, Sha256};
 
 use crate::key::IdempotencyKey;
 
-/// The authenticated account a request acts for: the owner of its idempotency keys.
+/// The authenticated account a request acts for: the owner of its idempotency keys. Insert one
+/// into the request extensions from the authentication layer:
 ///
-/// Insert one into the request extensions from the authentication layer; see the
-/// [module documentation](self).
+/// ```
+/// use axum::{Router, routing::post, middleware::{self, Next}, extract::Request};
+/// use axum::{http::StatusCode, response::Response};
+/// use tower_idempotency::{IdempotencyLayer, Principal};
+///
+/// async fn authenticate(mut request: Request, next: Next) -> Result<Response, StatusCode> {
+///     // A real app checks the credential and finds the account here.
+///     let principal = Principal::new("acct_123").map_err(|_| StatusCode::UNAUTHORIZED)?;
+///     request.extensions_mut().insert(principal);
+///     Ok(next.run(request).await)
+/// }
+///
+/// let app: Router = Router::new()
+///     .route("/v1/charges", post(|| async { "charged" }))
+///     .layer(IdempotencyLayer::memory())
+///     // Outermost: runs first, so the principal is there when the idempotency layer looks.
+///     .layer(middleware::from_fn(authenticate));
+/// ```
+///
+/// A key is only meaningful for the client that made it up. The record the layer stores is
+/// addressed by a [`ScopeKey`]: the SHA-256 of the **principal**, the method, the path and the
+/// key, so one tenant's `Idempotency-Key: 1` never meets another's, the same key on two endpoints
+/// names two operations, and neither principals nor raw keys reach the store in clear.
+///
+/// The principal comes from the application's authentication, which runs *before* this layer
+/// (in axum, a layer added *after* this one with `.layer(...)`) and inserts a [`Principal`] into
+/// the request extensions. Keying on the authenticated account rather than on a credential means
+/// a retry made after a token refresh still finds its record.
+///
+/// **No principal, no service.** When a covered request carries an `Idempotency-Key` but the
+/// [`Scope`] finds no principal, the layer does not guess: sharing one scope between everyone who
+/// is unauthenticated would let one client replay another's response. It answers `500` with a
+/// problem body naming the misconfiguration (usually the authentication layer sits inside this
+/// one instead of outside it), runs nothing and stores nothing. An application that really has a
+/// single tenant says so with [`Scope::single_tenant`].
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Principal(Arc<str>);
 
@@ -131,7 +129,7 @@ enum ScopeSource {
 impl Scope {
     /// The default: the [`Principal`] in the request extensions, put there by the app's
     /// authentication layer. A request without one is refused (see the
-    /// [module documentation](self)).
+    /// [`Principal`]).
     pub fn principal_extension() -> Self {
         Self::default()
     }

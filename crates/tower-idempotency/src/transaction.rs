@@ -1,71 +1,5 @@
-//! Exactly-once effects: the handler's writes and the idempotency record in one PostgreSQL
-//! transaction.
-//!
-//! ```no_run
-//! # #[cfg(feature = "axum")] {
-//! use axum::{Router, routing::post, http::StatusCode};
-//! use tower_idempotency::{IdempotencyLayer, IdempotentTx};
-//!
-//! async fn create_charge(mut tx: IdempotentTx) -> Result<(StatusCode, String), StatusCode> {
-//!     // Commits with the stored response, or not at all.
-//!     sqlx::query("INSERT INTO charges (amount) VALUES (100)")
-//!         .execute(&mut *tx)
-//!         .await
-//!         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
-//!     Ok((StatusCode::CREATED, "charged".to_owned()))
-//! }
-//!
-//! # async fn run(pool: sqlx::PgPool) {
-//! let app: Router = Router::new()
-//!     .route("/v1/charges", post(create_charge))
-//!     .layer(IdempotencyLayer::postgres(pool).transactional().required());
-//! # }
-//! # }
-//! ```
-//!
-//! In transactional mode, [`PostgresStore`](crate::store::PostgresStore) opens a transaction for
-//! each claimed key, claims the key inside it, and hands it to the handler as an
-//! [`IdempotentTx`]: a `&mut PgConnection` the handler writes through but can neither commit nor
-//! roll back. When the handler returns, the layer writes the response record into the same
-//! transaction and commits. Claim, business writes and stored response become durable together,
-//! or not at all:
-//!
-//! | what happens | lease mode | transactional mode |
-//! |---|---|---|
-//! | handler succeeds | record stored after the handler's own commits | writes and record commit together |
-//! | handler panics | key released; writes it already committed stay | everything rolled back; key free |
-//! | handler answers 5xx or a "nothing done" 4xx | key released; its writes stay | everything rolled back; key free |
-//! | process killed (SIGKILL) mid-handler | key blocked until the lease lapses (30 s), then a retry runs again, possibly after partial writes | PostgreSQL aborts the transaction: no writes, key free at once |
-//! | database lost before or at commit | response delivered, storing retried in the background with the claim kept alive, so a retry gets `409` until the record is stored, then the replay | `503`: the commit is in doubt, and the retry settles it (the stored response if it committed, a clean run if not). A handler that never took its `IdempotentTx` is answered as in lease mode: the key is claimed again to store its response |
-//! | handler catches a failed statement of its own and answers | its answer is stored as usual | the transaction is aborted, so nothing can commit: a kept error status (`402`, `404`, `409`...) is delivered unstored and the key released; a success is a `500` problem (`TransactionAborted`) |
-//! | handler hangs past [`with_max_handler_time`](crate::IdempotencyLayer::with_max_handler_time) | cancelled, `503`; its lease lapses, then a retry takes over | cancelled, `503`; rolled back, key free at once |
-//! | client disconnects | handler finishes, record stored | handler finishes, everything commits |
-//! | many clients disconnect | handlers finish detached; past [`with_max_detached`](crate::IdempotencyLayer::with_max_detached), keyed requests get a prompt `503` | the same, with the limit at most half the pool: detached handlers never starve the others of connections |
-//! | duplicate while in flight | `409` | `409` at once (an advisory lock is tried first; nothing waits on the open transaction) |
-//! | same key, another payload, while in flight | `422` | `409` (the uncommitted claim cannot be compared); `422` once it commits |
-//!
-//! Use it when the handler's side effects are writes to the same PostgreSQL database. When they
-//! are calls to other systems (a card network, an email service), the transaction cannot undo
-//! them: use lease mode and make those calls idempotent themselves.
-//!
-//! # Costs and limits
-//!
-//! * **One pooled connection per in-flight request**, held for the whole handler. Size the pool
-//!   for your concurrency; when it is exhausted, requests get a `503` problem after the store's
-//!   timeout ([`PostgresStore::with_timeout`](crate::store::PostgresStore::with_timeout), 5 s)
-//!   rather than hanging. A handler must do all its database work through the [`IdempotentTx`]:
-//!   taking a second connection from the same pool can deadlock a saturated pool.
-//! * The transaction runs at `READ COMMITTED`.
-//! * A handler that does not take the [`IdempotentTx`] still works, as in lease mode: the
-//!   transaction then only carries the claim and the record.
-//! * The handler must not keep the [`IdempotentTx`] beyond its return (moving it into a spawned
-//!   task); the layer then cannot commit and answers `503`, and the transaction is rolled back
-//!   when the task lets go of it.
-//! * The handler must not end the transaction itself by sending `COMMIT` or `ROLLBACK` as SQL
-//!   through the [`IdempotentTx`]. The type gives it no method to do so, but PostgreSQL cannot
-//!   tell those statements from the handler's own. After a `COMMIT`, the rest of the request runs
-//!   as in lease mode, and the writes no longer commit together with the record.
-//! * Do not serve one endpoint in both modes at once.
+//! Transactional mode's handle on the request's transaction: see [`IdempotentTx`] and the
+//! [modes guide](crate::guide::modes).
 
 use std::{
     fmt,
@@ -119,7 +53,7 @@ impl TxSlot {
 pub(crate) struct HandlerHoldsTx;
 
 /// The request's open transaction, in transactional mode: write through it with
-/// `.execute(&mut *tx)`. See the [module documentation](self).
+/// `.execute(&mut *tx)`. See the [modes guide](crate::guide::modes).
 pub struct IdempotentTx {
     guard: OwnedMutexGuard<Option<PgTransaction>>,
 }

@@ -31,7 +31,7 @@
 use axum::body::Bytes;
 use http::{HeaderName, HeaderValue, Response, StatusCode, header};
 use serde::Serialize;
-use tower_idempotency::{Rejection, RejectionKind, problem::PROBLEM_JSON};
+use tower_idempotency::{PROBLEM_JSON, Rejection, RejectionKind};
 
 use crate::error::{ApiError, ErrorType};
 

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use axum::{extract::Request, middleware::Next, response::Response};
 use http::{HeaderName, HeaderValue};
-use tower_idempotency::{IdempotencyKey, key::IDEMPOTENCY_KEY};
+use tower_idempotency::{IDEMPOTENCY_KEY, IdempotencyKey};
 
 use crate::ledger::new_id;
 

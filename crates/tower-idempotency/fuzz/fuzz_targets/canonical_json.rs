@@ -11,7 +11,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
-use tower_idempotency::fingerprint::{CanonicalJsonError, canonical_json};
+use tower_idempotency::{CanonicalJsonError, canonical_json};
 use tower_idempotency_fuzz::same_json;
 
 /// The most one input byte can grow by: `1e20` (4 bytes) is written `100000000000000000000`.

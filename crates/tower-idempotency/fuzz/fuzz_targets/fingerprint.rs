@@ -15,7 +15,7 @@ use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 use tower_idempotency::{
     Fingerprint, FingerprintMode,
-    fingerprint::{CanonicalJsonError, canonical_json},
+    CanonicalJsonError, canonical_json,
 };
 use tower_idempotency_fuzz::same_json;
 

@@ -14,7 +14,7 @@ use http::{HeaderValue, Method, Uri};
 use libfuzzer_sys::fuzz_target;
 use tower_idempotency::{
     Fingerprint, FingerprintMode,
-    fingerprint::{FormPair, canonical_form_pairs},
+    FormPair, canonical_form_pairs,
 };
 
 fuzz_target!(|data: &[u8]| {

@@ -11,7 +11,7 @@ use http::{HeaderMap, HeaderValue};
 use libfuzzer_sys::fuzz_target;
 use tower_idempotency::{
     IdempotencyKey,
-    key::{IDEMPOTENCY_KEY, KeyError, MAX_KEY_LEN},
+    IDEMPOTENCY_KEY, KeyError, MAX_KEY_LEN,
 };
 
 fuzz_target!(|data: &[u8]| {

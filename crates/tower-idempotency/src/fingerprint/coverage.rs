@@ -8,7 +8,7 @@ use super::*;
 pub(super) const INLINE_BODY_BYTES: usize = 64 * 1024;
 
 /// What a request's fingerprint covers, as the layer is configured: the mode, body fields left
-/// out and request headers taken in (see the [module documentation](self#what-it-covers)).
+/// out and request headers taken in (see the [module documentation](crate::Fingerprint#what-it-covers)).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Coverage {
     pub(crate) mode: FingerprintMode,
@@ -118,7 +118,7 @@ fn without_form_fields(body: &[u8], pointers: &[String]) -> Vec<u8> {
 }
 
 /// The fingerprint of a request for the service: inline for a body up to 64 KiB, on Tokio's
-/// blocking thread pool for a larger one (see the [module documentation](self#bounded-work)).
+/// blocking thread pool for a larger one (see the [module documentation](crate::Fingerprint#bounded-work)).
 pub(crate) async fn compute_for_request(
     coverage: &Coverage,
     method: &Method,

@@ -40,7 +40,7 @@ pub type FormPair<'a> = (Cow<'a, [u8]>, Cow<'a, [u8]>);
 /// by name. Decoding is to bytes, not lossy UTF-8, so `%FE` and `%FF` stay different.
 ///
 /// Every pair is decoded, however many there are; the fingerprint calls it only for strings of
-/// at most 10,000 pairs (see [bounded work](self#bounded-work)).
+/// at most 10,000 pairs (see [bounded work](crate::Fingerprint#bounded-work)).
 pub fn canonical_form_pairs(encoded: &[u8]) -> Vec<FormPair<'_>> {
     let mut pairs: Vec<_> = encoded
         .split(|b| *b == b'&')

@@ -16,11 +16,11 @@ pub(super) fn hash_json(hasher: &mut Sha256, body: &[u8]) -> bool {
     }
 }
 
-/// The canonical form of a JSON document (see the [module documentation](self)), computed in
+/// The canonical form of a JSON document (see the [`Fingerprint`](crate::Fingerprint)), computed in
 /// one pass.
 ///
 /// Nesting deeper than serde_json's recursion limit (128) is an error, and the members it moves
-/// to sort objects are bounded by the [reordering budget](self#bounded-work), so hostile input
+/// to sort objects are bounded by the [reordering budget](crate::Fingerprint#bounded-work), so hostile input
 /// can exhaust neither the stack nor the CPU.
 ///
 /// # Errors
@@ -40,7 +40,7 @@ pub enum CanonicalJsonError {
     /// The input is not a single JSON document, or nests deeper than 128.
     Invalid(serde_json::Error),
     /// Sorting the members of its objects would move more than the
-    /// [reordering budget](self#bounded-work) allows; the input was not read to its end.
+    /// [reordering budget](crate::Fingerprint#bounded-work) allows; the input was not read to its end.
     OverBudget,
 }
 

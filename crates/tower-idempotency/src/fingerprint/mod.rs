@@ -1,67 +1,4 @@
-//! Is a retry the same request? The request fingerprint.
-//!
-//! ```
-//! use http::{Method, Uri, HeaderValue};
-//! use tower_idempotency::fingerprint::{Fingerprint, FingerprintMode};
-//!
-//! let uri: Uri = "/v1/charges".parse().unwrap();
-//! let json = HeaderValue::from_static("application/json");
-//! let a = Fingerprint::compute(FingerprintMode::Semantic, &Method::POST, &uri, Some(&json),
-//!     br#"{"amount": 100, "currency": "usd"}"#);
-//! let b = Fingerprint::compute(FingerprintMode::Semantic, &Method::POST, &uri, Some(&json),
-//!     br#"{"currency":"usd","amount":100}"#);
-//! assert_eq!(a, b);
-//! ```
-//!
-//! A key reused with a different payload is a client bug, and replaying the first response to it
-//! would be wrong; the layer answers `422` instead. The fingerprint is the SHA-256 of the method,
-//! the path, the query and the body.
-//!
-//! In the default [`FingerprintMode::Semantic`] mode, as in Stripe's practice, parameters are
-//! compared, not bytes:
-//!
-//! * a JSON body (`application/json` or any `+json` type) is hashed in canonical form: object
-//!   members sorted by name (members with the same name keep their order), insignificant
-//!   whitespace removed, strings re-escaped minimally, numbers compared as IEEE-754 doubles as
-//!   in RFC 8785 (`1`, `1.0` and `1e0` are the same number; integers are exact up to 2^53);
-//! * an `application/x-www-form-urlencoded` body, and the query string, as the decoded name/value
-//!   pairs stably sorted by name (values of a repeated name keep their order);
-//! * any other body, or a JSON body that does not parse, as its raw bytes.
-//!
-//! [`FingerprintMode::Raw`] hashes the body bytes exactly, for APIs where the bytes are the
-//! meaning (signed payloads, binary uploads).
-//!
-//! # What it covers
-//!
-//! By default: the method, the path, the query and the body, and no request header. Two
-//! settings change that, for APIs whose retries legitimately differ, or whose identical bodies
-//! mean different things:
-//!
-//! * [`with_fingerprint_excluding`](crate::IdempotencyLayer::with_fingerprint_excluding) leaves
-//!   body fields out, by JSON Pointer (`/client_sent_at`, `/metadata/trace_id`); for a form
-//!   body, a top-level pointer (`/trace_id`) names a field. A client timestamp or trace id that
-//!   changes on every retry then does not make the retry a `422`. (Not in
-//!   [`FingerprintMode::Raw`], where the bytes are the meaning.)
-//! * [`with_fingerprint_headers`](crate::IdempotencyLayer::with_fingerprint_headers) takes
-//!   request headers in (`Stripe-Version`, `Accept`): a retry under another API version is then
-//!   a `422` rather than the replay of a body of the old version.
-//!
-//! # Bounded work
-//!
-//! A fingerprint costs time and memory linear in the request, whatever the request holds:
-//!
-//! * A form body or query string of more than 10,000 pairs is hashed as its raw bytes, not
-//!   decoded and sorted (Django's `DATA_UPLOAD_MAX_NUMBER_FIELDS` and PHP's `max_input_vars`
-//!   cap fields likewise, at 1,000). The pairs are counted first, without decoding; a retry
-//!   with the same bytes still matches, a reordered one is a `422`.
-//! * Sorting the members of a JSON body's objects may move at most 4 × the body's length plus
-//!   64 KiB into place in total. A document that needs more (objects out of order at every
-//!   level of a deep nesting) is hashed as its raw bytes, as a body that is not JSON is; within
-//!   this budget the canonical form is the one described above.
-//! * A body over 64 KiB is fingerprinted on Tokio's blocking thread pool
-//!   ([`spawn_blocking`](tokio::task::spawn_blocking)), so it does not hold up the async
-//!   worker threads that serve other requests; as many at once as there are cores, the others
-//!   waiting their turn, so that concurrent hostile bodies do not multiply the memory held.
+//! The request fingerprint: see [`Fingerprint`].
 
 mod coverage;
 mod form;
@@ -87,7 +24,7 @@ use json::hash_json;
 #[doc(hidden)]
 pub use json::{CanonicalJsonError, canonical_json};
 
-/// How request bodies are compared; see the [module documentation](self).
+/// How request bodies are compared; see the [`Fingerprint`](crate::Fingerprint).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum FingerprintMode {
@@ -99,6 +36,69 @@ pub enum FingerprintMode {
 }
 
 /// The SHA-256 fingerprint of a request.
+///
+/// ```
+/// use http::{Method, Uri, HeaderValue};
+/// use tower_idempotency::{Fingerprint, FingerprintMode};
+///
+/// let uri: Uri = "/v1/charges".parse().unwrap();
+/// let json = HeaderValue::from_static("application/json");
+/// let a = Fingerprint::compute(FingerprintMode::Semantic, &Method::POST, &uri, Some(&json),
+///     br#"{"amount": 100, "currency": "usd"}"#);
+/// let b = Fingerprint::compute(FingerprintMode::Semantic, &Method::POST, &uri, Some(&json),
+///     br#"{"currency":"usd","amount":100}"#);
+/// assert_eq!(a, b);
+/// ```
+///
+/// A key reused with a different payload is a client bug, and replaying the first response to it
+/// would be wrong; the layer answers `422` instead. The fingerprint is the SHA-256 of the method,
+/// the path, the query and the body.
+///
+/// In the default [`FingerprintMode::Semantic`] mode, as in Stripe's practice, parameters are
+/// compared, not bytes:
+///
+/// * a JSON body (`application/json` or any `+json` type) is hashed in canonical form: object
+///   members sorted by name (members with the same name keep their order), insignificant
+///   whitespace removed, strings re-escaped minimally, numbers compared as IEEE-754 doubles as
+///   in RFC 8785 (`1`, `1.0` and `1e0` are the same number; integers are exact up to 2^53);
+/// * an `application/x-www-form-urlencoded` body, and the query string, as the decoded name/value
+///   pairs stably sorted by name (values of a repeated name keep their order);
+/// * any other body, or a JSON body that does not parse, as its raw bytes.
+///
+/// [`FingerprintMode::Raw`] hashes the body bytes exactly, for APIs where the bytes are the
+/// meaning (signed payloads, binary uploads).
+///
+/// # What it covers
+///
+/// By default: the method, the path, the query and the body, and no request header. Two
+/// settings change that, for APIs whose retries legitimately differ, or whose identical bodies
+/// mean different things:
+///
+/// * [`with_fingerprint_excluding`](crate::IdempotencyLayer::with_fingerprint_excluding) leaves
+///   body fields out, by JSON Pointer (`/client_sent_at`, `/metadata/trace_id`); for a form
+///   body, a top-level pointer (`/trace_id`) names a field. A client timestamp or trace id that
+///   changes on every retry then does not make the retry a `422`. (Not in
+///   [`FingerprintMode::Raw`], where the bytes are the meaning.)
+/// * [`with_fingerprint_headers`](crate::IdempotencyLayer::with_fingerprint_headers) takes
+///   request headers in (`Stripe-Version`, `Accept`): a retry under another API version is then
+///   a `422` rather than the replay of a body of the old version.
+///
+/// # Bounded work
+///
+/// A fingerprint costs time and memory linear in the request, whatever the request holds:
+///
+/// * A form body or query string of more than 10,000 pairs is hashed as its raw bytes, not
+///   decoded and sorted (Django's `DATA_UPLOAD_MAX_NUMBER_FIELDS` and PHP's `max_input_vars`
+///   cap fields likewise, at 1,000). The pairs are counted first, without decoding; a retry
+///   with the same bytes still matches, a reordered one is a `422`.
+/// * Sorting the members of a JSON body's objects may move at most 4 × the body's length plus
+///   64 KiB into place in total. A document that needs more (objects out of order at every
+///   level of a deep nesting) is hashed as its raw bytes, as a body that is not JSON is; within
+///   this budget the canonical form is the one described above.
+/// * A body over 64 KiB is fingerprinted on Tokio's blocking thread pool
+///   ([`spawn_blocking`](tokio::task::spawn_blocking)), so it does not hold up the async
+///   worker threads that serve other requests; as many at once as there are cores, the others
+///   waiting their turn, so that concurrent hostile bodies do not multiply the memory held.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 

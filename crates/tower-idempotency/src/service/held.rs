@@ -94,8 +94,16 @@ impl<St: Store> HeldKey<St> {
     }
 
     /// Lets the claim go without releasing it: it lapses with its lease.
-    pub(super) fn abandon(mut self) {
-        drop(self.claim.take());
+    pub(super) async fn abandon(mut self) {
+        let Some(claim) = self.claim.take() else {
+            return;
+        };
+        if let Err(error) = self.store.abandon(&claim).await {
+            tracing::warn!(
+                error = %Chain(&error),
+                "giving up a stopped handler's key failed; it frees itself when its lease lapses"
+            );
+        }
     }
 }
 

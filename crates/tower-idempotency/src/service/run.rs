@@ -45,32 +45,34 @@ where
                     body::buffer(Box::pin(body), max_response_bytes).await,
                 ))
             };
-            // Pinned here and lent to the heartbeat (see the service module).
-            let handling = pin!(AssertUnwindSafe(handler).catch_unwind());
             let heartbeat = Heartbeat {
                 lease: config.lease,
                 max_time: config.max_handler_time,
             };
-            let Some(handled) = heartbeat.run(&*store, guard.claim(), handling).await else {
-                // Hung: no longer renewed. The claim is left to its lease (or, in
-                // transactional mode, rolled back with the handler), so a retry takes over.
+            let handled = {
+                // Pinned here and lent to the heartbeat (see the service module); dropped at the
+                // end of this block, so a stopped handler lets go of what it holds first.
+                let handling = pin!(AssertUnwindSafe(handler).catch_unwind());
+                heartbeat.run(&*store, guard.claim(), handling).await
+            };
+            let Some(handled) = handled else {
                 tracing::error!(
                     max = ?config.max_handler_time,
-                    "handler ran past its maximum time; cancelled, and its key left to lapse"
+                    "handler ran past its maximum time; stopped, and its key given up"
                 );
-                guard.abandon();
+                guard.abandon().await;
                 outcome(Outcome::Abandoned);
                 return Ok(reject(
                     config,
                     Rejection::new(
                         RejectionKind::HandlerTimedOut,
                         format!(
-                            "the request did not finish within {:?} and was stopped; retry with \
-                             the same Idempotency-Key once its lease of {:?} has lapsed",
-                            config.max_handler_time, config.lease
+                            "the request did not finish within {:?} and was stopped; it may \
+                             have done part of its work. Retry with the same Idempotency-Key",
+                            config.max_handler_time
                         ),
                     )
-                    .with_retry_after(config.lease.as_secs().max(1)),
+                    .with_retry_after(1),
                 ));
             };
 

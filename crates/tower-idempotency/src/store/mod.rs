@@ -188,6 +188,19 @@ pub trait Store: Send + Sync + 'static {
         claim: &Self::Claim,
     ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send;
 
+    /// Gives up a held claim whose handler was stopped part-way (it ran past the layer's
+    /// [maximum handler time](crate::IdempotencyLayer::with_max_handler_time)): the next request
+    /// for the key takes it over at once, and is told so
+    /// ([`KeyState::Acquired`]`{ takeover: true }`) unless the claim's effects were rolled back
+    /// with it. The default does nothing: the claim is left to lapse with its lease.
+    fn abandon(
+        &self,
+        claim: &Self::Claim,
+    ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send {
+        let _ = claim;
+        std::future::ready(Ok(ClaimStatus::Held))
+    }
+
     /// Called once a key is acquired, before the handler runs, to hand the handler what the
     /// claim holds through the request extensions (PostgreSQL's transactional mode hands it the
     /// transaction). The default adds nothing.

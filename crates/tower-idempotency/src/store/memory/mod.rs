@@ -249,6 +249,14 @@ impl Store for MemoryStore {
         Ok(status)
     }
 
+    async fn abandon(&self, claim: &Fence) -> Result<ClaimStatus, MemoryStoreError> {
+        Ok(self.with_held(claim, |mut held| {
+            held.get_mut().state = State::InFlight {
+                lease_until: Instant::now(),
+            };
+        }))
+    }
+
     async fn release(&self, claim: &Fence) -> Result<ClaimStatus, MemoryStoreError> {
         let status = self.with_held(claim, |held| {
             let (_, entry) = held.remove_entry();

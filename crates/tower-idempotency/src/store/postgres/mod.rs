@@ -81,7 +81,7 @@ pub use partitions::PartitionMaintenance;
 ///   layer renews while the handler runs; the response is stored when the handler returns.
 /// * **Transactional mode** ([`transactional`](Self::transactional)): the claim, the handler's
 ///   own writes through [`IdempotentTx`](crate::IdempotentTx) and the stored response commit in
-///   **one transaction**, or roll back together. See [`transaction`](crate::transaction).
+///   **one transaction**, or roll back together. See the [modes guide](crate::guide::modes).
 ///
 /// # Group commit
 ///
@@ -227,7 +227,7 @@ impl PostgresStore {
 
     /// Switches to transactional mode: each claim opens a transaction on a pooled connection,
     /// the handler writes through [`IdempotentTx`](crate::IdempotentTx), and the layer stores
-    /// the response in the same transaction and commits. See [`transaction`](crate::transaction)
+    /// the response in the same transaction and commits. See the [modes guide](crate::guide::modes)
     /// for when to choose it and what it costs.
     #[must_use]
     pub fn transactional(mut self) -> Self {
@@ -379,6 +379,16 @@ impl Store for PostgresStore {
             Ok(()) => Ok(status),
             Err(error) => self.failed_commit(tx_claim, record, error).await,
         }
+    }
+
+    /// A transactional claim is rolled back with its handler's writes (nothing happened); a
+    /// lease-mode claim's lease ends now.
+    async fn abandon(&self, claim: &PgClaim) -> Result<ClaimStatus, PostgresStoreError> {
+        if claim.tx.is_some() {
+            return self.release(claim).await;
+        }
+        let statement = fenced_statement(self.fenced_sql().abandon, &claim.lease);
+        self.fenced("abandon", statement, &self.pool).await
     }
 
     async fn release(&self, claim: &PgClaim) -> Result<ClaimStatus, PostgresStoreError> {

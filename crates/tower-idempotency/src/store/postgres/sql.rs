@@ -117,6 +117,12 @@ macro_rules! fenced_statements {
                 NOTIFY_SETTLED!()
             ),
             release: concat!("", release!($table)),
+            abandon: concat!(
+                "UPDATE idempotency.",
+                $table,
+                " SET lease_until = now()
+                 WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+            ),
             release_notify: concat!(
                 "WITH settled AS (",
                 release!($table),
@@ -194,6 +200,8 @@ pub(super) struct Fenced {
     pub(super) complete_notify: &'static str,
     pub(super) release: &'static str,
     pub(super) release_notify: &'static str,
+    /// Ends a stopped handler's lease now, so the next request takes the key over at once.
+    pub(super) abandon: &'static str,
 }
 
 pub(super) const FENCED: Fenced = fenced_statements!("records");

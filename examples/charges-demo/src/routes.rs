@@ -164,7 +164,7 @@ pub(crate) async fn list_charges<L: Ledger>(
         StatusCode::OK,
         &List {
             object: "list",
-            data: &page.charges,
+            data: &page.data,
             has_more: page.has_more,
             url: "/v1/charges",
         },

@@ -342,17 +342,23 @@ async fn sdk_scenarios_pass(
     if in_flight == InFlight::SameCharge {
         program.arg("--expect-wait");
     }
-    let stdout = run_scenarios(program, 8).await;
+    let stdout = run_scenarios(program, 9).await;
     assert!(
         stdout.contains("the first response was lost"),
         "the first response was lost, and its retry got the charge: {stdout}"
     );
 
     // What the library saw is what happened: one charge per payment (the lost response, the
-    // double click, the changed amount, the declined card, the corrected request), and three
-    // under keys the library chose. The changed amount, the malformed idempotency key and the
-    // bad API key charged nothing.
-    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 8);
+    // double click, the changed amount, the declined card, the corrected request, the one
+    // refunded), and three under keys the library chose. The changed amount, the malformed
+    // idempotency key and the bad API key charged nothing; the retried refund refunded once,
+    // and the one of more than was left nothing.
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 9);
+    assert_eq!(count(&db, "SELECT count(*) FROM refunds").await, 1);
+    assert_eq!(
+        count(&db, "SELECT sum(amount_refunded)::bigint FROM charges").await,
+        500
+    );
 
     server.sigterm();
     assert_eq!(server.exit_code().await, Some(0));

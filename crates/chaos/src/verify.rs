@@ -14,7 +14,7 @@
 //! | each refund exactly once | one `refunds` row per logical refund answered `200` (by `metadata->>'refund_id'`; every row beyond it is a *double refund*), of the amount, charge and id the answer names; none for one refused (else a *refund mismatch*); no row of no logical refund (*phantom refund rows*) |
 //! | refused only when it had to be | a refund is refused (`400 amount_too_large` or `charge_already_refunded`) only when sent at once with another refund of the charge that left it too little (else a *refund mismatch*, or an *unexpected answer* for any other refusal) |
 //!
-//! A charge whose handler caught a database error ([`catch`](crate::catch)) must leave nothing:
+//! A charge whose handler caught a database error ([`catch`]) must leave nothing:
 //! no row (any is a double execution), no record (else a stored-record mismatch), and every
 //! answer, the resend's included, is that handler's `402`, fresh (else an unexpected answer).
 //!

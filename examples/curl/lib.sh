@@ -32,13 +32,13 @@ say() { printf '%s\n' "$*"; }
 pass() { printf 'PASS: %s\n' "$*"; exit 0; }
 fail() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
 
-# charge TAG IDEMPOTENCY_KEY NAME=VALUE...
-# POSTs a form-encoded charge (as Stripe's libraries do). Leaves the response in $TMP/TAG.status,
-# $TMP/TAG.headers and $TMP/TAG.body, and curl's exit code in $TMP/TAG.curl. With MAX_TIME set,
-# the client gives up after that many seconds (exit code 28, no status).
-charge() {
-    local tag=$1 key=$2
-    shift 2
+# post PATH TAG IDEMPOTENCY_KEY NAME=VALUE...
+# POSTs a form-encoded body to PATH (as Stripe's libraries do). Leaves the response in
+# $TMP/TAG.status, $TMP/TAG.headers and $TMP/TAG.body, and curl's exit code in $TMP/TAG.curl. With
+# MAX_TIME set, the client gives up after that many seconds (exit code 28, no status).
+post() {
+    local path=$1 tag=$2 key=$3
+    shift 3
     local args=()
     [ -n "${MAX_TIME:-}" ] && args+=(--max-time "$MAX_TIME")
     for field in "$@"; do
@@ -47,7 +47,7 @@ charge() {
     local rc=0
     "${CURL[@]}" -o "$TMP/$tag.body" -D "$TMP/$tag.headers" -w '%{http_code}' \
         -u "$API_KEY:" -H "Idempotency-Key: $key" "${args[@]}" \
-        "$BASE_URL/v1/charges" >"$TMP/$tag.status" 2>"$TMP/$tag.stderr" || rc=$?
+        "$BASE_URL$path" >"$TMP/$tag.status" 2>"$TMP/$tag.stderr" || rc=$?
     echo "$rc" >"$TMP/$tag.curl"
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 28 ]; then
         cat "$TMP/$tag.stderr" >&2
@@ -55,13 +55,22 @@ charge() {
     fi
 }
 
-# list_charges TAG: GET /v1/charges?limit=100 for this scenario's account.
-list_charges() {
-    local tag=$1
+# charge TAG IDEMPOTENCY_KEY NAME=VALUE...: POST /v1/charges, as `post`.
+charge() { post /v1/charges "$@"; }
+
+# refund TAG IDEMPOTENCY_KEY NAME=VALUE...: POST /v1/refunds, as `post`.
+refund() { post /v1/refunds "$@"; }
+
+# fetch TAG PATH: GET PATH for this scenario's account.
+fetch() {
+    local tag=$1 path=$2
     "${CURL[@]}" -o "$TMP/$tag.body" -D "$TMP/$tag.headers" -w '%{http_code}' \
-        -u "$API_KEY:" "$BASE_URL/v1/charges?limit=100" >"$TMP/$tag.status" ||
+        -u "$API_KEY:" "$BASE_URL$path" >"$TMP/$tag.status" ||
         fail "cannot reach the demo at $BASE_URL"
 }
+
+# list_charges TAG: GET /v1/charges?limit=100 for this scenario's account.
+list_charges() { fetch "$1" "/v1/charges?limit=100"; }
 
 status() { cat "$TMP/$1.status"; }
 timed_out() { [ "$(cat "$TMP/$1.curl")" = 28 ]; }
@@ -72,14 +81,17 @@ header() {
     { grep -i "^$2:" "$TMP/$1.headers" || true; } | tail -n 1 | cut -d: -f2- | tr -d '\r' | sed 's/^ *//'
 }
 
-# field TAG NAME: the first string (or number) member NAME in the JSON body.
+# field TAG NAME: the first string, number or boolean member NAME in the JSON body.
 field() {
-    { grep -o "\"$2\": *\(\"[^\"]*\"\|[0-9-][0-9]*\)" "$TMP/$1.body" || true; } | head -n 1 |
+    { grep -o "\"$2\": *\(\"[^\"]*\"\|[0-9-][0-9]*\|true\|false\)" "$TMP/$1.body" || true; } | head -n 1 |
         sed 's/^"[^"]*": *//; s/^"\(.*\)"$/\1/'
 }
 
 # count_charges TAG: how many charge objects a list body holds.
-count_charges() { grep -c '"object": *"charge"' "$TMP/$1.body" || true; }
+count_charges() { count_objects "$1" charge; }
+
+# count_objects TAG OBJECT: how many objects of that kind (`charge`, `refund`) a list body holds.
+count_objects() { grep -c "\"object\": *\"$2\"" "$TMP/$1.body" || true; }
 
 # show TAG: the response as a person wants to see it: status, the interesting headers, body.
 show() {
@@ -87,7 +99,7 @@ show() {
     printf '%s\n' "$(sed 's/^/   /' "$TMP/$1.body")"
 }
 
-# show_brief TAG: the status line and interesting headers, and the charge id or the error.
+# show_brief TAG: the status line and interesting headers, and the object's id.
 show_brief() {
     local replayed retry_after id
     printf '<- HTTP %s' "$(status "$1")"
@@ -96,7 +108,7 @@ show_brief() {
     if [ -n "$replayed" ]; then printf '  Idempotent-Replayed: %s' "$replayed"; fi
     if [ -n "$retry_after" ]; then printf '  Retry-After: %s' "$retry_after"; fi
     id=$(field "$1" id)
-    if [ -n "$id" ]; then printf '  (charge %s)' "$id"; fi
+    if [ -n "$id" ]; then printf '  (%s %s)' "$(field "$1" object)" "$id"; fi
     printf '\n'
 }
 

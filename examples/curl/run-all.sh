@@ -12,7 +12,7 @@ export BASE_URL="${BASE_URL:-http://127.0.0.1:3000}"
 
 double_click=double-click
 [ "${DEMO_WAITS:-0}" = 1 ] && double_click=double-click-waiting
-scenarios=(retry-after-lost-response "$double_click" changed-amount declined-card)
+scenarios=(retry-after-lost-response "$double_click" changed-amount declined-card refund)
 failed=()
 for scenario in "${scenarios[@]}"; do
     if ! bash "$dir/$scenario.sh"; then

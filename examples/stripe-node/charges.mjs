@@ -259,6 +259,34 @@ async function keysOfItsOwnAndPaging() {
   return 'keys of its own, retrieve and paging work';
 }
 
+async function refundRetried() {
+  const stripe = client(newApiKey());
+  const charge = expectCharge(await stripe.charges.create(CHARGE));
+  const key = randomUUID();
+  const params = { charge: charge.id, amount: 500 };
+  console.log(`-> refunds.create(charge=${charge.id}, amount=500), idempotencyKey=${key}`);
+  const refund = await stripe.refunds.create(params, { idempotencyKey: key });
+  console.log(`<- ${refund.id}: ${refund.status}, ${refund.amount} of ${refund.charge}`);
+  expect('a refund of 500 of the charge', [refund.object, refund.amount, refund.charge], ['refund', 500, charge.id]);
+  const retry = await stripe.refunds.create(params, { idempotencyKey: key });
+  expect('the retry gets the same refund', retry.id, refund.id);
+  expect('marked Idempotent-Replayed', replayed(retry), true);
+  try {
+    await stripe.refunds.create({ charge: charge.id, amount: 2000 }, { idempotencyKey: randomUUID() });
+    throw new Failed('a refund of more than is left was accepted');
+  } catch (error) {
+    if (!(error instanceof Stripe.errors.StripeInvalidRequestError)) throw error;
+    console.log(`<- ${describe(error)} on ${error.param}: ${error.message}`);
+    expect('HTTP 400', error.statusCode, 400);
+    expect("Stripe's amount_too_large", error.code, 'amount_too_large');
+    expect('on the amount', error.param, 'amount');
+  }
+  const after = await stripe.charges.retrieve(charge.id);
+  expect('500 refunded, not in full', [after.amount_refunded, after.refunded], [500, false]);
+  expect('one refund on the account', (await stripe.refunds.list()).data.map((r) => r.id), [refund.id]);
+  return `refunded once (${refund.id}), the over-refund refused`;
+}
+
 async function badApiKey() {
   try {
     await client('pk_live_not_a_secret_key').charges.create(CHARGE);
@@ -279,6 +307,7 @@ const SCENARIOS = [
   ['An invalid request releases its key, so the corrected request runs under the same key', invalidThenCorrected],
   ['A key longer than 255 characters is refused before anything runs', malformedKey],
   ['Without an idempotencyKey the library sends one of its own; retrieve and list paginate', keysOfItsOwnAndPaging],
+  ['A refund retried with its key refunds once; more than is left is amount_too_large', refundRetried],
   ['A malformed API key is a Stripe authentication error', badApiKey],
 ];
 

@@ -282,6 +282,36 @@ def keys_of_its_own_and_paging():
     return "keys of its own, retrieve and paging work"
 
 
+def refund_retried():
+    """A refund retried with its key refunds once; more than is left is amount_too_large."""
+    c = client(new_api_key())
+    charge = c.v1.charges.create(params=CHARGE)
+    key = str(uuid.uuid4())
+    params = {"charge": charge.id, "amount": 500}
+    print(f"-> refunds.create(charge={charge.id}, amount=500), idempotency_key={key}")
+    refund = c.v1.refunds.create(params=params, options={"idempotency_key": key})
+    print(f"<- {refund.id}: {refund.status}, {refund.amount} of {refund.charge}")
+    expect("a refund of 500 of the charge", (refund.object, refund.amount, refund.charge),
+           ("refund", 500, charge.id))
+    retry = c.v1.refunds.create(params=params, options={"idempotency_key": key})
+    expect("the retry gets the same refund", retry.id, refund.id)
+    expect("marked Idempotent-Replayed", replayed(retry), True)
+    try:
+        c.v1.refunds.create(params={"charge": charge.id, "amount": 2000},
+                            options={"idempotency_key": str(uuid.uuid4())})
+    except stripe.InvalidRequestError as error:
+        print(f"<- {describe(error)} on {error.param}: {error.user_message}")
+        expect("HTTP 400", error.http_status, 400)
+        expect("Stripe's amount_too_large", error.code, "amount_too_large")
+        expect("on the amount", error.param, "amount")
+    else:
+        raise Failed("a refund of more than is left was accepted")
+    after = c.v1.charges.retrieve(charge.id)
+    expect("500 refunded, not in full", (after.amount_refunded, after.refunded), (500, False))
+    expect("one refund on the account", [r.id for r in c.v1.refunds.list().data], [refund.id])
+    return f"refunded once ({refund.id}), the over-refund refused"
+
+
 def bad_api_key():
     """A malformed API key is a Stripe authentication error."""
     try:
@@ -302,6 +332,7 @@ SCENARIOS = [
     invalid_then_corrected,
     malformed_key,
     keys_of_its_own_and_paging,
+    refund_retried,
     bad_api_key,
 ]
 

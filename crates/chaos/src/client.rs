@@ -18,7 +18,12 @@
 //!   error: their `402` must be fresh every time, so each of them is sent again after its answer;
 //! * in a hang-up storm, the clients it strikes drop their requests in flight at once, and each
 //!   sends one more charge at that moment whose first request it drops too
-//!   ([`storm_charges`]): a burst of handlers left running for clients that went away.
+//!   ([`storm_charges`]): a burst of handlers left running for clients that went away;
+//! * some charges that succeeded are then **refunded** ([`RefundPlan`]): a random part or all of
+//!   them, each refund a logical request of its own (a fresh key, a unique `metadata[refund_id]`)
+//!   sent like a charge, retries and hang-ups included; some twice at once with different keys
+//!   (together often more than the charge: one of them may then be refused, `400
+//!   amount_too_large` or `charge_already_refunded`), some sent again after their answer.
 //!
 //! Any other answer (`400`, `422`...) is final and reported: it should never happen here.
 //! What each sender saw is kept in an [`Observed`] for the final checks.
@@ -51,6 +56,7 @@ pub(crate) struct Behaviour {
     pub(crate) resend_percent: u8,
     pub(crate) decline_percent: u8,
     pub(crate) catch_percent: u8,
+    pub(crate) refund_percent: u8,
 }
 
 /// The first backoff step and its cap.
@@ -58,6 +64,11 @@ const BACKOFF_BASE: Duration = Duration::from_millis(50);
 const BACKOFF_CAP: Duration = Duration::from_secs(2);
 /// A hang-up drops the request this long after sending it (a range, in milliseconds).
 const HANGUP_AFTER_MS: (u64, u64) = (1, 60);
+/// Of the refunded charges: those refunded twice at once (different keys), those refunded in
+/// full (no `amount`: what is left), and the refunds sent again after their answer.
+const REFUND_PARALLEL_PERCENT: u8 = 30;
+const REFUND_ALL_PERCENT: u8 = 30;
+const REFUND_RESEND_PERCENT: u8 = 20;
 
 /// Everything the clients share.
 #[derive(Debug)]
@@ -77,6 +88,8 @@ pub(crate) struct Shared {
 #[derive(Debug, Default)]
 pub(crate) struct Stats {
     pub(crate) charges: AtomicU64,
+    /// Logical refunds.
+    pub(crate) refunds: AtomicU64,
     pub(crate) requests: AtomicU64,
     pub(crate) retries: AtomicU64,
     /// Answers carrying `Idempotent-Replayed: true`.
@@ -119,19 +132,26 @@ pub(crate) struct Plan {
 }
 
 impl Plan {
-    fn form(&self) -> [(&'static str, String); 5] {
+    fn call(&self) -> Call<'_> {
         let source = if self.declined {
             "tok_chargeDeclined"
         } else {
             "tok_visa"
         };
-        [
-            ("amount", self.amount.to_string()),
-            ("currency", "usd".to_owned()),
-            ("source", source.to_owned()),
-            ("description", "chaos run".to_owned()),
-            ("metadata[order_id]", self.order_id.clone()),
-        ]
+        Call {
+            path: "/v1/charges",
+            api_key: &self.api_key,
+            key: &self.key,
+            form: vec![
+                ("amount", self.amount.to_string()),
+                ("currency", "usd".to_owned()),
+                ("source", source.to_owned()),
+                ("description", "chaos run".to_owned()),
+                ("metadata[order_id]", self.order_id.clone()),
+            ],
+            caught_error: self.caught_error,
+            expected: vec![self.expected_status()],
+        }
     }
 
     /// The status of this charge's correct final answer.
@@ -146,14 +166,66 @@ impl Plan {
     }
 }
 
+/// One refund the client means to make, of a charge that succeeded: as a charge is, a logical
+/// request with a key of its own, sent until it has a final answer.
+#[derive(Debug, Clone)]
+pub(crate) struct RefundPlan {
+    pub(crate) key: String,
+    /// Unique, in `metadata[refund_id]`: how the checks find its row.
+    pub(crate) refund_id: String,
+    pub(crate) charge_id: String,
+    /// `None`: what is left of the charge.
+    pub(crate) amount: Option<i64>,
+}
+
+impl RefundPlan {
+    /// `parallel`: its sibling may take what it asks for, so a `400` may be its right answer.
+    fn call<'a>(&'a self, api_key: &'a str, parallel: bool) -> Call<'a> {
+        let mut form = vec![
+            ("charge", self.charge_id.clone()),
+            ("metadata[refund_id]", self.refund_id.clone()),
+        ];
+        if let Some(amount) = self.amount {
+            form.push(("amount", amount.to_string()));
+        }
+        let mut expected = vec![StatusCode::OK];
+        if parallel {
+            expected.push(StatusCode::BAD_REQUEST);
+        }
+        Call {
+            path: "/v1/refunds",
+            api_key,
+            key: &self.key,
+            form,
+            caught_error: false,
+            expected,
+        }
+    }
+}
+
+/// One logical request as [`send`] makes it.
+struct Call<'a> {
+    path: &'static str,
+    api_key: &'a str,
+    key: &'a str,
+    form: Vec<(&'static str, String)>,
+    caught_error: bool,
+    /// The statuses of its correct final answers.
+    expected: Vec<StatusCode>,
+}
+
 /// A final answer, reduced to what the checks compare.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Answer {
     pub(crate) status: StatusCode,
     pub(crate) replayed: bool,
     pub(crate) body_sha256: [u8; 32],
-    /// The charge id the body names (`id`, or `error.charge` for a decline).
-    pub(crate) charge_id: Option<String>,
+    /// The id of the object the body names (`id` of a charge or refund, or `error.charge` for a
+    /// decline).
+    pub(crate) object_id: Option<String>,
+    /// The body's `amount` (a refund's), or the error's `code`.
+    pub(crate) amount: Option<i64>,
+    pub(crate) code: Option<String>,
     /// The body's first bytes, for the report.
     pub(crate) excerpt: String,
 }
@@ -161,17 +233,24 @@ pub(crate) struct Answer {
 impl Answer {
     pub(crate) fn new(status: StatusCode, replayed: bool, body: &Bytes) -> Self {
         let json: Option<serde_json::Value> = serde_json::from_slice(body).ok();
-        let charge_id = json.as_ref().and_then(|json| {
-            json.get("id")
-                .or_else(|| json.get("error").and_then(|e| e.get("charge")))
-                .and_then(|id| id.as_str())
-                .map(str::to_owned)
-        });
+        let json = json.as_ref();
+        let error = json.and_then(|json| json.get("error"));
+        let object_id = json
+            .and_then(|json| json.get("id").or_else(|| error?.get("charge")))
+            .and_then(|id| id.as_str())
+            .map(str::to_owned);
         Self {
             status,
             replayed,
             body_sha256: Sha256::digest(body).into(),
-            charge_id,
+            object_id,
+            amount: json
+                .and_then(|json| json.get("amount"))
+                .and_then(serde_json::Value::as_i64),
+            code: error
+                .and_then(|error| error.get("code"))
+                .and_then(|code| code.as_str())
+                .map(str::to_owned),
             excerpt: String::from_utf8_lossy(&body[..body.len().min(160)]).into_owned(),
         }
     }
@@ -190,6 +269,19 @@ pub(crate) struct Observed {
     pub(crate) answers: Vec<Answer>,
     /// Senders that gave up at the deadline without a final answer.
     pub(crate) unresolved: u32,
+    pub(crate) parallel: bool,
+    pub(crate) resent: bool,
+    /// The refunds made of it afterwards (none, one, or two at once).
+    pub(crate) refunds: Vec<ObservedRefund>,
+}
+
+/// What the senders of one logical refund saw.
+#[derive(Debug)]
+pub(crate) struct ObservedRefund {
+    pub(crate) plan: RefundPlan,
+    pub(crate) answers: Vec<Answer>,
+    pub(crate) unresolved: u32,
+    /// Sent at the same time as another refund of the charge, with another key.
     pub(crate) parallel: bool,
     pub(crate) resent: bool,
 }
@@ -260,16 +352,17 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             Some(answer) => answers.push(answer),
             None => unresolved += 1,
         };
+        let call = plan.call();
         if parallel {
             let (mut first, mut second) = (rng.fork(), rng.fork());
             let (a, b) = tokio::join!(
-                send(&sender, &plan, false, &mut first),
-                send(&sender, &plan, false, &mut second)
+                send(&sender, &call, false, &mut first),
+                send(&sender, &call, false, &mut second)
             );
             record(a);
             record(b);
         } else {
-            record(send(&sender, &plan, false, &mut rng).await);
+            record(send(&sender, &call, false, &mut rng).await);
         }
         // A client whose response was lost sends again: a replay of the same bytes, or, for a
         // caught error, whose key must have been released, a fresh answer.
@@ -277,11 +370,22 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             && (plan.caught_error || rng.percent(behaviour.resend_percent));
         if resent {
             let mut again = rng.fork();
-            match send(&sender, &plan, false, &mut again).await {
+            match send(&sender, &call, false, &mut again).await {
                 Some(answer) => answers.push(answer),
                 None => unresolved += 1,
             }
         }
+        drop(call);
+        let succeeded = answers
+            .first()
+            .filter(|answer| answer.status == StatusCode::OK && !plan.caught_error)
+            .and_then(|answer| answer.object_id.clone());
+        let refunds = match succeeded {
+            Some(charge_id) if rng.percent(behaviour.refund_percent) => {
+                refund(&sender, &plan, charge_id, &mut rng).await
+            }
+            _ => Vec::new(),
+        };
         Stats::add(&shared.stats.charges);
         observed.push(Observed {
             plan,
@@ -289,6 +393,7 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             unresolved,
             parallel,
             resent,
+            refunds,
         });
     }
     observed
@@ -321,7 +426,7 @@ pub(crate) async fn storm_charges(shared: &Shared, index: usize, mut rng: Rng) -
             caught_error: false,
         };
         Stats::add(&shared.stats.storm_charges);
-        let answer = send(&sender, &plan, true, &mut rng).await;
+        let answer = send(&sender, &plan.call(), true, &mut rng).await;
         Stats::add(&shared.stats.charges);
         observed.push(Observed {
             plan,
@@ -329,9 +434,68 @@ pub(crate) async fn storm_charges(shared: &Shared, index: usize, mut rng: Rng) -
             answers: answer.into_iter().collect(),
             parallel: false,
             resent: false,
+            refunds: Vec::new(),
         });
     }
     observed
+}
+
+/// Refunds the charge `charge_id` of `plan`, which succeeded: once, or twice at once with
+/// different keys; a random part or all of it. Returns what each refund's senders saw.
+async fn refund(
+    sender: &Sender<'_>,
+    plan: &Plan,
+    charge_id: String,
+    rng: &mut Rng,
+) -> Vec<ObservedRefund> {
+    let parallel = rng.percent(REFUND_PARALLEL_PERCENT);
+    let max = u64::try_from(plan.amount).unwrap_or(1);
+    let mut refund_plan = |n: u8| RefundPlan {
+        key: rng.uuid().to_string(),
+        refund_id: format!("{}-refund{n}", plan.order_id),
+        charge_id: charge_id.clone(),
+        amount: (!rng.percent(REFUND_ALL_PERCENT))
+            .then(|| i64::try_from(rng.between(1, max)).unwrap_or(1)),
+    };
+    let first = refund_plan(0);
+    if !parallel {
+        return vec![send_refund(sender, plan, first, false, rng.fork()).await];
+    }
+    let second = refund_plan(1);
+    let (a, b) = tokio::join!(
+        send_refund(sender, plan, first, true, rng.fork()),
+        send_refund(sender, plan, second, true, rng.fork())
+    );
+    vec![a, b]
+}
+
+/// Sends one refund until its final answer, and sometimes once more after it.
+async fn send_refund(
+    sender: &Sender<'_>,
+    plan: &Plan,
+    refund: RefundPlan,
+    parallel: bool,
+    mut rng: Rng,
+) -> ObservedRefund {
+    let resent = rng.percent(REFUND_RESEND_PERCENT);
+    let call = refund.call(&plan.api_key, parallel);
+    let mut answers = Vec::new();
+    let mut unresolved = 0;
+    for _ in 0..=u8::from(resent) {
+        match send(sender, &call, false, &mut rng).await {
+            Some(answer) => answers.push(answer),
+            None => unresolved += 1,
+        }
+    }
+    drop(call);
+    Stats::add(&sender.shared.stats.refunds);
+    ObservedRefund {
+        plan: refund,
+        answers,
+        unresolved,
+        parallel,
+        resent,
+    }
 }
 
 /// What one attempt came to.
@@ -347,9 +511,9 @@ enum Attempt {
     HungUp,
 }
 
-/// Sends `plan` until a final answer, or `None` past the deadline; with `storm`, the first
+/// Sends `call` until a final answer, or `None` past the deadline; with `storm`, the first
 /// request is one a storm drops.
-async fn send(sender: &Sender<'_>, plan: &Plan, storm: bool, rng: &mut Rng) -> Option<Answer> {
+async fn send(sender: &Sender<'_>, call: &Call<'_>, storm: bool, rng: &mut Rng) -> Option<Answer> {
     let Sender {
         shared,
         http,
@@ -366,14 +530,14 @@ async fn send(sender: &Sender<'_>, plan: &Plan, storm: bool, rng: &mut Rng) -> O
             Stats::add(&stats.retries);
         }
         Stats::add(&stats.requests);
-        let url = format!("http://{}/v1/charges", shared.addrs.get(instance));
+        let url = format!("http://{}{}", shared.addrs.get(instance), call.path);
         let mut request = http
             .post(url)
-            .bearer_auth(&plan.api_key)
-            .header("idempotency-key", &plan.key)
-            .form(&plan.form())
+            .bearer_auth(call.api_key)
+            .header("idempotency-key", call.key)
+            .form(&call.form)
             .timeout(*timeout);
-        if plan.caught_error {
+        if call.caught_error {
             request = request.header(catch::HEADER, "1");
         }
         let exchange = exchange(request);
@@ -415,7 +579,7 @@ async fn send(sender: &Sender<'_>, plan: &Plan, storm: bool, rng: &mut Rng) -> O
                         delay = delay.max(after) + Duration::from_millis(rng.below(200));
                     }
                 } else {
-                    if status != plan.expected_status() {
+                    if !call.expected.contains(&status) {
                         Stats::add(&stats.unexpected);
                     }
                     return Some(Answer::new(status, replayed, &body));
@@ -540,20 +704,36 @@ mod tests {
     }
 
     #[test]
-    fn answers_name_their_charge() {
+    fn answers_name_their_object() {
         let ok = Answer::new(
             StatusCode::OK,
             false,
             &Bytes::from_static(br#"{"id":"ch_1","object":"charge"}"#),
         );
-        assert_eq!(ok.charge_id.as_deref(), Some("ch_1"));
+        assert_eq!(ok.object_id.as_deref(), Some("ch_1"));
         let declined = Answer::new(
             StatusCode::PAYMENT_REQUIRED,
             true,
             &Bytes::from_static(br#"{"error":{"charge":"ch_2","type":"card_error"}}"#),
         );
-        assert_eq!(declined.charge_id.as_deref(), Some("ch_2"));
+        assert_eq!(declined.object_id.as_deref(), Some("ch_2"));
         assert!(!ok.same_response(&declined));
+        let refund = Answer::new(
+            StatusCode::OK,
+            false,
+            &Bytes::from_static(br#"{"id":"re_1","object":"refund","amount":500}"#),
+        );
+        assert_eq!(
+            (refund.object_id.as_deref(), refund.amount),
+            (Some("re_1"), Some(500))
+        );
+        let refused = Answer::new(
+            StatusCode::BAD_REQUEST,
+            false,
+            &Bytes::from_static(br#"{"error":{"code":"amount_too_large","param":"amount"}}"#),
+        );
+        assert_eq!(refused.code.as_deref(), Some("amount_too_large"));
+        assert_eq!(refused.object_id, None);
     }
 
     #[test]

@@ -363,6 +363,8 @@ pub(crate) struct DemoLog {
     pub(crate) warnings: AtomicU64,
     /// `charge created`: the handler wrote a charge (committed or not, yet).
     pub(crate) charges_created: AtomicU64,
+    /// `refund created`: the handler wrote a refund (committed or not, yet).
+    pub(crate) refunds_created: AtomicU64,
     /// The layer took over a key whose holder's lease lapsed.
     pub(crate) layer_takeovers: AtomicU64,
     /// The handler ran with `IdempotencyContext::takeover()`.
@@ -390,6 +392,7 @@ impl DemoLog {
             errors: AtomicU64::new(0),
             warnings: AtomicU64::new(0),
             charges_created: AtomicU64::new(0),
+            refunds_created: AtomicU64::new(0),
             layer_takeovers: AtomicU64::new(0),
             handler_takeovers: AtomicU64::new(0),
             commit_failures: AtomicU64::new(0),
@@ -416,6 +419,9 @@ impl DemoLog {
         }
         if line.contains("charge created") {
             count(&self.charges_created);
+        }
+        if line.contains("refund created") {
+            count(&self.refunds_created);
         }
         if line.contains("took over an idempotency key") {
             count(&self.layer_takeovers);

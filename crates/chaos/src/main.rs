@@ -25,7 +25,9 @@
 //!    retries with exponential backoff and jitter on connection errors, timeouts, `409` and
 //!    `5xx` (honouring `Retry-After`), both instances behind a simulated load balancer, some
 //!    charges sent twice in parallel, some requests hung up mid-flight, some charges sent again
-//!    after their answer, 3 % marked for the catching handler.
+//!    after their answer, 3 % marked for the catching handler; and **refund** 5 % of the charges
+//!    that succeed (a random part or all; some twice at once with different keys, together often
+//!    more than the charge; some sent again after their answer).
 //! 4. Meanwhile ([`faults`]) **`SIGKILL`s a random instance every 2–5 s** and restarts it on a
 //!    new port (the clients learn it), **restarts PostgreSQL once** (`pg_ctl stop -m fast`
 //!    or `immediate`, down 1–3 s) between 30 % and 60 % of the run, **refuses completions for
@@ -39,6 +41,9 @@
 //!    row per logical charge, byte-identical bodies on every answer and replay, the charge id
 //!    in the body matching the row, the stored record matching the answer, no key in flight,
 //!    nothing lost; and for the caught errors, no row, no record and a fresh `402` every time.
+//!    For refunds: no charge refunded past its amount, its `amount_refunded` the sum of its
+//!    refund rows, one row per refund answered `200` and none for one refused, and a refusal only
+//!    where the other refund sent at once left too little.
 //!
 //! The choices (kill times and targets, keys, amounts, hang-ups, jitter, the refusal's window,
 //! the storms and whom they strike, the charges that catch an error) follow from `--seed`;
@@ -51,7 +56,8 @@
 //! 10 s the traffic so far. The report goes
 //! to standard output:
 //!
-//! * **traffic**: logical charges (and how many were sent in parallel, resent, declined),
+//! * **traffic**: logical charges (and how many were sent in parallel, resent, declined), logical
+//!   refunds (of how many charges, sent at once with another, resent, refused),
 //!   requests, retries, replays (answers marked `Idempotent-Replayed: true`), `409`s (a
 //!   duplicate met the charge in flight), `5xx`, `503`s (the database was away, a kill or
 //!   restart broke a request, a completion was refused) and of them `Overloaded` (a storm),
@@ -62,7 +68,7 @@
 //!   them, requests they hung up, `503 Overloaded` answers);
 //! * **server side**: charges the handlers wrote (`charge created` in the demo's logs) against
 //!   the rows that committed — the difference were rolled back by a kill or the database
-//!   restart, mid-charge; failed commits; answers over a failed transaction (the caught
+//!   restart, mid-charge; refunds likewise (`refund created`); failed commits; answers over a failed transaction (the caught
 //!   errors' `402`s, delivered unstored); responses stored in the background (0: every
 //!   handler writes through its transaction); takeovers (always 0 in transactional mode: a claim
 //!   commits only together with its response, so no record is ever left in flight for a
@@ -114,7 +120,7 @@ pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
     about = "Chaos run for tower-idempotency: two charges-demo instances on a throwaway \
              PostgreSQL, retrying clients, SIGKILLs, a database restart, refused completions, \
              handlers that catch a database error and hang-up storms; then checks that every \
-             charge ran exactly once"
+             charge and refund ran exactly once, and no charge was refunded past its amount"
 )]
 pub(crate) struct RunArgs {
     /// How long the chaos lasts, in seconds; then the clients finish and the checks run.
@@ -193,6 +199,12 @@ pub(crate) struct RunArgs {
     #[arg(long, default_value_t = 3, value_name = "P",
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub(crate) catch_percent: u8,
+
+    /// Percentage of the charges that succeeded which are then refunded: a random part or all,
+    /// some twice at once with different keys, some sent again after their answer.
+    #[arg(long, default_value_t = 5, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) refund_percent: u8,
 
     /// Hang-up storms, spread over the chaos: many clients drop their requests at once (and
     /// send one more, which they drop too).

@@ -77,6 +77,7 @@ pub(crate) struct Report {
     // The demo's logs.
     log_path: String,
     charges_created: u64,
+    refunds_created: u64,
     commit_failures: u64,
     unstored_answers: u64,
     aborted_successes: u64,
@@ -143,6 +144,7 @@ impl Report {
             storm_charges: get(&stats.storm_charges),
             log_path: log.path().display().to_string(),
             charges_created: get(&log.charges_created),
+            refunds_created: get(&log.refunds_created),
             commit_failures: get(&log.commit_failures),
             unstored_answers: get(&log.unstored_answers),
             aborted_successes: get(&log.aborted_successes),
@@ -187,6 +189,16 @@ impl Report {
                 "{} sent twice in parallel, {} resent after their answer, {} declined cards, {} \
                  caught database errors",
                 v.parallel, v.resent, v.declined, v.caught
+            ),
+        );
+        line(
+            "logical refunds",
+            v.refunds,
+            format!(
+                "of {} charges: {} sent at once with another refund of the charge (another \
+                 key), {} resent after their answer, {} refused (amount_too_large or \
+                 charge_already_refunded)",
+                v.refunded_charges, v.refunds_parallel, v.refunds_resent, v.refunds_refused
             ),
         );
         line("requests", self.requests, String::new());
@@ -298,6 +310,14 @@ impl Report {
             )
         };
         line("charges logged by handlers", self.charges_created, written);
+        line(
+            "refunds logged by handlers",
+            self.refunds_created,
+            format!(
+                "{} refund rows committed, {} cents refunded in all",
+                v.refund_rows, v.refunded_amount
+            ),
+        );
         line(
             "failed commits (503)",
             self.commit_failures,

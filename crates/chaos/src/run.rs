@@ -206,6 +206,7 @@ async fn run(
             resend_percent: args.resend_percent,
             decline_percent: args.decline_percent,
             catch_percent: catch_percent(args),
+            refund_percent: args.refund_percent,
         },
         stats: Stats::default(),
         stop: stop_rx.clone(),
@@ -365,9 +366,10 @@ async fn tick(
         }
         let s = &shared.stats;
         progress(format_args!(
-            "{} charges, {} requests, {} retries, {} replays, {} × 409, {} × 5xx ({} × 503 \
-             Overloaded), {} connection errors, {} timeouts, {} hang-ups, {} kills",
+            "{} charges, {} refunds, {} requests, {} retries, {} replays, {} × 409, {} × 5xx \
+             ({} × 503 Overloaded), {} connection errors, {} timeouts, {} hang-ups, {} kills",
             Stats::get(&s.charges),
+            Stats::get(&s.refunds),
             Stats::get(&s.requests),
             Stats::get(&s.retries),
             Stats::get(&s.replays),
@@ -451,6 +453,11 @@ fn replay_args(args: &RunArgs, seed: u64) -> String {
             "catch-percent",
             args.catch_percent.into(),
             defaults.catch_percent.into(),
+        ),
+        (
+            "refund-percent",
+            args.refund_percent.into(),
+            defaults.refund_percent.into(),
         ),
         ("storms", args.storms.into(), defaults.storms.into()),
         (

@@ -5,7 +5,7 @@
 //! ([`charges_demo::app`]) on the state [`AppState::postgres`] makes (the layer in
 //! transactional mode) and on a pool sized as [`charges_demo::server::run`] sizes it, which
 //! sets the layer's limit of detached handlers; plus, for the charges marked so, the handler of
-//! [`catch`](crate::catch) under the same layer. It prints `listening on ADDR` on standard
+//! [`catch`] under the same layer. It prints `listening on ADDR` on standard
 //! output and logs to standard error, as the demo does.
 //!
 //! It exits as soon as its standard input closes: the parent keeps the write end open, so an
@@ -23,8 +23,14 @@ use std::{
 };
 
 use charges_demo::{
-    AppState, app, idempotency_layer,
-    ledger::{Charge, ChargePage, Ledger, PostgresLedger, PostgresLedgerError},
+    AppState, app,
+    auth::Account,
+    idempotency_layer,
+    ledger::{
+        Charge, ChargePage, Ledger, Page, PostgresLedger, PostgresLedgerError, Refund,
+        RefundRefusal,
+    },
+    params::RefundParams,
     processor::CardProcessor,
     server::{self, ErrorChain},
 };
@@ -204,7 +210,7 @@ async fn serve(args: server::Args, bug: Option<Bug>) -> Result<(), BoxError> {
 }
 
 /// A ledger that writes on the pool, ignoring the request's transaction, and then takes the
-/// processing time: the [`Bug`]s' handler.
+/// processing time: the [`Bug`]s' handler. Refunds are written as the demo writes them.
 #[derive(Debug, Clone)]
 struct WriteFirst {
     ledger: PostgresLedger,
@@ -226,7 +232,7 @@ impl Ledger for WriteFirst {
 
     async fn retrieve(
         &self,
-        account: &charges_demo::auth::Account,
+        account: &Account,
         id: &str,
     ) -> Result<Option<Charge>, PostgresLedgerError> {
         self.ledger.retrieve(account, id).await
@@ -234,10 +240,38 @@ impl Ledger for WriteFirst {
 
     async fn list(
         &self,
-        account: &charges_demo::auth::Account,
+        account: &Account,
         limit: usize,
         starting_after: Option<&str>,
     ) -> Result<ChargePage, PostgresLedgerError> {
         self.ledger.list(account, limit, starting_after).await
+    }
+
+    async fn refund(
+        &self,
+        account: &Account,
+        params: &RefundParams,
+        transaction: Option<&mut PgConnection>,
+    ) -> Result<Result<Refund, RefundRefusal>, PostgresLedgerError> {
+        self.ledger.refund(account, params, transaction).await
+    }
+
+    async fn retrieve_refund(
+        &self,
+        account: &Account,
+        id: &str,
+    ) -> Result<Option<Refund>, PostgresLedgerError> {
+        self.ledger.retrieve_refund(account, id).await
+    }
+
+    async fn list_refunds(
+        &self,
+        account: &Account,
+        limit: usize,
+        starting_after: Option<&str>,
+    ) -> Result<Page<Refund>, PostgresLedgerError> {
+        self.ledger
+            .list_refunds(account, limit, starting_after)
+            .await
     }
 }

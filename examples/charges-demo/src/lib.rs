@@ -1,6 +1,6 @@
-//! A small Stripe-style payments API whose `POST /v1/charges` is protected by
-//! [`tower_idempotency`]: a retried payment charges once, and every retry gets the first answer
-//! back, byte for byte.
+//! A small Stripe-style payments API whose `POST /v1/charges` and `POST /v1/refunds` are
+//! protected by [`tower_idempotency`]: a retried payment charges once, a retried refund refunds
+//! once, and every retry gets the first answer back, byte for byte.
 //!
 //! ```
 //! use axum::{body::Body, http::Request};
@@ -32,17 +32,19 @@
 //! 2. [`auth::authenticate`] reads the API key, derives the [`Account`](auth::Account) and
 //!    inserts it with its [`Principal`](tower_idempotency::Principal): outside the idempotency
 //!    layer, so keys are scoped per account.
-//! 3. On `POST /v1/charges` the [`IdempotencyLayer`] claims the `Idempotency-Key` (required
-//!    there), or replays, or refuses (`409` in flight, `400` reused for another request) with a
-//!    problem document that carries Stripe's error object ([`refusals`]).
+//! 3. On `POST /v1/charges` and `POST /v1/refunds` the [`IdempotencyLayer`] claims the
+//!    `Idempotency-Key` (required there; one key space per account across both endpoints), or
+//!    replays, or refuses (`409` in flight, `400` reused for another request, another endpoint's
+//!    included) with a problem document that carries Stripe's error object ([`refusals`]).
 //! 4. The handler validates the [`params`], asks the simulated [`processor`] (which takes
-//!    `--processing-delay-ms`), records the charge in the [`ledger`], and answers with a charge
-//!    object, a `402` card error, or a `400` Stripe error.
+//!    `--processing-delay-ms`), records the charge or the refund in the [`ledger`], and answers
+//!    with the object, a `402` card error, or a `400` (or `404`) Stripe error.
 //! 5. The layer stores the answer for replay (with the request's id in `Original-Request`), or
 //!    releases the key for a `400`. With PostgreSQL it runs in [transactional
-//!    mode](tower_idempotency::transaction): the charge row is written in the request's
-//!    transaction ([`ledger::insert_charge`]) and commits with the stored answer, so a crash
-//!    never leaves a charge without its response, nor a response without its charge.
+//!    mode](tower_idempotency::transaction): the rows are written in the request's transaction
+//!    ([`ledger::insert_charge`], [`ledger::refund_charge`]) and commit with the stored answer,
+//!    so a crash never leaves a charge or a refund without its response, nor a response without
+//!    its rows.
 //!
 //! The binary (`src/main.rs`) parses [`server::Args`] and calls [`server::run`].
 #![forbid(unsafe_code)]
@@ -68,7 +70,7 @@ use axum::{
 use http::Method;
 use sqlx::PgPool;
 use tower_idempotency::{
-    ConfigError, IdempotencyLayer,
+    ConfigError, IdempotencyLayer, Scope,
     store::{MemoryStore, PostgresStore, Store},
 };
 
@@ -79,7 +81,8 @@ use crate::{
     processor::CardProcessor,
 };
 
-/// The largest `POST /v1/charges` body accepted (larger: the layer's `413` problem).
+/// The largest `POST /v1/charges` or `POST /v1/refunds` body accepted (larger: the layer's `413`
+/// problem).
 pub const MAX_CHARGE_BODY_BYTES: usize = 64 * 1024;
 
 /// The demo's settings (the command line's `--key-ttl-secs`, `--lease-secs` and
@@ -107,9 +110,12 @@ impl Default for Settings {
     }
 }
 
-/// The idempotency layer of `POST /v1/charges` on `store`: the key is required, only `POST` is
-/// covered, TTL and lease come from `settings`, and refusals speak Stripe's errors too
-/// ([`refusals`]).
+/// The idempotency layer of `POST /v1/charges` and `POST /v1/refunds` on `store`: the key is
+/// required, only `POST` is covered, TTL and lease come from `settings`, and refusals speak
+/// Stripe's errors too ([`refusals`]).
+///
+/// A key belongs to the account across endpoints, as Stripe's keys do: a charge's key sent on a
+/// refund is a key reused for another request, refused as `400 idempotency_error`, never run.
 ///
 /// # Errors
 ///
@@ -120,6 +126,7 @@ pub fn idempotency_layer<St: Store>(
 ) -> Result<IdempotencyLayer<St>, ConfigError> {
     IdempotencyLayer::new(store)
         .with_rejection_response(refusals::render)
+        .with_scope(Scope::principal_extension().across_endpoints())
         .required()
         .with_methods([Method::POST])?
         .with_max_body_bytes(MAX_CHARGE_BODY_BYTES)?
@@ -182,13 +189,13 @@ impl AppState<MemoryLedger, MemoryStore> {
 }
 
 impl AppState<PostgresLedger, PostgresStore> {
-    /// Keys and charges in PostgreSQL, on `pool`. Apply [`migrate`] first.
+    /// Keys, charges and refunds in PostgreSQL, on `pool`. Apply [`migrate`] first.
     ///
     /// The store runs in tower-idempotency's [transactional
-    /// mode](tower_idempotency::transaction): each charge's row, its idempotency claim and its
-    /// stored response commit in one transaction. Each charge in flight holds one of the pool's
-    /// connections for as long as it is processed (the processing delay included); size the pool
-    /// for the concurrency you expect.
+    /// mode](tower_idempotency::transaction): each charge's or refund's rows, its idempotency
+    /// claim and its stored response commit in one transaction. Each request in flight holds one
+    /// of the pool's connections for as long as it is processed (the processing delay included);
+    /// size the pool for the concurrency you expect.
     ///
     /// # Errors
     ///
@@ -204,7 +211,8 @@ impl AppState<PostgresLedger, PostgresStore> {
 
 /// Applies both sets of migrations to the database of `pool`: tower-idempotency's (schema
 /// `idempotency`, tracked in `idempotency._sqlx_migrations`) and the demo's own
-/// ([`ledger::MIGRATOR`]: table `charges`, tracked in the default `_sqlx_migrations`). Both are
+/// ([`ledger::MIGRATOR`]: tables `charges` and `refunds`, tracked in the default
+/// `_sqlx_migrations`). Both are
 /// idempotent and safe to run from several instances at once.
 ///
 /// # Errors
@@ -216,9 +224,9 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Box<dyn std::error::Error + Se
     Ok(())
 }
 
-/// The API: `POST /v1/charges` under the idempotency layer, `GET /v1/charges` and
-/// `GET /v1/charges/{id}`, all behind [`auth::authenticate`] and, outermost,
-/// [`request_id::request_ids`].
+/// The API: `POST /v1/charges` and `POST /v1/refunds` under the idempotency layer (one layer,
+/// so one key space), their lists and `GET /v1/charges/{id}`, `GET /v1/refunds/{id}`, all behind
+/// [`auth::authenticate`] and, outermost, [`request_id::request_ids`].
 pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
     let AppState {
         ledger,
@@ -234,10 +242,18 @@ pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
             // inside the layer, so it is stored with the response and replayed.
             post(routes::create_charge::<L>)
                 .layer::<_, Infallible>(middleware::from_fn(request_id::original_request))
-                .layer(idempotency)
+                .layer(idempotency.clone())
                 .get(routes::list_charges::<L>),
         )
         .route("/v1/charges/{id}", get(routes::retrieve_charge::<L>))
+        .route(
+            "/v1/refunds",
+            post(routes::create_refund::<L>)
+                .layer::<_, Infallible>(middleware::from_fn(request_id::original_request))
+                .layer(idempotency)
+                .get(routes::list_refunds::<L>),
+        )
+        .route("/v1/refunds/{id}", get(routes::retrieve_refund::<L>))
         .fallback(routes::not_found)
         .with_state(routes::Api { ledger, processor })
         // Outside the idempotency layer, so the principal is in place when it looks for it.

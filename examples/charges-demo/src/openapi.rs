@@ -14,7 +14,7 @@ use utoipa::openapi::{
 use crate::refusals;
 
 /// The paths whose `POST` runs under the idempotency layer.
-pub const IDEMPOTENT_PATHS: [&str; 1] = ["/v1/charges"];
+pub const IDEMPOTENT_PATHS: [&str; 2] = ["/v1/charges", "/v1/refunds"];
 
 /// The document for an app built with `idempotency`.
 pub fn document<St: Store>(idempotency: &IdempotencyLayer<St>) -> OpenApi {
@@ -35,12 +35,21 @@ pub fn document<St: Store>(idempotency: &IdempotencyLayer<St>) -> OpenApi {
                 )
                 .path(
                     "/v1/charges/{id}",
-                    PathItem::new(HttpMethod::Get, retrieve_charge()),
+                    PathItem::new(HttpMethod::Get, retrieve("charge", "Charge")),
+                )
+                .path(
+                    "/v1/refunds",
+                    PathItem::new(HttpMethod::Post, create_refund()),
+                )
+                .path(
+                    "/v1/refunds/{id}",
+                    PathItem::new(HttpMethod::Get, retrieve("refund", "Refund")),
                 ),
         )
         .components(Some(
             ComponentsBuilder::new()
                 .schema("Charge", charge_schema())
+                .schema("Refund", refund_schema())
                 .schema("StripeError", stripe_error_schema())
                 .schema("Error", error_schema())
                 .schema("Refusal", refusal_schema())
@@ -52,8 +61,10 @@ pub fn document<St: Store>(idempotency: &IdempotencyLayer<St>) -> OpenApi {
         ))
         .security(Some([SecurityRequirement::new("api_key", [""; 0])]))
         .build();
-    if let Some(item) = doc.paths.paths.get_mut("/v1/charges") {
-        item.get = Some(list_charges());
+    for (path, object) in [("/v1/charges", "charge"), ("/v1/refunds", "refund")] {
+        if let Some(item) = doc.paths.paths.get_mut(path) {
+            item.get = Some(list(object));
+        }
     }
     idempotency
         .openapi()
@@ -105,19 +116,7 @@ fn create_charge() -> utoipa::openapi::path::Operation {
     OperationBuilder::new()
         .operation_id(Some("create_charge"))
         .summary(Some("Create a charge"))
-        .request_body(Some(
-            RequestBodyBuilder::new()
-                .content(
-                    "application/x-www-form-urlencoded",
-                    ContentBuilder::new().schema(Some(params.clone())).build(),
-                )
-                .content(
-                    "application/json",
-                    ContentBuilder::new().schema(Some(params)).build(),
-                )
-                .required(Some(Required::True))
-                .build(),
-        ))
+        .request_body(Some(form_or_json(params)))
         .response(
             "200",
             ResponseBuilder::new()
@@ -136,10 +135,69 @@ fn create_charge() -> utoipa::openapi::path::Operation {
         .build()
 }
 
-fn list_charges() -> utoipa::openapi::path::Operation {
+/// A request body of `params`, form-encoded (as Stripe's libraries send it) or JSON.
+fn form_or_json(
+    params: utoipa::openapi::schema::Object,
+) -> utoipa::openapi::request_body::RequestBody {
+    RequestBodyBuilder::new()
+        .content(
+            "application/x-www-form-urlencoded",
+            ContentBuilder::new().schema(Some(params.clone())).build(),
+        )
+        .content(
+            "application/json",
+            ContentBuilder::new().schema(Some(params)).build(),
+        )
+        .required(Some(Required::True))
+        .build()
+}
+
+fn create_refund() -> utoipa::openapi::path::Operation {
+    let params = ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .property(
+            "charge",
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .description(Some("The charge to refund, `ch_...`")),
+        )
+        .property(
+            "amount",
+            ObjectBuilder::new()
+                .schema_type(Type::Integer)
+                .description(Some(
+                    "At most what is left of the charge; by default, all of it",
+                )),
+        )
+        .property("metadata", ObjectBuilder::new().schema_type(Type::Object))
+        .required("charge")
+        .build();
     OperationBuilder::new()
-        .operation_id(Some("list_charges"))
-        .summary(Some("List the account's charges, newest first"))
+        .operation_id(Some("create_refund"))
+        .summary(Some("Refund a charge, in part or in full"))
+        .request_body(Some(form_or_json(params)))
+        .response(
+            "200",
+            ResponseBuilder::new()
+                .description("The refund")
+                .content("application/json", json("Refund")),
+        )
+        .response(
+            "400",
+            error_response(
+                "Invalid parameters, or not refundable so (`amount_too_large`, \
+                 `charge_already_refunded`, `charge_not_refundable`)",
+            ),
+        )
+        .response("401", error_response("No or an invalid API key"))
+        .response("404", error_response("No such charge on this account"))
+        .build()
+}
+
+fn list(object: &str) -> utoipa::openapi::path::Operation {
+    OperationBuilder::new()
+        .operation_id(Some(format!("list_{object}s")))
+        .summary(Some(format!("List the account's {object}s, newest first")))
         .parameter(
             ParameterBuilder::new()
                 .name("limit")
@@ -154,16 +212,16 @@ fn list_charges() -> utoipa::openapi::path::Operation {
         )
         .response(
             "200",
-            ResponseBuilder::new().description("A page of charges (`object: list`)"),
+            ResponseBuilder::new().description(format!("A page of {object}s (`object: list`)")),
         )
         .response("401", error_response("No or an invalid API key"))
         .build()
 }
 
-fn retrieve_charge() -> utoipa::openapi::path::Operation {
+fn retrieve(object: &str, schema: &str) -> utoipa::openapi::path::Operation {
     OperationBuilder::new()
-        .operation_id(Some("retrieve_charge"))
-        .summary(Some("Retrieve a charge of the account"))
+        .operation_id(Some(format!("retrieve_{object}")))
+        .summary(Some(format!("Retrieve a {object} of the account")))
         .parameter(
             ParameterBuilder::new()
                 .name("id")
@@ -174,11 +232,14 @@ fn retrieve_charge() -> utoipa::openapi::path::Operation {
         .response(
             "200",
             ResponseBuilder::new()
-                .description("The charge")
-                .content("application/json", json("Charge")),
+                .description(format!("The {object}"))
+                .content("application/json", json(schema)),
         )
         .response("401", error_response("No or an invalid API key"))
-        .response("404", error_response("No such charge on this account"))
+        .response(
+            "404",
+            error_response(&format!("No such {object} on this account")),
+        )
         .build()
 }
 
@@ -192,6 +253,31 @@ fn charge_schema() -> RefOr<utoipa::openapi::Schema> {
         .property("currency", ObjectBuilder::new().schema_type(Type::String))
         .property("status", ObjectBuilder::new().schema_type(Type::String))
         .property("paid", ObjectBuilder::new().schema_type(Type::Boolean))
+        .property(
+            "amount_refunded",
+            ObjectBuilder::new().schema_type(Type::Integer),
+        )
+        .property(
+            "refunded",
+            ObjectBuilder::new()
+                .schema_type(Type::Boolean)
+                .description(Some("Whether it is refunded in full")),
+        )
+        .property("created", ObjectBuilder::new().schema_type(Type::Integer))
+        .build()
+        .into()
+}
+
+fn refund_schema() -> RefOr<utoipa::openapi::Schema> {
+    ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .description(Some("A refund, in Stripe's wire format"))
+        .property("id", ObjectBuilder::new().schema_type(Type::String))
+        .property("object", ObjectBuilder::new().schema_type(Type::String))
+        .property("amount", ObjectBuilder::new().schema_type(Type::Integer))
+        .property("charge", ObjectBuilder::new().schema_type(Type::String))
+        .property("currency", ObjectBuilder::new().schema_type(Type::String))
+        .property("status", ObjectBuilder::new().schema_type(Type::String))
         .property("created", ObjectBuilder::new().schema_type(Type::Integer))
         .build()
         .into()

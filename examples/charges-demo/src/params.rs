@@ -1,4 +1,5 @@
-//! The parameters of `POST /v1/charges`, read from a form or JSON body and validated.
+//! The parameters of `POST /v1/charges` and `POST /v1/refunds`, read from a form or JSON body and
+//! validated.
 //!
 //! Stripe's client libraries send `application/x-www-form-urlencoded` bodies with nested fields in
 //! brackets (`metadata[order_id]=6735`); JSON bodies (`{"metadata": {"order_id": "6735"}}`) are
@@ -6,7 +7,7 @@
 //! formats give the same errors.
 //!
 //! ```
-//! use charges_demo::params::ChargeParams;
+//! use charges_demo::params::{ChargeParams, RefundParams};
 //!
 //! let params = ChargeParams::parse(
 //!     Some("application/x-www-form-urlencoded"),
@@ -17,6 +18,9 @@
 //! assert_eq!(params.currency, "usd");
 //! assert_eq!(params.source, "tok_visa");
 //! assert_eq!(params.metadata["order_id"], "6735");
+//!
+//! let refund = RefundParams::parse(None, b"charge=ch_123&amount=500").unwrap();
+//! assert_eq!((refund.charge.as_str(), refund.amount), ("ch_123", Some(500)));
 //! ```
 
 use std::collections::BTreeMap;
@@ -65,18 +69,7 @@ impl ChargeParams {
     ///
     /// A `400 invalid_request_error` [`ApiError`] naming the offending parameter in `param`.
     pub fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Self, ApiError> {
-        let fields = match media_type(content_type) {
-            Media::Form => form_fields(body),
-            Media::Json => json_fields(body)?,
-            Media::Other(other) => {
-                return Err(ApiError::invalid_request(format!(
-                    "Unsupported Content-Type `{other}`: send \
-                     application/x-www-form-urlencoded (as Stripe's libraries do) or \
-                     application/json."
-                )));
-            }
-        };
-        Self::from_fields(fields)
+        Self::from_fields(fields(content_type, body)?)
     }
 
     /// Validates named values as a form sends them (`metadata[key]` for metadata).
@@ -91,6 +84,93 @@ impl ChargeParams {
         }
         raw.validate()
     }
+}
+
+/// A valid request to refund a charge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefundParams {
+    /// The charge to refund, `ch_...`: one of the caller's.
+    pub charge: String,
+    /// A positive amount in the charge's currency; `None` refunds what is left of the charge.
+    pub amount: Option<i64>,
+    /// Key-value pairs the client attaches.
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl RefundParams {
+    /// Reads and validates a request body, as [`ChargeParams::parse`] does.
+    ///
+    /// # Errors
+    ///
+    /// As [`ChargeParams::parse`]. Whether the charge exists, and has that much left to
+    /// refund, is the ledger's to say.
+    pub fn parse(content_type: Option<&str>, body: &[u8]) -> Result<Self, ApiError> {
+        Self::from_fields(fields(content_type, body)?)
+    }
+
+    /// Validates named values as a form sends them (`metadata[key]` for metadata).
+    ///
+    /// # Errors
+    ///
+    /// As [`parse`](Self::parse).
+    pub fn from_fields(fields: Vec<(String, String)>) -> Result<Self, ApiError> {
+        let (mut charge, mut amount) = (None, None);
+        let mut metadata = Metadata::default();
+        for (name, value) in fields {
+            let slot = match name.as_str() {
+                "charge" => &mut charge,
+                "amount" => &mut amount,
+                "metadata" if value.is_empty() => continue,
+                _ => {
+                    metadata.set(&name, value)?;
+                    continue;
+                }
+            };
+            set_once(slot, &name, value)?;
+        }
+        let charge: String = charge.ok_or_else(|| ApiError::missing_param("charge"))?;
+        // Any other id is simply not found; one that cannot be echoed in that answer is refused
+        // here.
+        if charge.chars().count() > MAX_ID_LEN || charge.chars().any(char::is_control) {
+            return Err(ApiError::invalid_param(
+                "charge",
+                "parameter_invalid_string",
+                format!(
+                    "Invalid charge: at most {MAX_ID_LEN} characters, without control characters."
+                ),
+            ));
+        }
+        Ok(Self {
+            charge,
+            amount: amount.as_deref().map(parse_amount).transpose()?,
+            metadata: metadata.0,
+        })
+    }
+}
+
+/// The named values of a body of the given `Content-Type` (a missing one is read as a form, as
+/// Stripe does).
+fn fields(content_type: Option<&str>, body: &[u8]) -> Result<Vec<(String, String)>, ApiError> {
+    match media_type(content_type) {
+        Media::Form => Ok(form_fields(body)),
+        Media::Json => json_fields(body),
+        Media::Other(other) => Err(ApiError::invalid_request(format!(
+            "Unsupported Content-Type `{other}`: send application/x-www-form-urlencoded (as \
+             Stripe's libraries do) or application/json."
+        ))),
+    }
+}
+
+/// Sets a parameter that may come once; an empty value is an absent one, as in Stripe's form
+/// encoding.
+fn set_once(slot: &mut Option<String>, name: &str, value: String) -> Result<(), ApiError> {
+    if slot.is_some() {
+        return Err(duplicate(name));
+    }
+    if !value.is_empty() {
+        *slot = Some(value);
+    }
+    Ok(())
 }
 
 enum Media {
@@ -178,7 +258,7 @@ struct RawParams {
     source: Option<String>,
     customer: Option<String>,
     description: Option<String>,
-    metadata: BTreeMap<String, String>,
+    metadata: Metadata,
 }
 
 impl RawParams {
@@ -191,67 +271,9 @@ impl RawParams {
             "description" => &mut self.description,
             // `metadata=` (empty) is Stripe's way of saying "no metadata".
             "metadata" if value.is_empty() => return Ok(()),
-            _ => return self.set_metadata(&name, value),
+            _ => return self.metadata.set(&name, value),
         };
-        if slot.is_some() {
-            return Err(duplicate(&name));
-        }
-        // An empty value is an absent one, as in Stripe's form encoding.
-        if !value.is_empty() {
-            *slot = Some(value);
-        }
-        Ok(())
-    }
-
-    fn set_metadata(&mut self, name: &str, value: String) -> Result<(), ApiError> {
-        let Some(key) = name
-            .strip_prefix("metadata[")
-            .and_then(|rest| rest.strip_suffix(']'))
-        else {
-            return Err(ApiError::unknown_param(name));
-        };
-        if key.is_empty() || key.contains(['[', ']']) {
-            return Err(ApiError::invalid_param(
-                name,
-                "parameter_invalid_string",
-                "Metadata keys must be non-empty strings without brackets, as in \
-                 metadata[order_id]=6735.",
-            ));
-        }
-        if key.chars().count() > MAX_METADATA_KEY_LEN {
-            return Err(ApiError::invalid_param(
-                name,
-                "parameter_invalid_string",
-                format!(
-                    "Metadata keys can have a maximum length of {MAX_METADATA_KEY_LEN} characters."
-                ),
-            ));
-        }
-        if value.chars().count() > MAX_METADATA_VALUE_LEN {
-            return Err(ApiError::invalid_param(
-                name,
-                "parameter_invalid_string",
-                format!(
-                    "Metadata values can have a maximum length of {MAX_METADATA_VALUE_LEN} \
-                     characters."
-                ),
-            ));
-        }
-        if self.metadata.contains_key(key) {
-            return Err(duplicate(name));
-        }
-        // An empty value unsets a key in Stripe; on a new charge there is nothing to unset.
-        if !value.is_empty() {
-            if self.metadata.len() == MAX_METADATA_KEYS {
-                return Err(ApiError::invalid_param(
-                    "metadata",
-                    "parameter_invalid_string",
-                    format!("Metadata can have at most {MAX_METADATA_KEYS} keys."),
-                ));
-            }
-            self.metadata.insert(key.to_owned(), value);
-        }
-        Ok(())
+        set_once(slot, &name, value)
     }
 
     fn validate(self) -> Result<ChargeParams, ApiError> {
@@ -321,8 +343,66 @@ impl RawParams {
             source,
             customer: self.customer,
             description: self.description,
-            metadata: self.metadata,
+            metadata: self.metadata.0,
         })
+    }
+}
+
+/// `metadata[key]` fields, checked against Stripe's limits.
+#[derive(Default)]
+struct Metadata(BTreeMap<String, String>);
+
+impl Metadata {
+    /// Takes the field `name`, which must be `metadata[key]`: any other is unknown.
+    fn set(&mut self, name: &str, value: String) -> Result<(), ApiError> {
+        let Some(key) = name
+            .strip_prefix("metadata[")
+            .and_then(|rest| rest.strip_suffix(']'))
+        else {
+            return Err(ApiError::unknown_param(name));
+        };
+        if key.is_empty() || key.contains(['[', ']']) {
+            return Err(ApiError::invalid_param(
+                name,
+                "parameter_invalid_string",
+                "Metadata keys must be non-empty strings without brackets, as in \
+                 metadata[order_id]=6735.",
+            ));
+        }
+        if key.chars().count() > MAX_METADATA_KEY_LEN {
+            return Err(ApiError::invalid_param(
+                name,
+                "parameter_invalid_string",
+                format!(
+                    "Metadata keys can have a maximum length of {MAX_METADATA_KEY_LEN} characters."
+                ),
+            ));
+        }
+        if value.chars().count() > MAX_METADATA_VALUE_LEN {
+            return Err(ApiError::invalid_param(
+                name,
+                "parameter_invalid_string",
+                format!(
+                    "Metadata values can have a maximum length of {MAX_METADATA_VALUE_LEN} \
+                     characters."
+                ),
+            ));
+        }
+        if self.0.contains_key(key) {
+            return Err(duplicate(name));
+        }
+        // An empty value unsets a key in Stripe; on a new object there is nothing to unset.
+        if !value.is_empty() {
+            if self.0.len() == MAX_METADATA_KEYS {
+                return Err(ApiError::invalid_param(
+                    "metadata",
+                    "parameter_invalid_string",
+                    format!("Metadata can have at most {MAX_METADATA_KEYS} keys."),
+                ));
+            }
+            self.0.insert(key.to_owned(), value);
+        }
+        Ok(())
     }
 }
 
@@ -471,6 +551,82 @@ mod tests {
             param_of(FORM, &format!("amount=1&currency=usd{many}")).as_deref(),
             Some("metadata")
         );
+    }
+
+    #[test]
+    fn a_refund_names_its_charge_and_may_leave_the_amount_out() {
+        let full = RefundParams::parse(FORM, b"charge=ch_1").unwrap();
+        assert_eq!((full.charge.as_str(), full.amount), ("ch_1", None));
+        let empty_amount = RefundParams::parse(FORM, b"charge=ch_1&amount=").unwrap();
+        assert_eq!(empty_amount.amount, None, "an empty value is an absent one");
+        let form = RefundParams::parse(FORM, b"charge=ch_1&amount=500&metadata[k]=v").unwrap();
+        let json = RefundParams::parse(
+            JSON,
+            br#"{"charge": "ch_1", "amount": 500, "metadata": {"k": "v"}}"#,
+        )
+        .unwrap();
+        assert_eq!(form, json);
+        assert_eq!(form.amount, Some(500));
+        assert_eq!(form.metadata["k"], "v");
+    }
+
+    #[test]
+    fn invalid_refund_parameters_are_named() {
+        let cases = [
+            ("amount=100", "charge", "parameter_missing"),
+            ("charge=", "charge", "parameter_missing"),
+            (
+                "charge=ch_1&amount=0",
+                "amount",
+                "parameter_invalid_integer",
+            ),
+            (
+                "charge=ch_1&amount=-5",
+                "amount",
+                "parameter_invalid_integer",
+            ),
+            (
+                "charge=ch_1&amount=1.5",
+                "amount",
+                "parameter_invalid_integer",
+            ),
+            ("charge=ch_1&amount=100000000", "amount", "amount_too_large"),
+            (
+                "charge=ch_1&charge=ch_2",
+                "charge",
+                "parameter_invalid_string",
+            ),
+            (
+                "charge=ch_1&amount=1&amount=2",
+                "amount",
+                "parameter_invalid_string",
+            ),
+            (
+                "charge=ch_1&reason=duplicate",
+                "reason",
+                "parameter_unknown",
+            ),
+            (
+                "charge=ch_1&metadata[]=x",
+                "metadata[]",
+                "parameter_invalid_string",
+            ),
+            ("charge=ch_%0A1", "charge", "parameter_invalid_string"),
+        ];
+        for (body, param, code) in cases {
+            let error = RefundParams::parse(FORM, body.as_bytes()).unwrap_err();
+            assert_eq!(error.status(), http::StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(
+                (error.param(), error.code()),
+                (Some(param), Some(code)),
+                "{body}"
+            );
+        }
+        let long = format!("charge=ch_{}", "1".repeat(MAX_ID_LEN));
+        let error = RefundParams::parse(FORM, long.as_bytes()).unwrap_err();
+        assert_eq!(error.param(), Some("charge"));
+        let error = RefundParams::parse(Some("text/plain"), b"charge=ch_1").unwrap_err();
+        assert_eq!(error.param(), None, "an unsupported body, as for a charge");
     }
 
     #[test]

@@ -6,9 +6,10 @@
 //! | `tok_chargeDeclinedInsufficientFunds` | declined, `insufficient_funds` |
 //! | any other `tok_...` (`tok_visa`, `tok_mastercard`...) | approved |
 //!
-//! Every authorisation takes the configured delay (`--processing-delay-ms`), the latency of a
-//! real card network, so that a duplicate request can arrive while the first is still being
-//! processed and meet the idempotency layer's `409`.
+//! Every authorisation, and every refund, takes the configured delay (`--processing-delay-ms`),
+//! the latency of a real card network, so that a duplicate request can arrive while the first is
+//! still being processed and meet the idempotency layer's `409`. The network takes every refund:
+//! whether a charge can be refunded is the [ledger](crate::ledger)'s to decide.
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
@@ -47,7 +48,8 @@ impl CardProcessor {
         Self { delay, hook: None }
     }
 
-    /// Runs `hook` at the start of every authorisation, before the delay, and waits for it.
+    /// Runs `hook` at the start of every authorisation and refund, before the delay, and waits
+    /// for it.
     ///
     /// It sees (and can hold) charges while they are in flight: the demo's tests use it to send
     /// a duplicate request exactly while the first is being processed, with no timing involved.
@@ -68,13 +70,22 @@ impl CardProcessor {
 
     /// Authorises a charge on `source` (a validated `tok_...` token).
     pub async fn authorize(&self, source: &str) -> Authorization {
+        self.process().await;
+        decide(source)
+    }
+
+    /// Sends a refund to the card network, which takes its time and accepts it.
+    pub async fn refund(&self) {
+        self.process().await;
+    }
+
+    async fn process(&self) {
         if let Some(hook) = &self.hook {
             hook().await;
         }
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
-        decide(source)
     }
 }
 
@@ -148,5 +159,8 @@ mod tests {
         processor.authorize("tok_visa").await;
         assert!(start.elapsed() >= Duration::from_secs(3));
         assert_eq!(calls.load(Ordering::SeqCst), 1);
+        processor.refund().await;
+        assert!(start.elapsed() >= Duration::from_secs(6));
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "refunds too");
     }
 }

@@ -1,4 +1,4 @@
-//! The handlers of the API: create, retrieve and list charges.
+//! The handlers of the API: create, retrieve and list charges and refunds.
 
 use axum::{
     Extension,
@@ -13,14 +13,14 @@ use tower_idempotency::{IdempotencyContext, IdempotentTx};
 use crate::{
     auth::Account,
     error::{ApiError, json},
-    ledger::{Charge, Ledger},
-    params::ChargeParams,
+    ledger::{Charge, Ledger, Page},
+    params::{ChargeParams, RefundParams},
     processor::{Authorization, CardProcessor},
 };
 
-/// The default page size of `GET /v1/charges`.
+/// The default page size of `GET /v1/charges` and `GET /v1/refunds`.
 pub const DEFAULT_LIST_LIMIT: usize = 10;
-/// The largest page size of `GET /v1/charges`.
+/// The largest page size of `GET /v1/charges` and `GET /v1/refunds`.
 pub const MAX_LIST_LIMIT: usize = 100;
 
 /// What the handlers share.
@@ -45,10 +45,7 @@ pub(crate) async fn create_charge<L: Ledger>(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let content_type = headers
-        .get(header::CONTENT_TYPE)
-        .map(|value| value.to_str().unwrap_or("(not ASCII)"));
-    let params = ChargeParams::parse(content_type, &body)?;
+    let params = ChargeParams::parse(content_type(&headers), &body)?;
     if idempotency.takeover() {
         // The previous holder of this key stopped (crashed or hung) mid-way. In transactional
         // mode whatever it wrote was rolled back with its transaction, so there is no
@@ -105,13 +102,136 @@ pub(crate) async fn retrieve_charge<L: Ledger>(
     }
 }
 
+/// `POST /v1/refunds`, under the same idempotency layer as `POST /v1/charges` (one key per
+/// account across both): validate, send the refund to the card network, record it. Its
+/// refusals are `400`s (and a `404` for a charge it cannot find), so a corrected retry runs.
+///
+/// In PostgreSQL mode the refund row and the charge's `amount_refunded` are written through the
+/// request's transaction, the charge locked until it commits with the stored response: a refund
+/// happens once however often it is sent, and concurrent refunds of one charge take turns.
+pub(crate) async fn create_refund<L: Ledger>(
+    State(api): State<Api<L>>,
+    Extension(account): Extension<Account>,
+    idempotency: IdempotencyContext,
+    mut transaction: Option<IdempotentTx>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let params = RefundParams::parse(content_type(&headers), &body)?;
+    api.processor.refund().await;
+    let refunded = api
+        .ledger
+        .refund(&account, &params, transaction.as_deref_mut())
+        .await;
+    // Given back before the handler returns: the layer then stores the response and commits.
+    drop(transaction);
+    let refund = refunded
+        .map_err(|error| {
+            tracing::error!(
+                error = &error as &dyn std::error::Error,
+                "recording a refund failed"
+            );
+            ApiError::internal()
+        })?
+        .map_err(|refusal| {
+            tracing::info!(
+                charge = %params.charge,
+                account = account.as_str(),
+                amount = params.amount,
+                %refusal,
+                "refund refused"
+            );
+            refusal.error(&params.charge)
+        })?;
+    tracing::info!(
+        refund = %refund.id,
+        charge = %refund.charge,
+        account = account.as_str(),
+        amount = refund.amount,
+        key = %idempotency.scope_key(),
+        "refund created"
+    );
+    Ok(json(StatusCode::OK, &refund))
+}
+
+/// `GET /v1/refunds/{id}`: one of the caller's refunds.
+pub(crate) async fn retrieve_refund<L: Ledger>(
+    State(api): State<Api<L>>,
+    Extension(account): Extension<Account>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    match api.ledger.retrieve_refund(&account, &id).await {
+        Ok(Some(refund)) => Ok(json(StatusCode::OK, &refund)),
+        Ok(None) => Err(ApiError::no_such("refund", &id, "id")),
+        Err(error) => Err(ledger_failed(&error)),
+    }
+}
+
 /// Stripe's list object.
 #[derive(Serialize)]
-struct List<'a> {
+struct List<'a, T> {
     object: &'static str,
-    data: &'a [Charge],
+    data: &'a [T],
     has_more: bool,
     url: &'static str,
+}
+
+impl<T: Serialize> List<'_, T> {
+    fn respond(page: &Page<T>, url: &'static str) -> Response {
+        json(
+            StatusCode::OK,
+            &List {
+                object: "list",
+                data: &page.data,
+                has_more: page.has_more,
+                url,
+            },
+        )
+    }
+}
+
+/// A list's `?limit=N&starting_after=ID`.
+struct ListQuery {
+    limit: usize,
+    starting_after: Option<String>,
+}
+
+impl ListQuery {
+    fn parse(query: Option<&str>) -> Result<Self, ApiError> {
+        let mut limit = DEFAULT_LIST_LIMIT;
+        let mut starting_after = None;
+        for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            match &*name {
+                "limit" => {
+                    limit = value
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=MAX_LIST_LIMIT).contains(n))
+                        .ok_or_else(|| {
+                            ApiError::invalid_param(
+                                "limit",
+                                "parameter_invalid_integer",
+                                format!(
+                                    "Invalid limit: {value}. It must be an integer from 1 to \
+                                     {MAX_LIST_LIMIT}."
+                                ),
+                            )
+                        })?;
+                }
+                "starting_after" => starting_after = Some(value.into_owned()),
+                other => return Err(ApiError::unknown_param(other)),
+            }
+        }
+        Ok(Self {
+            limit,
+            starting_after,
+        })
+    }
+}
+
+/// A `starting_after` that names no `object` of the caller's.
+fn unknown_cursor(object: &str, cursor: &str) -> ApiError {
+    ApiError::no_such(object, cursor, "starting_after").with_status(StatusCode::BAD_REQUEST)
 }
 
 /// `GET /v1/charges?limit=N&starting_after=ch_...`: the caller's charges, newest first.
@@ -120,30 +240,10 @@ pub(crate) async fn list_charges<L: Ledger>(
     Extension(account): Extension<Account>,
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
-    let mut limit = DEFAULT_LIST_LIMIT;
-    let mut starting_after = None;
-    for (name, value) in form_urlencoded::parse(query.as_deref().unwrap_or("").as_bytes()) {
-        match &*name {
-            "limit" => {
-                limit = value
-                    .parse()
-                    .ok()
-                    .filter(|n| (1..=MAX_LIST_LIMIT).contains(n))
-                    .ok_or_else(|| {
-                        ApiError::invalid_param(
-                            "limit",
-                            "parameter_invalid_integer",
-                            format!(
-                                "Invalid limit: {value}. It must be an integer from 1 to \
-                                 {MAX_LIST_LIMIT}."
-                            ),
-                        )
-                    })?;
-            }
-            "starting_after" => starting_after = Some(value.into_owned()),
-            other => return Err(ApiError::unknown_param(other)),
-        }
-    }
+    let ListQuery {
+        limit,
+        starting_after,
+    } = ListQuery::parse(query.as_deref())?;
     if let Some(cursor) = &starting_after {
         let exists = api
             .ledger
@@ -151,8 +251,7 @@ pub(crate) async fn list_charges<L: Ledger>(
             .await
             .map_err(|error| ledger_failed(&error))?;
         if exists.is_none() {
-            return Err(ApiError::no_such("charge", cursor, "starting_after")
-                .with_status(StatusCode::BAD_REQUEST));
+            return Err(unknown_cursor("charge", cursor));
         }
     }
     let page = api
@@ -160,15 +259,35 @@ pub(crate) async fn list_charges<L: Ledger>(
         .list(&account, limit, starting_after.as_deref())
         .await
         .map_err(|error| ledger_failed(&error))?;
-    Ok(json(
-        StatusCode::OK,
-        &List {
-            object: "list",
-            data: &page.charges,
-            has_more: page.has_more,
-            url: "/v1/charges",
-        },
-    ))
+    Ok(List::respond(&page, "/v1/charges"))
+}
+
+/// `GET /v1/refunds?limit=N&starting_after=re_...`: the caller's refunds, newest first.
+pub(crate) async fn list_refunds<L: Ledger>(
+    State(api): State<Api<L>>,
+    Extension(account): Extension<Account>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, ApiError> {
+    let ListQuery {
+        limit,
+        starting_after,
+    } = ListQuery::parse(query.as_deref())?;
+    if let Some(cursor) = &starting_after {
+        let exists = api
+            .ledger
+            .retrieve_refund(&account, cursor)
+            .await
+            .map_err(|error| ledger_failed(&error))?;
+        if exists.is_none() {
+            return Err(unknown_cursor("refund", cursor));
+        }
+    }
+    let page = api
+        .ledger
+        .list_refunds(&account, limit, starting_after.as_deref())
+        .await
+        .map_err(|error| ledger_failed(&error))?;
+    Ok(List::respond(&page, "/v1/refunds"))
 }
 
 /// Any other URL.
@@ -177,12 +296,19 @@ pub(crate) async fn not_found(method: Method, OriginalUri(uri): OriginalUri) -> 
         StatusCode::NOT_FOUND,
         crate::error::ErrorType::InvalidRequestError,
         format!(
-            "Unrecognized request URL ({method}: {}). This demo serves POST /v1/charges, \
-             GET /v1/charges and GET /v1/charges/{{id}}.",
+            "Unrecognized request URL ({method}: {}). This demo serves POST and GET /v1/charges, \
+             GET /v1/charges/{{id}}, POST and GET /v1/refunds and GET /v1/refunds/{{id}}.",
             uri.path()
         ),
     )
     .into_response()
+}
+
+/// The request's `Content-Type`, if any.
+fn content_type(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::CONTENT_TYPE)
+        .map(|value| value.to_str().unwrap_or("(not ASCII)"))
 }
 
 fn ledger_failed(error: &(dyn std::error::Error + 'static)) -> ApiError {

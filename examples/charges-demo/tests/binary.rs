@@ -229,6 +229,10 @@ fn succeeds(program: &str, args: &[&str]) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// The scenarios of `examples/curl/run-all.sh`: a lost response, a double click, a changed
+/// amount, a declined card, a refund.
+const CURL_SCENARIOS: usize = 5;
+
 #[tokio::test]
 async fn curl_scenarios_pass_against_the_binary_on_postgres() {
     if !succeeds("curl", &["--version"]) {
@@ -247,10 +251,19 @@ async fn curl_scenarios_pass_against_the_binary_on_postgres() {
         .collect();
     let mut bash = Command::new("bash");
     bash.arg(&script).env("BASE_URL", server.url(""));
-    run_scenarios(bash, 4).await;
+    run_scenarios(bash, CURL_SCENARIOS).await;
 
-    // The scenarios left their charges in PostgreSQL: 1 + 1 + 1 + 1 (the declined one).
-    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 4);
+    // The scenarios left their charges in PostgreSQL: one each (the declined one too), and the
+    // refund scenario its one refund, of 500.
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 5);
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM refunds WHERE amount = 500").await,
+        1
+    );
+    assert_eq!(
+        count(&db, "SELECT sum(amount_refunded)::bigint FROM charges").await,
+        500
+    );
 
     server.sigterm();
     assert_eq!(server.exit_code().await, Some(0));
@@ -283,8 +296,9 @@ async fn curl_scenarios_pass_against_the_binary_that_waits() {
     bash.arg(&script)
         .env("BASE_URL", server.url(""))
         .env("DEMO_WAITS", "1");
-    run_scenarios(bash, 4).await;
-    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 4);
+    run_scenarios(bash, CURL_SCENARIOS).await;
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 5);
+    assert_eq!(count(&db, "SELECT count(*) FROM refunds").await, 1);
     server.sigterm();
     assert_eq!(server.exit_code().await, Some(0));
 }
@@ -328,17 +342,23 @@ async fn sdk_scenarios_pass(
     if in_flight == InFlight::SameCharge {
         program.arg("--expect-wait");
     }
-    let stdout = run_scenarios(program, 8).await;
+    let stdout = run_scenarios(program, 9).await;
     assert!(
         stdout.contains("the first response was lost"),
         "the first response was lost, and its retry got the charge: {stdout}"
     );
 
     // What the library saw is what happened: one charge per payment (the lost response, the
-    // double click, the changed amount, the declined card, the corrected request), and three
-    // under keys the library chose. The changed amount, the malformed idempotency key and the
-    // bad API key charged nothing.
-    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 8);
+    // double click, the changed amount, the declined card, the corrected request, the one
+    // refunded), and three under keys the library chose. The changed amount, the malformed
+    // idempotency key and the bad API key charged nothing; the retried refund refunded once,
+    // and the one of more than was left nothing.
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 9);
+    assert_eq!(count(&db, "SELECT count(*) FROM refunds").await, 1);
+    assert_eq!(
+        count(&db, "SELECT sum(amount_refunded)::bigint FROM charges").await,
+        500
+    );
 
     server.sigterm();
     assert_eq!(server.exit_code().await, Some(0));

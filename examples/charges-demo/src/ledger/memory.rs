@@ -6,21 +6,79 @@ use std::{
 
 use sqlx::PgConnection;
 
-use super::{Charge, ChargePage, Ledger};
-use crate::auth::Account;
+use super::{Charge, ChargePage, Ledger, Page, Refund, RefundRefusal};
+use crate::{auth::Account, params::RefundParams};
 
 /// A [`Ledger`] in the process's memory: the embedded mode's. Everything is lost on exit.
 #[derive(Debug, Clone, Default)]
 pub struct MemoryLedger {
-    inner: Arc<Mutex<Charges>>,
+    inner: Arc<Mutex<Books>>,
 }
 
 #[derive(Debug, Default)]
-struct Charges {
-    /// Each account's charges, oldest first.
-    by_account: HashMap<Account, Vec<Charge>>,
-    /// Where each charge is: its account and its index in that account's list.
+struct Books {
+    charges: Book<Charge>,
+    refunds: Book<Refund>,
+}
+
+/// Objects of one kind, per account, in the order they were made.
+#[derive(Debug)]
+struct Book<T> {
+    /// Each account's objects, oldest first.
+    by_account: HashMap<Account, Vec<T>>,
+    /// Where each object is: its account and its index in that account's list.
     by_id: HashMap<String, (Account, usize)>,
+}
+
+impl<T> Default for Book<T> {
+    fn default() -> Self {
+        Self {
+            by_account: HashMap::new(),
+            by_id: HashMap::new(),
+        }
+    }
+}
+
+impl<T: Clone> Book<T> {
+    fn insert(&mut self, account: &Account, id: &str, object: T) {
+        let list = self.by_account.entry(account.clone()).or_default();
+        list.push(object);
+        let index = list.len() - 1;
+        self.by_id.insert(id.to_owned(), (account.clone(), index));
+    }
+
+    fn get_mut(&mut self, account: &Account, id: &str) -> Option<&mut T> {
+        let (owner, index) = self.by_id.get(id).filter(|(owner, _)| owner == account)?;
+        self.by_account.get_mut(owner)?.get_mut(*index)
+    }
+
+    fn get(&self, account: &Account, id: &str) -> Option<T> {
+        let (owner, index) = self.by_id.get(id).filter(|(owner, _)| owner == account)?;
+        self.by_account.get(owner)?.get(*index).cloned()
+    }
+
+    fn page(&self, account: &Account, limit: usize, starting_after: Option<&str>) -> Page<T> {
+        let Some(list) = self.by_account.get(account) else {
+            return Page {
+                data: Vec::new(),
+                has_more: false,
+            };
+        };
+        let end = match starting_after {
+            None => list.len(),
+            Some(id) => match self.by_id.get(id) {
+                Some((owner, index)) if owner == account => *index,
+                // Not this account's: nothing comes after it.
+                _ => 0,
+            },
+        };
+        let mut newest_first = list[..end].iter().rev();
+        let data: Vec<T> = newest_first.by_ref().take(limit).cloned().collect();
+        Page {
+            data,
+            has_more: newest_first.next().is_some(),
+        }
+    }
 }
 
 impl MemoryLedger {
@@ -31,7 +89,7 @@ impl MemoryLedger {
 
     /// How many charges it holds, all accounts together.
     pub fn len(&self) -> usize {
-        self.charges().by_id.len()
+        self.books().charges.by_id.len()
     }
 
     /// Whether it holds no charge.
@@ -39,9 +97,9 @@ impl MemoryLedger {
         self.len() == 0
     }
 
-    fn charges(&self) -> MutexGuard<'_, Charges> {
-        // No code panics while holding the lock, and the maps stay consistent if one did: the
-        // lock is only ever taken for plain reads and single inserts.
+    fn books(&self) -> MutexGuard<'_, Books> {
+        // No code panics while holding the lock, and the maps stay consistent if one did: each
+        // change is made whole under one lock, and a refund checks before it writes.
         self.inner
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -58,27 +116,14 @@ impl Ledger for MemoryLedger {
         charge: &Charge,
         _transaction: Option<&mut PgConnection>,
     ) -> Result<(), Infallible> {
-        let mut charges = self.charges();
-        let list = charges
-            .by_account
-            .entry(charge.account.clone())
-            .or_default();
-        list.push(charge.clone());
-        let index = list.len() - 1;
-        charges
-            .by_id
-            .insert(charge.id.clone(), (charge.account.clone(), index));
+        self.books()
+            .charges
+            .insert(&charge.account, &charge.id, charge.clone());
         Ok(())
     }
 
     async fn retrieve(&self, account: &Account, id: &str) -> Result<Option<Charge>, Infallible> {
-        let charges = self.charges();
-        Ok(charges
-            .by_id
-            .get(id)
-            .filter(|(owner, _)| owner == account)
-            .and_then(|(owner, index)| charges.by_account.get(owner)?.get(*index))
-            .cloned())
+        Ok(self.books().charges.get(account, id))
     }
 
     async fn list(
@@ -87,27 +132,45 @@ impl Ledger for MemoryLedger {
         limit: usize,
         starting_after: Option<&str>,
     ) -> Result<ChargePage, Infallible> {
-        let charges = self.charges();
-        let Some(list) = charges.by_account.get(account) else {
-            return Ok(ChargePage {
-                charges: Vec::new(),
-                has_more: false,
-            });
+        Ok(self.books().charges.page(account, limit, starting_after))
+    }
+
+    /// Checked and written under the ledger's one lock: concurrent refunds take turns.
+    async fn refund(
+        &self,
+        account: &Account,
+        params: &RefundParams,
+        _transaction: Option<&mut PgConnection>,
+    ) -> Result<Result<Refund, RefundRefusal>, Infallible> {
+        let mut books = self.books();
+        let Some(charge) = books.charges.get_mut(account, &params.charge) else {
+            return Ok(Err(RefundRefusal::NoSuchCharge));
         };
-        let end = match starting_after {
-            None => list.len(),
-            Some(id) => match charges.by_id.get(id) {
-                Some((owner, index)) if owner == account => *index,
-                // Not this account's: nothing comes after it.
-                _ => 0,
-            },
+        let amount = match charge.refundable(params.amount) {
+            Ok(amount) => amount,
+            Err(refusal) => return Ok(Err(refusal)),
         };
-        let mut newest_first = list[..end].iter().rev();
-        let page: Vec<Charge> = newest_first.by_ref().take(limit).cloned().collect();
-        Ok(ChargePage {
-            charges: page,
-            has_more: newest_first.next().is_some(),
-        })
+        charge.amount_refunded += amount;
+        let refund = Refund::new(charge, amount, params.metadata.clone());
+        books.refunds.insert(account, &refund.id, refund.clone());
+        Ok(Ok(refund))
+    }
+
+    async fn retrieve_refund(
+        &self,
+        account: &Account,
+        id: &str,
+    ) -> Result<Option<Refund>, Infallible> {
+        Ok(self.books().refunds.get(account, id))
+    }
+
+    async fn list_refunds(
+        &self,
+        account: &Account,
+        limit: usize,
+        starting_after: Option<&str>,
+    ) -> Result<Page<Refund>, Infallible> {
+        Ok(self.books().refunds.page(account, limit, starting_after))
     }
 }
 
@@ -137,7 +200,7 @@ mod tests {
         assert_eq!(ledger.len(), 6);
 
         let first = ledger.list(&a, 2, None).await.unwrap();
-        let amounts = |page: &ChargePage| page.charges.iter().map(|c| c.amount).collect::<Vec<_>>();
+        let amounts = |page: &ChargePage| page.data.iter().map(|c| c.amount).collect::<Vec<_>>();
         assert_eq!(amounts(&first), [5, 4]);
         assert!(first.has_more);
         let second = ledger.list(&a, 2, Some(&mine[3].id)).await.unwrap();
@@ -152,7 +215,7 @@ mod tests {
         assert!(!all.has_more);
         // Another account's cursor shows nothing.
         let foreign = ledger.list(&a, 10, Some(&theirs.id)).await.unwrap();
-        assert!(foreign.charges.is_empty());
+        assert!(foreign.data.is_empty());
         assert_eq!(
             amounts(&ledger.list(&b, 10, None).await.unwrap()),
             [99],

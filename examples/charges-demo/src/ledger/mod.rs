@@ -1,15 +1,19 @@
-//! Where charges are kept: the [`Ledger`] seam and its two implementations.
+//! Where charges and their refunds are kept: the [`Ledger`] seam and its two implementations.
 //!
 //! * [`MemoryLedger`]: in the process, for the embedded mode (no `DATABASE_URL`).
-//! * [`PostgresLedger`]: the `charges` table of the demo's own migrations ([`MIGRATOR`]). Behind
-//!   tower-idempotency's [transactional mode](tower_idempotency::transaction), the handler
-//!   hands it the request's transaction, and the charge row commits with the stored response.
+//! * [`PostgresLedger`]: the `charges` and `refunds` tables of the demo's own migrations
+//!   ([`MIGRATOR`]). Behind tower-idempotency's [transactional
+//!   mode](tower_idempotency::transaction), the handler hands it the request's transaction, and
+//!   the rows commit with the stored response.
+//!
+//! A refund is recorded atomically with the charge's `amount_refunded` ([`Ledger::refund`]):
+//! whatever the concurrency, the refunds of a charge never add up to more than its amount.
 //!
 //! ```
 //! use charges_demo::{
 //!     auth::Account,
 //!     ledger::{Charge, ChargeStatus, Ledger, MemoryLedger},
-//!     params::ChargeParams,
+//!     params::{ChargeParams, RefundParams},
 //!     processor::Authorization,
 //! };
 //!
@@ -25,6 +29,12 @@
 //! assert_eq!(found.map(|c| c.status), Some(ChargeStatus::Succeeded));
 //! let other = Account::from_api_key("sk_test_456");
 //! assert_eq!(ledger.retrieve(&other, &charge.id).await.unwrap(), None);
+//!
+//! let params = RefundParams::parse(None, format!("charge={}&amount=200", charge.id).as_bytes());
+//! let refund = ledger.refund(&account, &params.unwrap(), None).await.unwrap().unwrap();
+//! assert_eq!(refund.amount, 200);
+//! let found = ledger.retrieve(&account, &charge.id).await.unwrap().unwrap();
+//! assert_eq!(found.amount_refunded, 200);
 //! # }
 //! ```
 
@@ -37,13 +47,22 @@ use std::{
 use serde::{Serialize, Serializer};
 use sqlx::PgConnection;
 
-use crate::{auth::Account, params::ChargeParams, processor::Authorization};
+use crate::{
+    auth::Account,
+    params::{ChargeParams, RefundParams},
+    processor::Authorization,
+};
 
 mod memory;
 mod postgres;
+mod refund;
 
 pub use memory::MemoryLedger;
-pub use postgres::{MIGRATOR, PostgresLedger, PostgresLedgerError, insert_charge};
+pub use postgres::{
+    MIGRATOR, PostgresLedger, PostgresLedgerError, REFUNDED_WITHIN_AMOUNT, insert_charge,
+    refund_charge,
+};
+pub use refund::{Refund, RefundRefusal};
 
 /// Stripe's `failure_code` of a declined charge.
 pub const CARD_DECLINED: &str = "card_declined";
@@ -57,6 +76,8 @@ pub struct Charge {
     pub account: Account,
     /// In the currency's smallest unit.
     pub amount: i64,
+    /// How much of it was refunded: from 0 to `amount`, and 0 for a failed charge.
+    pub amount_refunded: i64,
     /// Three lowercase letters.
     pub currency: String,
     /// Whether it succeeded.
@@ -131,6 +152,7 @@ impl Charge {
             id: new_id("ch"),
             account: account.clone(),
             amount: params.amount,
+            amount_refunded: 0,
             currency: params.currency,
             status,
             source: params.source,
@@ -139,6 +161,29 @@ impl Charge {
             metadata: params.metadata,
             failure,
             created: unix_now(),
+        }
+    }
+
+    /// How much a refund of `requested` (`None`: what is left) takes from this charge, or why
+    /// it cannot be refunded. Both ledgers decide by this, holding the charge so that no other
+    /// refund of it runs in between.
+    ///
+    /// # Errors
+    ///
+    /// The [`RefundRefusal`]: the charge failed, is fully refunded, or has less left.
+    pub fn refundable(&self, requested: Option<i64>) -> Result<i64, RefundRefusal> {
+        if self.status != ChargeStatus::Succeeded {
+            return Err(RefundRefusal::ChargeFailed);
+        }
+        let left = self.amount - self.amount_refunded;
+        match requested {
+            _ if left <= 0 => Err(RefundRefusal::AlreadyRefunded),
+            None => Ok(left),
+            Some(amount) if amount <= left => Ok(amount),
+            Some(amount) => Err(RefundRefusal::AmountTooLarge {
+                requested: amount,
+                left: Some(left),
+            }),
         }
     }
 }
@@ -172,7 +217,7 @@ impl Serialize for Charge {
             object: "charge",
             amount: self.amount,
             amount_captured: if succeeded { self.amount } else { 0 },
-            amount_refunded: 0,
+            amount_refunded: self.amount_refunded,
             captured: succeeded,
             created: self.created,
             currency: &self.currency,
@@ -183,23 +228,27 @@ impl Serialize for Charge {
             livemode: false,
             metadata: &self.metadata,
             paid: succeeded,
-            refunded: false,
+            // Stripe's meaning: fully refunded.
+            refunded: self.amount_refunded == self.amount,
             status: self.status,
         }
         .serialize(serializer)
     }
 }
 
-/// One page of an account's charges, newest first.
+/// One page of an account's charges or refunds, newest first.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChargePage {
-    /// At most the requested number of charges.
-    pub charges: Vec<Charge>,
-    /// Whether older charges follow the last one.
+pub struct Page<T> {
+    /// At most the requested number of objects.
+    pub data: Vec<T>,
+    /// Whether older objects follow the last one.
     pub has_more: bool,
 }
 
-/// A store of charges, each visible only to the account that made it.
+/// A page of charges.
+pub type ChargePage = Page<Charge>;
+
+/// A store of charges and refunds, each visible only to the account that made it.
 ///
 /// Implementations answer every read for one account only: a charge id of another account is
 /// "not found", never "forbidden".
@@ -231,6 +280,34 @@ pub trait Ledger: Clone + Send + Sync + 'static {
         limit: usize,
         starting_after: Option<&str>,
     ) -> impl Future<Output = Result<ChargePage, Self::Error>> + Send;
+
+    /// Refunds `params.amount` (or what is left) of `account`'s charge `params.charge`: checks
+    /// it by [`Charge::refundable`], records the refund and adds its amount to the charge's
+    /// `amount_refunded`, as one atomic step, holding the charge so that concurrent refunds of
+    /// it take turns. Inside `transaction` when one is given, as [`insert`](Self::insert).
+    ///
+    /// `Ok(Err(refusal))` when the charge cannot be refunded so: nothing was written.
+    fn refund(
+        &self,
+        account: &Account,
+        params: &RefundParams,
+        transaction: Option<&mut PgConnection>,
+    ) -> impl Future<Output = Result<Result<Refund, RefundRefusal>, Self::Error>> + Send;
+
+    /// The refund `id` of `account`, if it exists.
+    fn retrieve_refund(
+        &self,
+        account: &Account,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<Refund>, Self::Error>> + Send;
+
+    /// Up to `limit` refunds of `account`, newest first, as [`list`](Self::list) pages charges.
+    fn list_refunds(
+        &self,
+        account: &Account,
+        limit: usize,
+        starting_after: Option<&str>,
+    ) -> impl Future<Output = Result<Page<Refund>, Self::Error>> + Send;
 }
 
 /// A new object id: `prefix`, `_`, and 22 base62 characters of 122 random bits.
@@ -298,6 +375,46 @@ mod tests {
             text.starts_with(&format!(r#"{{"id":"{}","object":"charge","#, charge.id)),
             "{text}"
         );
+    }
+
+    #[test]
+    fn refunds_take_at_most_what_is_left() {
+        let account = Account::from_api_key("sk_test_1");
+        let mut charge = Charge::new(&account, params(), Authorization::Approved);
+        assert_eq!(charge.refundable(Some(500)), Ok(500));
+        assert_eq!(
+            charge.refundable(None),
+            Ok(2000),
+            "the default is what is left"
+        );
+        charge.amount_refunded = 1500;
+        assert_eq!(charge.refundable(None), Ok(500));
+        assert_eq!(
+            charge.refundable(Some(501)),
+            Err(RefundRefusal::AmountTooLarge {
+                requested: 501,
+                left: Some(500)
+            })
+        );
+        let json = serde_json::to_value(&charge).unwrap();
+        assert_eq!(
+            (json["amount_refunded"].as_i64(), json["refunded"].as_bool()),
+            (Some(1500), Some(false))
+        );
+        charge.amount_refunded = 2000;
+        assert_eq!(
+            charge.refundable(Some(1)),
+            Err(RefundRefusal::AlreadyRefunded)
+        );
+        assert_eq!(charge.refundable(None), Err(RefundRefusal::AlreadyRefunded));
+        assert_eq!(serde_json::to_value(&charge).unwrap()["refunded"], true);
+
+        let decline = Decline {
+            code: "generic_decline",
+            message: "Your card was declined.",
+        };
+        let failed = Charge::new(&account, params(), Authorization::Declined(decline));
+        assert_eq!(failed.refundable(None), Err(RefundRefusal::ChargeFailed));
     }
 
     #[test]

@@ -2,16 +2,16 @@ use std::{collections::BTreeMap, fmt};
 
 use sqlx::{PgConnection, PgExecutor, PgPool, Row, migrate::Migrator, postgres::PgRow};
 
-use super::{Charge, ChargePage, ChargeStatus, Failure, Ledger};
-use crate::auth::Account;
+use super::{Charge, ChargePage, ChargeStatus, Failure, Ledger, Page, Refund, RefundRefusal};
+use crate::{auth::Account, params::RefundParams};
 
-/// The demo's own migrations (`examples/charges-demo/migrations`): the `charges` table, tracked
-/// in sqlx's default `_sqlx_migrations` table. tower-idempotency's migrations live apart, in
-/// the `idempotency` schema with their own `idempotency._sqlx_migrations`, so applying both sets
-/// to one database never mixes them up.
+/// The demo's own migrations (`examples/charges-demo/migrations`): the `charges` and `refunds`
+/// tables, tracked in sqlx's default `_sqlx_migrations` table. tower-idempotency's migrations
+/// live apart, in the `idempotency` schema with their own `idempotency._sqlx_migrations`, so
+/// applying both sets to one database never mixes them up.
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
-/// A [`Ledger`] in the `charges` table of a PostgreSQL database.
+/// A [`Ledger`] in the `charges` and `refunds` tables of a PostgreSQL database.
 ///
 /// Apply [`MIGRATOR`] first (the server does at start-up).
 #[derive(Debug, Clone)]
@@ -41,7 +41,7 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, to_timestamp($12))
 /// The columns of [`decode`], shared by both reads.
 macro_rules! charge_columns {
     () => {
-        "id, account, amount, currency, status, source, customer, description, \
+        "id, account, amount, amount_refunded, currency, status, source, customer, description, \
          metadata::text AS metadata, failure_code, failure_message, \
          extract(epoch FROM created)::bigint AS created"
     };
@@ -66,7 +66,57 @@ const LIST: &str = concat!(
       LIMIT $3"
 );
 
-/// Writes one charge row: the only statement that writes the ledger.
+/// The charge a refund is for, locked until the transaction ends: a concurrent refund of it
+/// waits here, and then reads what this one left.
+const LOCK_CHARGE: &str = concat!(
+    "SELECT ",
+    charge_columns!(),
+    " FROM charges WHERE account = $1 AND id = $2 FOR UPDATE"
+);
+
+/// Relative, so that even a writer that skipped the lock cannot lose an update; the table's
+/// `CHECK` ([`REFUNDED_WITHIN_AMOUNT`]) bounds the sum.
+const ADD_REFUNDED: &str =
+    "UPDATE charges SET amount_refunded = amount_refunded + $2 WHERE id = $1";
+
+const INSERT_REFUND: &str = r#"
+INSERT INTO refunds (id, account, charge, amount, currency, metadata, created)
+VALUES ($1, $2, $3, $4, $5, $6::jsonb, to_timestamp($7))
+"#;
+
+/// The `CHECK (amount_refunded <= amount)` of `charges`, the last line of defence against an
+/// over-refund: a refund that meets it is refused as `amount_too_large`.
+pub const REFUNDED_WITHIN_AMOUNT: &str = "charges_refunded_within_amount";
+
+/// SQLSTATE `check_violation`.
+const CHECK_VIOLATION: &str = "23514";
+
+macro_rules! refund_columns {
+    () => {
+        "id, account, charge, amount, currency, metadata::text AS metadata, \
+         extract(epoch FROM created)::bigint AS created"
+    };
+}
+
+const RETRIEVE_REFUND: &str = concat!(
+    "SELECT ",
+    refund_columns!(),
+    " FROM refunds WHERE account = $1 AND id = $2"
+);
+
+/// As [`LIST`], for refunds.
+const LIST_REFUNDS: &str = concat!(
+    "SELECT ",
+    refund_columns!(),
+    " FROM refunds
+      WHERE account = $1
+        AND ($2::text IS NULL
+             OR seq < (SELECT seq FROM refunds WHERE account = $1 AND id = $2))
+      ORDER BY seq DESC
+      LIMIT $3"
+);
+
+/// Writes one charge row: the only statement that writes a new charge.
 ///
 /// It takes any executor so that it runs inside the request's transaction: behind
 /// tower-idempotency's transactional mode, [`PostgresLedger::insert`] is given the request's
@@ -100,6 +150,69 @@ pub async fn insert_charge<'e>(
         .execute(executor)
         .await?;
     Ok(())
+}
+
+/// Refunds on `connection`, which must be inside a transaction: the charge's lock lasts until
+/// it ends. See [`Ledger::refund`].
+///
+/// # Errors
+///
+/// The database's error; a refund past the table's `CHECK` is not one, but
+/// [`RefundRefusal::AmountTooLarge`] (the transaction is then aborted, so nothing it wrote can
+/// commit).
+pub async fn refund_charge(
+    connection: &mut PgConnection,
+    account: &Account,
+    params: &RefundParams,
+) -> Result<Result<Refund, RefundRefusal>, PostgresLedgerError> {
+    let row = sqlx::query(LOCK_CHARGE)
+        .bind(account.as_str())
+        .bind(&params.charge)
+        .fetch_optional(&mut *connection)
+        .await?;
+    let Some(charge) = row.as_ref().map(decode).transpose()? else {
+        return Ok(Err(RefundRefusal::NoSuchCharge));
+    };
+    let amount = match charge.refundable(params.amount) {
+        Ok(amount) => amount,
+        Err(refusal) => return Ok(Err(refusal)),
+    };
+    let added = sqlx::query(ADD_REFUNDED)
+        .bind(&charge.id)
+        .bind(amount)
+        .execute(&mut *connection)
+        .await;
+    match added {
+        Err(sqlx::Error::Database(error))
+            if error.code().as_deref() == Some(CHECK_VIOLATION)
+                && error.constraint() == Some(REFUNDED_WITHIN_AMOUNT) =>
+        {
+            tracing::error!(
+                charge = %charge.id,
+                amount,
+                "a refund passed the lock's check but not the table's: refused"
+            );
+            return Ok(Err(RefundRefusal::AmountTooLarge {
+                requested: amount,
+                left: None,
+            }));
+        }
+        added => added?,
+    };
+    let refund = Refund::new(&charge, amount, params.metadata.clone());
+    let metadata = serde_json::to_string(&refund.metadata)
+        .map_err(|error| sqlx::Error::Encode(Box::new(error)))?;
+    sqlx::query(INSERT_REFUND)
+        .bind(&refund.id)
+        .bind(refund.account.as_str())
+        .bind(&refund.charge)
+        .bind(refund.amount)
+        .bind(&refund.currency)
+        .bind(metadata)
+        .bind(refund.created as f64)
+        .execute(&mut *connection)
+        .await?;
+    Ok(Ok(refund))
 }
 
 impl Ledger for PostgresLedger {
@@ -144,13 +257,85 @@ impl Ledger for PostgresLedger {
             .fetch_all(&self.pool)
             .await?;
         let has_more = rows.len() > limit;
-        let charges = rows
+        let data = rows
             .iter()
             .take(limit)
             .map(decode)
             .collect::<Result<_, _>>()?;
-        Ok(ChargePage { charges, has_more })
+        Ok(ChargePage { data, has_more })
     }
+
+    /// Without a transaction (lease mode) the refund runs in one of its own.
+    async fn refund(
+        &self,
+        account: &Account,
+        params: &RefundParams,
+        transaction: Option<&mut PgConnection>,
+    ) -> Result<Result<Refund, RefundRefusal>, PostgresLedgerError> {
+        if let Some(connection) = transaction {
+            return refund_charge(connection, account, params).await;
+        }
+        let mut own = self.pool.begin().await?;
+        let refunded = refund_charge(&mut own, account, params).await?;
+        if refunded.is_ok() {
+            own.commit().await?;
+        }
+        Ok(refunded)
+    }
+
+    async fn retrieve_refund(
+        &self,
+        account: &Account,
+        id: &str,
+    ) -> Result<Option<Refund>, PostgresLedgerError> {
+        let row = sqlx::query(RETRIEVE_REFUND)
+            .bind(account.as_str())
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(decode_refund).transpose()
+    }
+
+    async fn list_refunds(
+        &self,
+        account: &Account,
+        limit: usize,
+        starting_after: Option<&str>,
+    ) -> Result<Page<Refund>, PostgresLedgerError> {
+        let fetch = i64::try_from(limit).unwrap_or(i64::MAX - 1) + 1;
+        let rows = sqlx::query(LIST_REFUNDS)
+            .bind(account.as_str())
+            .bind(starting_after)
+            .bind(fetch)
+            .fetch_all(&self.pool)
+            .await?;
+        let has_more = rows.len() > limit;
+        let data = rows
+            .iter()
+            .take(limit)
+            .map(decode_refund)
+            .collect::<Result<_, _>>()?;
+        Ok(Page { data, has_more })
+    }
+}
+
+fn decode_refund(row: &PgRow) -> Result<Refund, PostgresLedgerError> {
+    let id: String = row.try_get("id")?;
+    let metadata: String = row.try_get("metadata")?;
+    let metadata =
+        serde_json::from_str(&metadata).map_err(|error| PostgresLedgerError::Corrupt {
+            id: id.clone(),
+            what: format!("metadata: {error}"),
+        })?;
+    Ok(Refund {
+        account: Account::from_id(row.try_get::<String, _>("account")?),
+        charge: row.try_get("charge")?,
+        amount: row.try_get("amount")?,
+        currency: row.try_get("currency")?,
+        metadata,
+        created: row.try_get("created")?,
+        id,
+    })
 }
 
 fn decode(row: &PgRow) -> Result<Charge, PostgresLedgerError> {
@@ -178,6 +363,7 @@ fn decode(row: &PgRow) -> Result<Charge, PostgresLedgerError> {
     Ok(Charge {
         account: Account::from_id(row.try_get::<String, _>("account")?),
         amount: row.try_get("amount")?,
+        amount_refunded: row.try_get("amount_refunded")?,
         currency: row.try_get("currency")?,
         status,
         source: row.try_get("source")?,
@@ -196,9 +382,9 @@ fn decode(row: &PgRow) -> Result<Charge, PostgresLedgerError> {
 pub enum PostgresLedgerError {
     /// The database returned an error or could not be reached.
     Database(sqlx::Error),
-    /// A stored row could not be read back as a charge.
+    /// A stored row could not be read back as a charge or a refund.
     Corrupt {
-        /// The charge's id.
+        /// The object's id.
         id: String,
         /// What was wrong with it.
         what: String,
@@ -208,8 +394,8 @@ pub enum PostgresLedgerError {
 impl fmt::Display for PostgresLedgerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Database(_) => f.write_str("charges ledger database error"),
-            Self::Corrupt { id, what } => write!(f, "stored charge {id} is corrupt: {what}"),
+            Self::Database(_) => f.write_str("ledger database error"),
+            Self::Corrupt { id, what } => write!(f, "stored object {id} is corrupt: {what}"),
         }
     }
 }

@@ -76,9 +76,33 @@ impl Harness {
 
     /// The account's charges, newest first (up to 100).
     pub async fn charges_of(&self, api_key: &str) -> Vec<Value> {
-        let reply = self.send(get(api_key, "/v1/charges?limit=100")).await;
+        self.list_of(api_key, "/v1/charges?limit=100").await
+    }
+
+    /// The account's refunds, newest first (up to 100).
+    pub async fn refunds_of(&self, api_key: &str) -> Vec<Value> {
+        self.list_of(api_key, "/v1/refunds?limit=100").await
+    }
+
+    async fn list_of(&self, api_key: &str, path: &str) -> Vec<Value> {
+        let reply = self.send(get(api_key, path)).await;
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
         reply.json()["data"].as_array().expect("data").clone()
+    }
+
+    /// A new charge of `amount` that succeeded: its id.
+    pub async fn charged(&self, api_key: &str, amount: i64) -> String {
+        let form = format!("amount={amount}&currency=usd");
+        let reply = self.send(charge(api_key, Some(&new_key()), &form)).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        reply.json()["id"].as_str().expect("an id").to_owned()
+    }
+
+    /// The charge `id` as the API shows it.
+    pub async fn charge_of(&self, api_key: &str, id: &str) -> Value {
+        let reply = self.send(get(api_key, &format!("/v1/charges/{id}"))).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        reply.json()
     }
 }
 
@@ -220,6 +244,17 @@ pub fn charge_json(api_key: &str, idempotency_key: &str, json: &Value) -> Reques
         .expect("request")
 }
 
+/// `POST /v1/refunds` with a form body, as Stripe's libraries send it.
+pub fn refund(api_key: &str, idempotency_key: Option<&str>, form: &str) -> Request<Body> {
+    let mut request = Request::post("/v1/refunds")
+        .header("authorization", format!("Bearer {api_key}"))
+        .header("content-type", "application/x-www-form-urlencoded");
+    if let Some(key) = idempotency_key {
+        request = request.header("idempotency-key", key);
+    }
+    request.body(Body::from(form.to_owned())).expect("request")
+}
+
 pub fn get(api_key: &str, path: &str) -> Request<Body> {
     Request::get(path)
         .header("authorization", format!("Bearer {api_key}"))
@@ -227,7 +262,8 @@ pub fn get(api_key: &str, path: &str) -> Request<Body> {
         .expect("request")
 }
 
-/// Holds every charge at the start of the card processor until released, and counts them.
+/// Holds every charge and refund at the start of the card processor until released, and counts
+/// them.
 #[derive(Clone)]
 pub struct Gate {
     started: Arc<Semaphore>,
@@ -244,7 +280,7 @@ impl Gate {
         }
     }
 
-    /// A processor with `delay` whose every charge waits at this gate first.
+    /// A processor with `delay` whose every charge and refund waits at this gate first.
     pub fn processor(&self, delay: Duration) -> CardProcessor {
         let gate = self.clone();
         CardProcessor::new(delay).with_hook(move || {
@@ -257,17 +293,17 @@ impl Gate {
         })
     }
 
-    /// Waits until one more charge reached the processor.
+    /// Waits until one more charge or refund reached the processor.
     pub async fn started(&self) {
         self.started.acquire().await.expect("open").forget();
     }
 
-    /// Lets `n` waiting charges go on.
+    /// Lets `n` waiting charges or refunds go on.
     pub fn release(&self, n: usize) {
         self.release.add_permits(n);
     }
 
-    /// How many charges reached the processor.
+    /// How many charges and refunds reached the processor.
     pub fn entered(&self) -> usize {
         self.entered.load(Ordering::SeqCst)
     }

@@ -447,6 +447,7 @@ async fn hang_ups_that_pin_the_pool_leave_every_request_answered_promptly() {
         Reply::of(t.post("k-done")).await.status,
         StatusCode::CREATED
     );
+    t.store.settled(1).await;
     assert!(
         Reply::of(t.post("k-done")).await.replayed(),
         "replayed once: now cached"
@@ -480,6 +481,11 @@ async fn hang_ups_that_pin_the_pool_leave_every_request_answered_promptly() {
 
     t.probe.open_gate(POOL as usize);
     t.store.settled(POOL).await;
+    assert_eq!(
+        (t.store.completed(), t.store.released(), t.store.lost()),
+        (POOL as usize + 1, 0, 0),
+        "every hung handler's record committed"
+    );
     // Their tasks end just after their records commit; until then a retry is still refused,
     // as a client honouring Retry-After would find.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -506,7 +512,8 @@ async fn an_unused_transaction_that_fails_to_commit_still_keeps_its_key() {
     ));
     t.probe.started(1).await;
     let terminated: Vec<bool> = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+        // With a timeout it returns once the backend has exited, so its locks are gone too.
+        "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity
          WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
     )
     .fetch_all(t.db.pool())
@@ -659,7 +666,8 @@ async fn a_connection_lost_mid_request_is_a_503_and_nothing_happened() {
     let request = tokio::spawn(Reply::of(t.post("k-lost").header("x-test-gate", "1")));
     t.probe.started(1).await;
     let terminated: Vec<bool> = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+        // With a timeout it returns once the backend has exited, so its locks are gone too.
+        "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity
          WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
     )
     .fetch_all(t.db.pool())

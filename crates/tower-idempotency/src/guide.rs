@@ -1,4 +1,7 @@
-//! Guides to running the layer, beyond the [crate documentation](crate): which mode to choose.
+//! Guides to running the layer, beyond the [crate documentation](crate).
 
 #[doc = include_str!("../docs/modes.md")]
 pub mod modes {}
+
+#[doc = include_str!("../docs/operating.md")]
+pub mod operating {}

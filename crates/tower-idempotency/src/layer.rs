@@ -37,6 +37,36 @@ use crate::{
 ///     .with_retention(RetentionPolicy::keep_server_errors());
 /// # let _ = layer; Ok(()) }
 /// ```
+///
+/// # Among other layers
+///
+/// In axum the last `.layer(...)` is the outermost. Authentication goes outside this layer (it
+/// supplies the [`Principal`](crate::Principal)), and so do a timeout and compression:
+///
+/// ```
+/// # #[cfg(feature = "axum")] {
+/// use std::time::Duration;
+/// use axum::{Router, http::StatusCode, middleware::{self, Next}, extract::Request, routing::post};
+/// use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer};
+/// use tower_idempotency::IdempotencyLayer;
+/// # async fn authenticate(request: Request, next: Next) -> axum::response::Response {
+/// #     next.run(request).await
+/// # }
+///
+/// let app: Router = Router::new()
+///     .route("/v1/charges", post(|| async { StatusCode::CREATED }))
+///     .layer(IdempotencyLayer::memory().required())
+///     .layer(middleware::from_fn(authenticate))
+///     .layer(CompressionLayer::new())
+///     .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, Duration::from_secs(10)));
+/// # }
+/// ```
+///
+/// A timeout outside ends the client's wait, not the handler: the handler finishes in the
+/// layer's own task and its response is stored, so the retry gets `409` and then the replay.
+/// Inside, it would drop the handler half-way, and its `408` would release the key for a rerun
+/// after a partial run. Compression outside encodes each response, replays included, for the
+/// client that asked; inside, the first client's encoding would be replayed to every retry.
 #[must_use]
 pub struct IdempotencyLayer<St> {
     store: Arc<St>,

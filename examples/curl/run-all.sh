@@ -10,6 +10,13 @@ set -uo pipefail
 dir=$(dirname "$0")
 export BASE_URL="${BASE_URL:-http://127.0.0.1:3000}"
 
+# The demo may still be compiling (`cargo run ... &`): wait up to 5 minutes for it to answer.
+for _ in $(seq 300); do
+    curl -s -o /dev/null "$BASE_URL/" && break
+    [ "${announced:-}" ] || { echo "waiting for the demo at $BASE_URL ..."; announced=1; }
+    sleep 1
+done
+
 double_click=double-click
 [ "${DEMO_WAITS:-0}" = 1 ] && double_click=double-click-waiting
 scenarios=(retry-after-lost-response "$double_click" changed-amount declined-card refund)

@@ -187,7 +187,7 @@ mod tests {
             ConfigError::Zero("max_handler_time")
         );
         let saturated = layer().with_ttl(Duration::MAX).unwrap();
-        assert_eq!(saturated.config.ttl, MAX_DURATION);
+        assert_eq!(saturated.shared.config.ttl, MAX_DURATION);
     }
 
     /// Issue 28.9: no setting panics, whatever the duration (`Duration::MAX` included), and a

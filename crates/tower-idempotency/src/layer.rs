@@ -7,7 +7,6 @@ use crate::{
     cache::ReplayCache,
     config::{Config, ConfigError, KeySource, MAX_DURATION, MIN_LEASE},
     fingerprint::FingerprintMode,
-    future::Detached,
     key::KeyRule,
     policy::{Disconnect, RetentionPolicy, StoreFailure},
     problem::Rejection,
@@ -69,11 +68,7 @@ use crate::{
 /// client that asked; inside, the first client's encoding would be replayed to every retry.
 #[must_use]
 pub struct IdempotencyLayer<St> {
-    store: Arc<St>,
-    pub(crate) config: Arc<Config>,
-    cache: Arc<ReplayCache>,
-    detached: Arc<Detached>,
-    waiting: Arc<Waiting>,
+    pub(crate) shared: Shared<St>,
 }
 
 /// The default size of the replay cache.
@@ -112,23 +107,24 @@ impl<St: Store> IdempotencyLayer<St> {
         } else {
             DEFAULT_REPLAY_CACHE_BYTES
         };
-        Self {
+        let shared = Shared {
             store: Arc::new(store),
             config: Arc::new(Config::default()),
             cache: Arc::new(ReplayCache::new(cache)),
             detached: Arc::default(),
             waiting: Arc::default(),
-        }
+        };
+        Self { shared }
     }
 
     /// The store, for spawning its expiry loop
     /// ([`continuously_delete_expired`](crate::store::continuously_delete_expired)).
     pub fn store(&self) -> &St {
-        &self.store
+        &self.shared.store
     }
 
     fn config_mut(&mut self) -> &mut Config {
-        Arc::make_mut(&mut self.config)
+        Arc::make_mut(&mut self.shared.config)
     }
 
     /// How long a record lives, counted from the key's first claim. Retries after that run
@@ -339,7 +335,7 @@ impl<St: Store> IdempotencyLayer<St> {
     /// a store round trip. Completed records never change, and each copy expires with its
     /// record, so a cached replay is the same as the store's.
     pub fn with_replay_cache(mut self, max_bytes: usize) -> Self {
-        self.cache = Arc::new(ReplayCache::new(max_bytes));
+        self.shared.cache = Arc::new(ReplayCache::new(max_bytes));
         self
     }
 
@@ -442,7 +438,7 @@ impl<St: Store> IdempotencyLayer<St> {
     pub fn with_in_flight_wait(mut self, wait: Duration) -> Self {
         let wait = wait.min(MAX_DURATION);
         if !wait.is_zero() {
-            self.waiting = Arc::new(Waiting::new(self.store.watch_in_flight()));
+            self.shared.waiting = Arc::new(Waiting::new(self.shared.store.watch_in_flight()));
         }
         self.config_mut().in_flight_wait = wait;
         self
@@ -459,7 +455,7 @@ impl<St: Store> IdempotencyLayer<St> {
     /// header, the refusals, `Idempotent-Replayed` and the TTL; see [`openapi`](crate::openapi).
     #[cfg(feature = "utoipa")]
     pub fn openapi(&self) -> crate::openapi::IdempotencyApi {
-        crate::openapi::IdempotencyApi::new(&self.config)
+        crate::openapi::IdempotencyApi::new(&self.shared.config)
     }
 
     /// Response headers never stored (so never replayed), besides those
@@ -490,7 +486,7 @@ impl IdempotencyLayer<crate::store::PostgresStore> {
     /// Switches the store to [transactional mode](crate::guide::modes): the handler's writes
     /// through [`IdempotentTx`](crate::IdempotentTx) and the stored response commit together.
     pub fn transactional(mut self) -> Self {
-        let store = Arc::make_mut(&mut self.store);
+        let store = Arc::make_mut(&mut self.shared.store);
         *store = store.clone().transactional();
         self
     }
@@ -499,11 +495,7 @@ impl IdempotencyLayer<crate::store::PostgresStore> {
 impl<St> Clone for IdempotencyLayer<St> {
     fn clone(&self) -> Self {
         Self {
-            store: Arc::clone(&self.store),
-            config: Arc::clone(&self.config),
-            cache: Arc::clone(&self.cache),
-            detached: Arc::clone(&self.detached),
-            waiting: Arc::clone(&self.waiting),
+            shared: self.shared.clone(),
         }
     }
 }
@@ -512,7 +504,7 @@ impl<St> fmt::Debug for IdempotencyLayer<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
             .field("store", &std::any::type_name::<St>())
-            .field("config", &self.config)
+            .field("config", &self.shared.config)
             .finish()
     }
 }
@@ -521,16 +513,7 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
     type Service = Idempotency<S, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(
-            inner,
-            Shared {
-                store: Arc::clone(&self.store),
-                config: Arc::clone(&self.config),
-                cache: Arc::clone(&self.cache),
-                detached: Arc::clone(&self.detached),
-                waiting: Arc::clone(&self.waiting),
-            },
-        )
+        Idempotency::new(inner, self.shared.clone())
     }
 }
 
@@ -546,10 +529,9 @@ mod tests {
         );
         let record = crate::Record::from_parts(http::StatusCode::OK, Default::default(), None);
         let caches = |layer: IdempotencyLayer<MemoryStore>| {
-            layer
-                .cache
-                .insert(key, fingerprint, &record, Duration::from_secs(60));
-            layer.cache.get(&key, &fingerprint).is_some()
+            let cache = &layer.shared.cache;
+            cache.insert(key, fingerprint, &record, Duration::from_secs(60));
+            cache.get(&key, &fingerprint).is_some()
         };
         // Its records are in process already: a cache would be a second copy of them.
         assert!(!caches(IdempotencyLayer::memory()));
@@ -573,8 +555,14 @@ mod tests {
             .with_lease(shorter)
             .and_then(|l| l.with_ttl(short))
             .unwrap();
-        assert_eq!((a.config.ttl, a.config.lease), (short, shorter));
-        assert_eq!((b.config.ttl, b.config.lease), (short, shorter));
+        assert_eq!(
+            (a.shared.config.ttl, a.shared.config.lease),
+            (short, shorter)
+        );
+        assert_eq!(
+            (b.shared.config.ttl, b.shared.config.lease),
+            (short, shorter)
+        );
         // A lease longer than the TTL is valid too: records are kept while a claim is held.
         assert!(
             IdempotencyLayer::memory()

@@ -4,17 +4,7 @@
 
 use super::*;
 
-impl<S, St, ReqBody, ResBody> Keyed<S, St, ReqBody>
-where
-    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    St: Store,
-    ReqBody: Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
-{
+impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
     /// Body and fingerprint, then the claim. Unless the app chose [`Disconnect::Cancel`], the
     /// response future hands this future to a task of its own if it is dropped unfinished (the
     /// client hung up), so a handler is never stopped half-way.
@@ -26,7 +16,7 @@ where
         mut self,
         parts: Parts,
         body: ReqBody,
-    ) -> impl Future<Output = Served<ResBody, S::Error>> {
+    ) -> impl Future<Output = Served<S::ResBody, S::Error>> {
         async move {
             let config = &*self.shared.config;
             let limit = config.max_body_bytes;
@@ -179,7 +169,7 @@ where
         error: &St::Error,
         parts: Parts,
         body: Bytes,
-    ) -> Served<ResBody, S::Error> {
+    ) -> Served<S::ResBody, S::Error> {
         outcome(Outcome::StoreError);
         tracing::error!(error = %Chain(error), "idempotency store unavailable");
         let config = Arc::clone(&self.shared.config);

@@ -58,6 +58,38 @@ use outcome::*;
 use run::*;
 pub(crate) use wait::Waiting;
 
+/// What the stages of a keyed request ask of the service the middleware wraps (the bounds of
+/// [`Idempotency`]'s `Service` impl), said once for all of them.
+pub(crate) trait Inner<ReqBody>:
+    Service<
+        Request<RequestBody<ReqBody>>,
+        Response = Response<<Self as Inner<ReqBody>>::ResBody>,
+        Future: Send + 'static,
+        Error: Send + 'static,
+    > + Send
+    + 'static
+{
+    /// The body of the service's responses.
+    type ResBody: HttpBody;
+}
+
+impl<S, ReqBody, ResBody: HttpBody> Inner<ReqBody> for S
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type ResBody = ResBody;
+}
+
+/// What the middleware asks of request and response bodies alike.
+pub(crate) trait HttpBody:
+    Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
+
+impl<B: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static> HttpBody for B {}
+
 /// Middleware that runs each keyed request once and replays its response to retries.
 ///
 /// Made by [`IdempotencyLayer`](crate::IdempotencyLayer); see the [crate documentation](crate).

@@ -2,17 +2,7 @@
 
 use super::*;
 
-impl<S, St, ReqBody, ResBody> Keyed<S, St, ReqBody>
-where
-    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    St: Store,
-    ReqBody: Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
-{
+impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
     /// The handler, under a held claim kept alive by a heartbeat; then record or release.
     #[expect(
         clippy::manual_async_fn,
@@ -24,7 +14,7 @@ where
         context: IdempotencyContext,
         mut parts: Parts,
         body: Bytes,
-    ) -> impl Future<Output = Served<ResBody, S::Error>> {
+    ) -> impl Future<Output = Served<S::ResBody, S::Error>> {
         async move {
             let Keyed {
                 mut inner, shared, ..

@@ -313,12 +313,8 @@ pub(super) fn held<E: std::error::Error + 'static>(
     operation: &str,
     result: Result<ClaimStatus, E>,
 ) {
-    let status = ok(rule, operation, result);
-    assert_eq!(
-        status,
-        ClaimStatus::Held,
-        "{rule}: {operation} of a held claim must take effect"
-    );
+    let must = "of a held claim must take effect";
+    answered(rule, operation, result, ClaimStatus::Held, must);
 }
 
 pub(super) fn lost<E: std::error::Error + 'static>(
@@ -326,12 +322,19 @@ pub(super) fn lost<E: std::error::Error + 'static>(
     operation: &str,
     result: Result<ClaimStatus, E>,
 ) {
+    let must = "of a claim no longer held must write nothing";
+    answered(rule, operation, result, ClaimStatus::Lost, must);
+}
+
+fn answered<E: std::error::Error + 'static>(
+    rule: &str,
+    operation: &str,
+    result: Result<ClaimStatus, E>,
+    expected: ClaimStatus,
+    must: &str,
+) {
     let status = ok(rule, operation, result);
-    assert_eq!(
-        status,
-        ClaimStatus::Lost,
-        "{rule}: {operation} of a claim no longer held must write nothing"
-    );
+    assert_eq!(status, expected, "{rule}: {operation} {must}");
 }
 
 /// An answer, without its claim (a store's claim type need not be `Debug`).

@@ -247,7 +247,7 @@
 //! targets). A baseline may have its own (`lease-wait` → `lease` → `bare`): selecting a
 //! scenario runs the whole chain. A new kind of server is a variant of `app::App`, a new kind
 //! of request a variant of `load::Keys` or `load::BodySize`, a database in a new state a
-//! `scenario::Database` (prepared in `run::Databases`); the runner, the tables and the target
+//! `scenario::Database` (prepared in `run::databases::Databases`); the runner, the tables and the target
 //! checks take it from there.
 //!
 //! # Profiling

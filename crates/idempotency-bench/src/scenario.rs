@@ -4,7 +4,7 @@
 //! HTTP ([`Http`]), a [`StoreOp`] for the store alone, or a [`Storm`] of duplicates. A scenario that needs a new kind of
 //! server adds a variant to [`App`]; one that needs a new kind of request, a variant to
 //! [`Keys`] or [`BodySize`]; one that needs its database in some state first (a full store,
-//! expired records), a [`Database`] that `run::Databases` prepares. The table and the targets
+//! expired records), a [`Database`] that `run::databases::Databases` prepares. The table and the targets
 //! need no change.
 
 use std::fmt;

@@ -1,295 +1,340 @@
-//! The README's Rust blocks, compiled and run as they are written. Each block's lines stand in
-//! this file between two marker comments, exactly as in the README (the first test fails if the
-//! two drift apart): the quick start, served over real HTTP against its own PostgreSQL database
-//! (a charge, its retry replayed, a request without a key refused); the opening lines and the
-//! layers around it, built; and transactional mode's handler, whose charge commits with its record.
+//! The README holds to the code: its quick start is the `examples/quickstart` crate (whose own
+//! test runs it), each row of its protocol table names the tests that show it, and its links,
+//! and the other READMEs', lead somewhere.
 
 use std::{
-    convert::Infallible,
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
+    collections::BTreeSet,
+    fs,
+    path::{Path, PathBuf},
 };
 
-use axum::{
-    Form, Json, Router,
-    extract::Request,
-    http::{HeaderMap, StatusCode},
-    middleware::Next,
-    response::{IntoResponse, Response},
-};
-use idempotency_tests::{db::TestDb, init_tracing, server::TestServer};
-use serde::{Deserialize, Serialize};
-use sqlx::{PgPool, postgres::PgPoolOptions};
-use tower_idempotency::{IdempotentTx, Principal};
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The README's quick start. `pool`, `create_charge` and `authenticate` are the app's own; the
-/// block's lines stand between the two marker comments exactly as in the README, so this
-/// function is not formatted.
-#[rustfmt::skip]
-#[expect(unused_imports, reason = "the README imports `Principal` for the app's authentication")]
-async fn quick_start(
-    pool: PgPool,
-    create_charge: impl Fn() -> Response + Clone + Send + Sync + 'static,
-) -> Result<Router, BoxError> {
-    let create_charge = move || {
-        let create_charge = create_charge.clone();
-        async move { create_charge() }
-    };
-    // README quick start: begin
-    use std::time::Duration;
-    use axum::{Router, routing::post, middleware};
-    use tower_idempotency::{IdempotencyLayer, Principal, store::continuously_delete_expired};
-
-    let layer = IdempotencyLayer::postgres(pool.clone()).required();
-    layer.store().migrate().await?;                  // schema `idempotency`, its own migrations table
-    tokio::spawn(continuously_delete_expired(layer.store().clone(), Duration::from_secs(60), 1000));
-
-    let app = Router::new()
-        .route("/v1/charges", post(create_charge))
-        .layer(layer)
-        // Your authentication, outside the layer, inserts the account the keys belong to:
-        .layer(middleware::from_fn(authenticate));   // request.extensions_mut().insert(Principal::new(account_id))
-    // README quick start: end
-    Ok(app)
-}
-
-/// The app's authentication: `Authorization: Bearer <account>` becomes the [`Principal`].
-async fn authenticate(mut request: Request, next: Next) -> Result<Response, Infallible> {
-    let account = bearer(request.headers());
-    let Some(principal) = account.and_then(|id| Principal::new(id).ok()) else {
-        return Ok(StatusCode::UNAUTHORIZED.into_response());
-    };
-    request.extensions_mut().insert(principal);
-    Ok(next.run(request).await)
-}
-
-fn bearer(headers: &HeaderMap) -> Option<String> {
-    let value = headers.get("authorization")?.to_str().ok()?;
-    value.strip_prefix("Bearer ").map(str::to_owned)
-}
-
-/// The lines of `text` between the line containing `begin` and the one containing `end`, each
-/// trimmed (the README's block is not indented; this file's copy is).
-fn lines_between<'a>(text: &'a str, begin: &str, end: &str) -> Vec<&'a str> {
-    text.lines()
-        .skip_while(|line| !line.contains(begin))
-        .skip(1)
-        .take_while(|line| !line.contains(end))
-        .map(str::trim)
-        .collect()
-}
-
-/// The README's blocks: the heading each one follows, and the marker of this file's copy.
-const BLOCKS: [(&str, &str); 4] = [
-    ("# tower-idempotency", "README at a glance"),
-    ("## Quick start", "README quick start"),
-    ("### Among other layers", "README among other layers"),
+/// The README's protocol table, row by row: the situation (its first cell, as written) and the
+/// tests that show what the second cell says. Every status code in that cell must be asserted
+/// by one of them.
+const PROTOCOL: &[(&str, &[&str])] = &[
     (
-        "## Lease mode or transactional mode",
-        "README transactional mode",
+        "first request with a key",
+        &["retry_replays_the_response_verbatim"],
+    ),
+    (
+        "retry after it completed",
+        &[
+            "retry_replays_the_response_verbatim",
+            "repeated_replays_skip_the_store",
+        ],
+    ),
+    (
+        "retry while the first is still running",
+        &[
+            "concurrent_duplicates_execute_once",
+            "a_waiting_duplicate_gets_the_first_ones_replay",
+        ],
+    ),
+    (
+        "same key and endpoint, different query or body",
+        &["reused_key_with_another_payload_is_422"],
+    ),
+    (
+        "same key, another endpoint (method or path)",
+        &["a_key_reaches_across_endpoints_only_when_scoped_so"],
+    ),
+    (
+        "key missing where `required()`",
+        &["missing_key_is_400_when_required"],
+    ),
+    (
+        "key malformed, empty, over 255 characters, repeated, or against `with_key_rule`",
+        &[
+            "malformed_keys_are_400",
+            "a_key_that_breaks_the_rule_is_400_and_stores_nothing",
+        ],
+    ),
+    (
+        "body over `max_body_bytes` (declared or streamed)",
+        &["oversize_bodies_are_413"],
+    ),
+    (
+        "body slower than `body_timeout`",
+        &[
+            "stalled_body_is_408_after_the_body_timeout",
+            "trickled_body_is_408_after_the_body_timeout",
+        ],
+    ),
+    (
+        "handler answers 400/401/403/405/408/411/413/414/415/422/429/431 or 5xx",
+        &[
+            "retention_follows_the_policy",
+            "a_rejected_request_can_be_corrected",
+        ],
+    ),
+    (
+        "handler answers 2xx, 3xx or another 4xx (402 declined, 404...)",
+        &["retention_follows_the_policy"],
+    ),
+    ("handler panics", &["a_panicking_handler_releases_the_key"]),
+    (
+        "client disconnects mid-handler",
+        &["a_disconnected_client_still_gets_its_charge_on_retry"],
+    ),
+    (
+        "the holder's process crashes",
+        &[
+            "a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out",
+            "a_killed_process_leaves_nothing_and_frees_the_key_at_once",
+        ],
+    ),
+    (
+        "handler still running after `max_handler_time` (10 min)",
+        &["a_hung_handler_is_stopped_and_its_key_taken_over"],
+    ),
+    (
+        "response larger than `max_response_bytes`",
+        &["a_response_too_large_to_store_is_never_rerun"],
+    ),
+    (
+        "store unreachable",
+        &["a_store_outage_fails_closed_or_open"],
     ),
 ];
 
-#[test]
-fn the_readmes_rust_blocks_are_the_ones_here() {
-    // Headings are found at the start of a line, the first one included.
-    let readme = format!("\n{}", include_str!("../../README.md"));
-    let here = include_str!("readme.rs");
-    for (heading, marker) in BLOCKS {
-        let section = readme
-            .split_once(&format!("\n{heading}\n"))
-            .unwrap_or_else(|| panic!("the README has no `{heading}`"))
-            .1;
-        let block = lines_between(section, "```rust", "```");
-        assert!(!block.is_empty(), "no rust block under `{heading}`");
-        let copy = lines_between(
-            here,
-            &format!("// {marker}: begin"),
-            &format!("// {marker}: end"),
-        );
-        assert_eq!(
-            copy, block,
-            "tests/tests/readme.rs must hold the README's block under `{heading}` as written"
-        );
-    }
+fn repository() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate sits in the repository")
 }
 
-#[tokio::test]
-async fn the_quick_start_charges_once_and_replays_the_retry() {
-    init_tracing();
-    let db = TestDb::new().await;
-    let charges = Arc::new(AtomicUsize::new(0));
-    let counter = Arc::clone(&charges);
-    let app = quick_start(db.pool().clone(), move || {
-        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
-        (StatusCode::CREATED, format!("{{\"id\":\"ch_{n}\"}}")).into_response()
-    })
-    .await
-    .expect("the quick start builds its app");
-    let server = TestServer::start(app).await;
-    let client = reqwest::Client::new();
-    let charge = |key: Option<&str>| {
-        let request = client
-            .post(server.url("/v1/charges"))
-            .bearer_auth("acct_1")
-            .body("amount=100&currency=usd");
-        match key {
-            Some(key) => request.header("idempotency-key", key),
-            None => request,
-        }
-    };
+fn readme() -> String {
+    fs::read_to_string(repository().join("README.md")).expect("README.md")
+}
 
-    let first = charge(Some("order-1")).send().await.expect("first request");
-    assert_eq!(first.status(), StatusCode::CREATED);
-    assert!(first.headers().get("idempotent-replayed").is_none());
-    let first = first.text().await.expect("first body");
+/// The section of `markdown` under the heading line `heading`, up to the next `## ` heading.
+fn section<'a>(markdown: &'a str, heading: &str) -> &'a str {
+    let start = markdown
+        .find(&format!("\n{heading}\n"))
+        .unwrap_or_else(|| panic!("no `{heading}` section"));
+    let rest = &markdown[start + heading.len() + 2..];
+    rest.find("\n## ").map_or(rest, |end| &rest[..end])
+}
 
-    let retry = charge(Some("order-1")).send().await.expect("retry");
-    assert_eq!(retry.status(), StatusCode::CREATED);
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
-    assert_eq!(retry.text().await.expect("retry body"), first);
+#[test]
+fn the_readme_is_read_in_five_minutes() {
+    let lines = readme().lines().count();
+    assert!(
+        lines <= 200,
+        "README.md has {lines} lines; guides belong in the crate docs"
+    );
+}
 
-    // `.required()`: a charge without a key is refused before the handler runs.
-    let keyless = charge(None).send().await.expect("keyless request");
-    assert_eq!(keyless.status(), StatusCode::BAD_REQUEST);
+#[test]
+fn the_quick_start_is_the_example_that_runs() {
+    let readme = readme();
+    let quick_start = section(&readme, "## Quick start");
+    let block = quick_start
+        .split_once("```rust,no_run\n")
+        .and_then(|(_, rest)| rest.split_once("\n```"))
+        .expect("a rust block in the quick start")
+        .0;
+    let example = fs::read_to_string(repository().join("examples/quickstart/src/main.rs"))
+        .expect("the example");
     assert_eq!(
-        keyless.headers()["content-type"],
-        "application/problem+json"
+        block,
+        example.trim_end(),
+        "the README's quick start must be examples/quickstart/src/main.rs as it is"
+    );
+}
+
+/// Every `.rs` file of the test suite, read once.
+fn test_sources() -> Vec<(PathBuf, String)> {
+    let mut files = Vec::new();
+    let mut dirs = vec![
+        repository().join("tests/src"),
+        repository().join("tests/tests"),
+    ];
+    while let Some(dir) = dirs.pop() {
+        for entry in fs::read_dir(&dir).expect("a test directory") {
+            let path = entry.expect("an entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|ext| ext == "rs") {
+                let text = fs::read_to_string(&path).expect("a test file");
+                files.push((path, text));
+            }
+        }
+    }
+    files
+}
+
+/// The text of the function `name`: from its signature to the first closing brace in column 0.
+fn function<'a>(sources: &'a [(PathBuf, String)], name: &str) -> Option<&'a str> {
+    sources.iter().find_map(|(_, text)| {
+        let start = [format!("fn {name}<"), format!("fn {name}(")]
+            .iter()
+            .find_map(|signature| text.find(signature.as_str()))?;
+        let body = &text[start..];
+        Some(body.find("\n}\n").map_or(body, |end| &body[..end]))
+    })
+}
+
+/// The status codes a cell names, written as `409`.
+fn statuses(cell: &str) -> Vec<u16> {
+    cell.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter_map(|code| code.parse().ok())
+        .filter(|code| (100..600).contains(code))
+        .collect()
+}
+
+/// How a test may assert `status`: by number or by `StatusCode`'s name for it.
+fn asserts(test: &str, status: u16) -> bool {
+    let name = http::StatusCode::from_u16(status)
+        .ok()
+        .and_then(|code| code.canonical_reason())
+        .map(|reason| reason.to_uppercase().replace([' ', '-'], "_"));
+    // `StatusCode`'s names differ from the reasons here and there.
+    let name = match status {
+        413 => Some("PAYLOAD_TOO_LARGE".to_owned()),
+        _ => name,
+    };
+    test.contains(&status.to_string()) || name.is_some_and(|name| test.contains(&name))
+}
+
+#[test]
+fn each_row_of_the_protocol_table_is_shown_by_its_tests() {
+    let readme = readme();
+    let rows: Vec<(String, String)> = section(&readme, "## The protocol")
+        .lines()
+        .filter(|line| line.starts_with("| ") && !line.starts_with("| situation"))
+        .map(|line| {
+            let cells: Vec<&str> = line.trim_matches('|').split(" | ").collect();
+            assert_eq!(cells.len(), 2, "a row of two cells: {line}");
+            (cells[0].trim().to_owned(), cells[1].trim().to_owned())
+        })
+        .collect();
+    let in_readme: BTreeSet<&str> = rows
+        .iter()
+        .map(|(situation, _)| situation.as_str())
+        .collect();
+    let mapped: BTreeSet<&str> = PROTOCOL.iter().map(|(situation, _)| *situation).collect();
+    assert_eq!(
+        in_readme, mapped,
+        "each row of the README's protocol table names its tests here, and only those rows"
     );
 
-    assert_eq!(charges.load(Ordering::SeqCst), 1, "the handler ran once");
-    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency.records")
-        .fetch_one(db.pool())
-        .await
-        .expect("the quick start's migration created the records table");
-    assert_eq!(stored, 1);
-}
-
-/// The README's opening lines.
-#[rustfmt::skip]
-fn at_a_glance(pool: PgPool) -> Router {
-    use axum::routing::post;
-    use tower_idempotency::IdempotencyLayer;
-    let create_charge = || async { StatusCode::CREATED };
-    // README at a glance: begin
-    let app = Router::new()
-        .route("/v1/charges", post(create_charge))
-        .layer(IdempotencyLayer::postgres(pool).required());
-    // README at a glance: end
-    app
-}
-
-/// The README's "Among other layers": which layers go outside the idempotency layer.
-#[rustfmt::skip]
-fn among_other_layers(pool: PgPool) -> Router {
-    use std::time::Duration;
-    use axum::{middleware, routing::post};
-    use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer};
-    use tower_idempotency::IdempotencyLayer;
-    let create_charge = || async { StatusCode::CREATED };
-    // README among other layers: begin
-    let app = Router::new()
-        .route("/v1/charges", post(create_charge))
-        .layer(IdempotencyLayer::postgres(pool).required())
-        .layer(middleware::from_fn(authenticate))
-        .layer(CompressionLayer::new())
-        .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, Duration::from_secs(10)));
-    // README among other layers: end
-    app
-}
-
-#[tokio::test]
-async fn the_short_blocks_build() {
-    let pool = PgPoolOptions::new()
-        .connect_lazy("postgres://127.0.0.1/unused")
-        .expect("a lazy pool");
-    let _app: Router = at_a_glance(pool.clone());
-    let _app: Router = among_other_layers(pool);
-}
-
-#[derive(Deserialize)]
-struct NewCharge {
-    amount: i64,
-    currency: String,
-}
-
-#[derive(Serialize, sqlx::FromRow)]
-struct Charge {
-    id: i64,
-    amount: i64,
-    currency: String,
-}
-
-/// The app's error type: a database error is a `500`.
-struct ApiError(sqlx::Error);
-
-impl From<sqlx::Error> for ApiError {
-    fn from(error: sqlx::Error) -> Self {
-        Self(error)
+    let sources = test_sources();
+    for (situation, response) in &rows {
+        let tests = PROTOCOL
+            .iter()
+            .find(|(mapped, _)| mapped == situation)
+            .map(|(_, tests)| *tests)
+            .expect("mapped");
+        let bodies: Vec<&str> = tests
+            .iter()
+            .map(|test| {
+                function(&sources, test)
+                    .unwrap_or_else(|| panic!("`{situation}`: no test `{test}` in tests/"))
+            })
+            .collect();
+        for status in statuses(response) {
+            assert!(
+                bodies.iter().any(|body| asserts(body, status)),
+                "`{situation}`: the README says `{status}`, which none of {tests:?} asserts"
+            );
+        }
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        (StatusCode::INTERNAL_SERVER_ERROR, self.0.to_string()).into_response()
+/// The targets of a Markdown file's links that stay in the repository: `[text](target)` and
+/// `[label]: target`, without their `#fragment`.
+fn local_links(markdown: &str) -> Vec<String> {
+    let inline = markdown
+        .split("](")
+        .skip(1)
+        .filter_map(|rest| rest.split_once(')'));
+    let defined = markdown
+        .lines()
+        .filter(|line| line.starts_with('['))
+        .filter_map(|line| line.split_once("]: "));
+    inline
+        .map(|(target, _)| target)
+        .chain(defined.map(|(_, target)| target))
+        .map(|target| {
+            target
+                .split('#')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_owned()
+        })
+        .filter(|target| !target.is_empty() && !target.contains("://"))
+        .filter(|target| !target.starts_with("crate::") && !target.contains("::"))
+        .collect()
+}
+
+#[test]
+fn the_readmes_links_lead_somewhere() {
+    let mut readmes = vec![repository().join("README.md")];
+    let mut dirs = vec![repository().join("crates"), repository().join("examples")];
+    while let Some(dir) = dirs.pop() {
+        for entry in fs::read_dir(&dir).expect("a directory") {
+            let entry = entry.expect("an entry");
+            // The library's README.md links to the repository's, which is read from its place.
+            if entry.file_type().expect("a file type").is_symlink() {
+                continue;
+            }
+            let path = entry.path();
+            let name = path
+                .file_name()
+                .and_then(|name| name.to_str())
+                .unwrap_or("");
+            if path.is_dir() && !matches!(name, "target" | "node_modules" | ".venv") {
+                dirs.push(path);
+            } else if name.ends_with(".md") {
+                readmes.push(path);
+            }
+        }
+    }
+    for readme in readmes {
+        let text = fs::read_to_string(&readme).expect("a Markdown file");
+        let base = readme.parent().expect("a directory");
+        for target in local_links(&text) {
+            assert!(
+                base.join(&target).exists(),
+                "{}: the link `{target}` leads nowhere",
+                readme.display()
+            );
+        }
     }
 }
 
-#[rustfmt::skip]
-// README transactional mode: begin
-async fn create_charge(mut tx: IdempotentTx, Form(charge): Form<NewCharge>) -> Result<Json<Charge>, ApiError> {
-    let charge = sqlx::query_as("INSERT INTO charges (amount, currency) VALUES ($1, $2) RETURNING *")
-        .bind(charge.amount).bind(&charge.currency)
-        .fetch_one(&mut *tx).await?;    // commits with the stored response, or not at all
-    Ok(Json(charge))
-}
-// README transactional mode: end
-
-#[tokio::test]
-async fn the_transactional_handler_commits_its_charge_with_the_record() {
-    init_tracing();
-    let db = TestDb::new().await;
-    sqlx::query(
-        "CREATE TABLE charges (id bigserial PRIMARY KEY, amount bigint NOT NULL, currency text NOT NULL)",
-    )
-    .execute(db.pool())
-    .await
-    .expect("charges table");
-    let layer = tower_idempotency::IdempotencyLayer::postgres(db.pool().clone())
-        .transactional()
-        .required();
-    layer.store().migrate().await.expect("migrate");
-    let app = Router::new()
-        .route("/v1/charges", axum::routing::post(create_charge))
-        .layer(layer)
-        .layer(axum::middleware::from_fn(authenticate));
-    let server = TestServer::start(app).await;
-    let client = reqwest::Client::new();
-    let charge = || {
-        client
-            .post(server.url("/v1/charges"))
-            .bearer_auth("acct_1")
-            .header("idempotency-key", "order-7")
-            .header("content-type", "application/x-www-form-urlencoded")
-            .body("amount=4999&currency=usd")
-    };
-
-    let first = charge().send().await.expect("first request");
-    assert_eq!(first.status(), StatusCode::OK);
-    let first: serde_json::Value = first.json().await.expect("a charge");
-    assert_eq!(first["amount"], 4999);
-    let retry = charge().send().await.expect("retry");
-    assert_eq!(retry.headers()["idempotent-replayed"], "true");
-    let retry: serde_json::Value = retry.json().await.expect("the same charge");
-    assert_eq!(retry, first);
-
-    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
-        .fetch_one(db.pool())
-        .await
-        .expect("count");
-    assert_eq!(rows, 1, "one charge, committed with its record");
+/// The README is also the crate's front page: each of its links that is relative to the
+/// repository has a definition in `lib.rs` first, which rustdoc uses instead.
+#[test]
+fn the_front_page_overrides_every_relative_link() {
+    let readme = readme();
+    let lib = fs::read_to_string(repository().join("crates/tower-idempotency/src/lib.rs"))
+        .expect("lib.rs");
+    let overridden: BTreeSet<&str> = lib
+        .lines()
+        .filter_map(|line| line.strip_prefix("//! ["))
+        .filter_map(|line| line.split_once("]: "))
+        .map(|(label, _)| label)
+        .collect();
+    for line in readme.lines().filter(|line| line.starts_with('[')) {
+        let Some((label, target)) = line[1..].split_once("]: ") else {
+            continue;
+        };
+        assert!(
+            overridden.contains(label) || target.starts_with("https://"),
+            "README link `[{label}]: {target}` would break on docs.rs: define `[{label}]` in lib.rs"
+        );
+    }
+    assert!(
+        !readme.contains("](")
+            || readme
+                .split("](")
+                .skip(1)
+                .all(|rest| rest.starts_with("http")),
+        "inline links in the README must be absolute (relative ones break on docs.rs)"
+    );
 }

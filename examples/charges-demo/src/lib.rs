@@ -41,7 +41,7 @@
 //!    with the object, a `402` card error, or a `400` (or `404`) Stripe error.
 //! 5. The layer stores the answer for replay (with the request's id in `Original-Request`), or
 //!    releases the key for a `400`. With PostgreSQL it runs in [transactional
-//!    mode](tower_idempotency::transaction): the rows are written in the request's transaction
+//!    mode](tower_idempotency::guide::modes): the rows are written in the request's transaction
 //!    ([`ledger::insert_charge`], [`ledger::refund_charge`]) and commit with the stored answer,
 //!    so a crash never leaves a charge or a refund without its response, nor a response without
 //!    its rows.
@@ -192,7 +192,7 @@ impl AppState<PostgresLedger, PostgresStore> {
     /// Keys, charges and refunds in PostgreSQL, on `pool`. Apply [`migrate`] first.
     ///
     /// The store runs in tower-idempotency's [transactional
-    /// mode](tower_idempotency::transaction): each charge's or refund's rows, its idempotency
+    /// mode](tower_idempotency::guide::modes): each charge's or refund's rows, its idempotency
     /// claim and its stored response commit in one transaction. Each request in flight holds one
     /// of the pool's connections for as long as it is processed (the processing delay included);
     /// size the pool for the concurrency you expect.

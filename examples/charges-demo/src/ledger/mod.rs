@@ -3,7 +3,7 @@
 //! * [`MemoryLedger`]: in the process, for the embedded mode (no `DATABASE_URL`).
 //! * [`PostgresLedger`]: the `charges` and `refunds` tables of the demo's own migrations
 //!   ([`MIGRATOR`]). Behind tower-idempotency's [transactional
-//!   mode](tower_idempotency::transaction), the handler hands it the request's transaction, and
+//!   mode](tower_idempotency::guide::modes), the handler hands it the request's transaction, and
 //!   the rows commit with the stored response.
 //!
 //! A refund is recorded atomically with the charge's `amount_refunded` ([`Ledger::refund`]):

@@ -7,6 +7,7 @@ pub mod db;
 pub mod faults;
 pub mod hostile;
 pub mod pgbouncer;
+pub mod postgres;
 pub mod server;
 pub mod store;
 pub mod suite;

@@ -7,9 +7,11 @@ pub mod db;
 pub mod faults;
 pub mod hostile;
 pub mod pgbouncer;
+pub mod postgres;
 pub mod server;
 pub mod store;
 pub mod suite;
+pub mod tx;
 
 /// Logs to the test's captured output at `RUST_LOG` (default `warn`); safe to call repeatedly.
 pub fn init_tracing() {

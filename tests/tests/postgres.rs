@@ -433,3 +433,137 @@ async fn an_unmigrated_database_says_so() {
     assert_ne!(reply.status, StatusCode::CREATED);
     assert_eq!(probe.executions(), 0);
 }
+
+/// With waiting on, a settled key is announced (`NOTIFY`) only when a waiter marked it: every
+/// notifying commit is serialised with the others, so keys nobody waits for must send nothing.
+/// Transactional mode's claims cannot be marked (invisible until they commit): it announces all.
+mod announcements {
+    use std::time::Duration;
+
+    use idempotency_tests::{
+        db::TestDb,
+        postgres::{claim_request, migrated},
+    };
+    use sqlx::postgres::PgListener;
+    use tower_idempotency::{
+        Record,
+        store::{KeyState, PgClaim, PostgresStore, Store},
+    };
+
+    const SENTINEL: &str = "sentinel";
+
+    /// Listens on the store's channel before anything settles.
+    async fn listener(db: &TestDb) -> PgListener {
+        let mut listener = PgListener::connect_with(db.pool()).await.expect("listener");
+        listener
+            .listen("idempotency_settled")
+            .await
+            .expect("listen");
+        listener
+    }
+
+    /// What the channel carries next: a settled key (its first 16 bytes, as PostgreSQL's uuid
+    /// text) or the sentinel.
+    async fn next(listener: &mut PgListener) -> String {
+        let received = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await;
+        received
+            .expect("a notification within 10 s")
+            .expect("the listener's connection")
+            .payload()
+            .to_owned()
+    }
+
+    /// Announcements are delivered in commit order: one sent after a settlement arrives after
+    /// anything that settlement announced.
+    async fn sentinel(db: &TestDb) {
+        sqlx::query("SELECT pg_notify('idempotency_settled', $1)")
+            .bind(SENTINEL)
+            .execute(db.pool())
+            .await
+            .expect("sentinel");
+    }
+
+    fn payload(key: u8) -> String {
+        let bytes = [key; 16];
+        uuid::Uuid::from_bytes(bytes).to_string()
+    }
+
+    async fn claim(store: &PostgresStore, key: u8) -> PgClaim {
+        match store.begin(&claim_request(key, 1)).await.expect("begin") {
+            KeyState::Acquired { claim, .. } => claim,
+            other => panic!("key {key}: {other:?}"),
+        }
+    }
+
+    fn record() -> Record {
+        Record::from_parts(http::StatusCode::CREATED, Default::default(), None)
+    }
+
+    async fn only_marked_keys_are_announced(store: PostgresStore, db: &TestDb) {
+        let _watch = store.watch_in_flight();
+        let mut listener = listener(db).await;
+
+        let unmarked = claim(&store, 1).await;
+        store
+            .complete(&unmarked, &record())
+            .await
+            .expect("complete");
+        let unmarked = claim(&store, 2).await;
+        store.release(&unmarked).await.expect("release");
+        sentinel(db).await;
+        assert_eq!(
+            next(&mut listener).await,
+            SENTINEL,
+            "no waiter, no announcement"
+        );
+
+        let marked = claim(&store, 3).await;
+        store
+            .mark_waited(&claim_request(3, 1).key)
+            .await
+            .expect("mark");
+        store.complete(&marked, &record()).await.expect("complete");
+        assert_eq!(next(&mut listener).await, payload(3));
+        let marked = claim(&store, 4).await;
+        store
+            .mark_waited(&claim_request(4, 1).key)
+            .await
+            .expect("mark");
+        store.release(&marked).await.expect("release");
+        assert_eq!(next(&mut listener).await, payload(4));
+    }
+
+    #[tokio::test]
+    async fn in_lease_mode_with_group_commit() {
+        let (db, store) = migrated().await;
+        only_marked_keys_are_announced(store, &db).await;
+    }
+
+    #[tokio::test]
+    async fn in_lease_mode_statement_by_statement() {
+        let (db, store) = migrated().await;
+        only_marked_keys_are_announced(store.without_prepared_statements(), &db).await;
+    }
+
+    #[tokio::test]
+    async fn in_partitioned_mode() {
+        let (db, _) = migrated().await;
+        let store = PostgresStore::new(db.pool().clone()).partitioned(Duration::from_secs(3600));
+        store.migrate().await.expect("partitions");
+        only_marked_keys_are_announced(store, &db).await;
+    }
+
+    #[tokio::test]
+    async fn in_transactional_mode_every_key_is_announced() {
+        let (db, store) = migrated().await;
+        let store = store.transactional();
+        let _watch = store.watch_in_flight();
+        let mut listener = listener(&db).await;
+        let claimed = claim(&store, 5).await;
+        store.complete(&claimed, &record()).await.expect("complete");
+        assert_eq!(next(&mut listener).await, payload(5));
+        let claimed = claim(&store, 6).await;
+        store.release(&claimed).await.expect("release");
+        assert_eq!(next(&mut listener).await, payload(6));
+    }
+}

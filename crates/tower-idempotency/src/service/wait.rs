@@ -63,6 +63,13 @@ impl<St: Store> Shared<St> {
             Some(InFlightWatch::Polled(every)) => (None, None, *every),
             None => (None, None, Duration::from_millis(100)),
         };
+        if subscription.is_some() {
+            // Marked after subscribing and before reading: a completion that commits first is
+            // read below, one that commits after finds the mark and announces the key.
+            if let Err(error) = self.store.mark_waited(&key).await {
+                tracing::debug!(error = %Chain(&error), "could not mark a key as waited for");
+            }
+        }
         loop {
             // Read after subscribing: a settlement in between still wakes the next wait.
             let begin = self.claim(key, fingerprint).await?;

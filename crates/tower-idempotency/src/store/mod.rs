@@ -236,6 +236,17 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Called when a request is about to wait for `key`, found in flight, before it reads the
+    /// key again (after subscribing to the [`Notifier`], if the store has one). A store that
+    /// announces only the keys someone waits for records here that this one is, so that its
+    /// completion or release wakes the waiter. The default does nothing: the store announces
+    /// every settled key, or none. A failure is logged, and the waiter still reads the key again
+    /// every second, as it always does.
+    fn mark_waited(&self, key: &ScopeKey) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        let _ = key;
+        std::future::ready(Ok(()))
+    }
+
     /// How a request that waits for a key in flight
     /// ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)) learns that the
     /// key may have settled. Called once, when a layer that waits is built on the store: a store

@@ -41,7 +41,7 @@ impl PostgresStore {
         }
         self.fenced(
             "complete",
-            complete_statement(self.complete_sql(), held, record),
+            complete_statement(self.complete_sql(false), held, record),
             &self.pool,
         )
         .await
@@ -60,12 +60,14 @@ impl PostgresStore {
             .await
     }
 
-    /// The fenced completion, announcing the key to waiting duplicates if any may wait.
-    pub(super) fn complete_sql(&self) -> &'static str {
-        if self.notifications.emit() {
-            self.fenced_sql().complete_notify
-        } else {
-            self.fenced_sql().complete
+    /// The fenced completion, announcing the key if any request may wait for it: only when a
+    /// waiter marked it, unless `every` (a transactional claim, which no waiter can see to mark).
+    pub(super) fn complete_sql(&self, every: bool) -> &'static str {
+        let sql = self.fenced_sql();
+        match (self.notifications.emit(), every) {
+            (false, _) => sql.complete,
+            (true, false) => sql.complete_notify,
+            (true, true) => sql.complete_notify_all,
         }
     }
 }

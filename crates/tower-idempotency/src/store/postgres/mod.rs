@@ -354,7 +354,7 @@ impl Store for PostgresStore {
         let stored = self
             .fenced(
                 "complete",
-                complete_statement(self.complete_sql(), &claim.lease, record),
+                complete_statement(self.complete_sql(true), &claim.lease, record),
                 &mut *tx,
             )
             .await;
@@ -419,10 +419,10 @@ impl Store for PostgresStore {
         }
     }
 
-    /// `LISTEN`/`NOTIFY`: from now on, every completion and release of this store (and of every
-    /// other instance whose layer waits) announces its key on the channel
-    /// `idempotency_settled`, and one connection of the pool listens to it, shared by all the
-    /// waiters of this process. With
+    /// `LISTEN`/`NOTIFY`: from now on, each completion and release of this store (and of every
+    /// other instance whose layer waits) of a key a waiter marked ([`Store::mark_waited`]), and
+    /// each of transactional mode, announces its key on the channel `idempotency_settled`, and
+    /// one connection of the pool listens to it, shared by all the waiters of this process. With
     /// [`with_in_flight_polling`](PostgresStore::with_in_flight_polling), waiters poll instead.
     fn watch_in_flight(&self) -> InFlightWatch {
         if let Some(interval) = self.in_flight_polling {
@@ -431,6 +431,12 @@ impl Store for PostgresStore {
         self.notifications.emit.store(true, Ordering::Relaxed);
         self.notifications.listen(&self.pool);
         InFlightWatch::Notified(self.notifications.notifier.clone())
+    }
+
+    /// Only the keys marked here are announced when they settle: a notifying commit is
+    /// serialised with every other, so keys nobody waits for announce nothing.
+    async fn mark_waited(&self, key: &ScopeKey) -> Result<(), PostgresStoreError> {
+        self.mark_key_waited(key).await
     }
 
     /// Half the pool in transactional mode, where each claim holds a pooled connection.

@@ -78,6 +78,16 @@ pub(super) async fn listen(notifications: std::sync::Weak<Notifications>, pool: 
 }
 
 impl PostgresStore {
+    /// Marks `key`, in flight, as waited for, so that its completion or release announces it
+    /// (see [`Store::mark_waited`]).
+    pub(super) async fn mark_key_waited(&self, key: &ScopeKey) -> Result<(), PostgresStoreError> {
+        let statement =
+            Statement::new(self.fenced_sql().mark_waited).with(Param::Key(stored_key(key)));
+        self.timed("mark_waited", statement.execute(self.prepared, &self.pool))
+            .await?;
+        Ok(())
+    }
+
     /// Wakes the duplicates waiting for `key` after a rollback freed it (a rollback notifies
     /// nothing). Best effort: a waiter that misses it reads the key again within a second.
     pub(super) async fn notify_released(&self, key: &ScopeKey) {

@@ -113,8 +113,20 @@ macro_rules! fenced_statements {
             complete_notify: concat!(
                 "WITH settled AS (",
                 complete!($table),
+                " RETURNING scope_key, waited) ",
+                NOTIFY_WAITED!()
+            ),
+            complete_notify_all: concat!(
+                "WITH settled AS (",
+                complete!($table),
                 " RETURNING scope_key) ",
                 NOTIFY_SETTLED!()
+            ),
+            mark_waited: concat!(
+                "UPDATE idempotency.",
+                $table,
+                " SET waited = true
+                 WHERE scope_key = $1 AND status IS NULL AND expires_at > now()"
             ),
             release: concat!("", release!($table)),
             abandon: concat!(
@@ -126,8 +138,8 @@ macro_rules! fenced_statements {
             release_notify: concat!(
                 "WITH settled AS (",
                 release!($table),
-                " RETURNING scope_key) ",
-                NOTIFY_SETTLED!()
+                " RETURNING scope_key, waited) ",
+                NOTIFY_WAITED!()
             ),
         }
     };
@@ -165,6 +177,16 @@ macro_rules! NOTIFY_SETTLED {
     };
 }
 
+/// [`NOTIFY_SETTLED`] for the keys of `settled` that a duplicate marked as waited for, still one
+/// row for each key settled: the count says whether the claim was held. A key nobody waits for
+/// sends nothing, so its commit does not queue behind every other notifying commit.
+macro_rules! NOTIFY_WAITED {
+    () => {
+        "SELECT CASE WHEN waited THEN pg_notify('idempotency_settled', scope_key::text) END
+         FROM settled"
+    };
+}
+
 /// The channel of [`NOTIFY_SETTLED`]: its payload is a record's key.
 pub(super) const SETTLED_CHANNEL: &str = "idempotency_settled";
 
@@ -193,13 +215,19 @@ RETURNING scope_key, token
 pub(super) const COMPLETE_MANY: &str =
     "SELECT scope_key, token FROM idempotency.complete_many($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
-/// The statements that act on a held claim; `_notify` variants also wake waiting duplicates.
+/// The statements that act on a held claim; `_notify` variants also wake the duplicates that
+/// marked the key as waited for.
 pub(super) struct Fenced {
     pub(super) renew: &'static str,
     pub(super) complete: &'static str,
     pub(super) complete_notify: &'static str,
+    /// Announces the key whether or not it was marked: transactional mode's claim is invisible
+    /// until it commits, so no waiter can mark it.
+    pub(super) complete_notify_all: &'static str,
     pub(super) release: &'static str,
     pub(super) release_notify: &'static str,
+    /// Marks a key in flight as waited for (not fenced: any duplicate may).
+    pub(super) mark_waited: &'static str,
     /// Ends a stopped handler's lease now, so the next request takes the key over at once.
     pub(super) abandon: &'static str,
 }

@@ -447,7 +447,7 @@ mod announcements {
     use sqlx::postgres::PgListener;
     use tower_idempotency::{
         Record,
-        store::{KeyState, PgClaim, PostgresStore, Store},
+        store::{ClaimStatus, KeyState, PgClaim, PostgresStore, Store},
     };
 
     const SENTINEL: &str = "sentinel";
@@ -504,12 +504,18 @@ mod announcements {
         let mut listener = listener(db).await;
 
         let unmarked = claim(&store, 1).await;
-        store
-            .complete(&unmarked, &record())
-            .await
-            .expect("complete");
+        assert_eq!(
+            store
+                .complete(&unmarked, &record())
+                .await
+                .expect("complete"),
+            ClaimStatus::Held
+        );
         let unmarked = claim(&store, 2).await;
-        store.release(&unmarked).await.expect("release");
+        assert_eq!(
+            store.release(&unmarked).await.expect("release"),
+            ClaimStatus::Held
+        );
         sentinel(db).await;
         assert_eq!(
             next(&mut listener).await,
@@ -522,14 +528,20 @@ mod announcements {
             .mark_waited(&claim_request(3, 1).key)
             .await
             .expect("mark");
-        store.complete(&marked, &record()).await.expect("complete");
+        assert_eq!(
+            store.complete(&marked, &record()).await.expect("complete"),
+            ClaimStatus::Held
+        );
         assert_eq!(next(&mut listener).await, payload(3));
         let marked = claim(&store, 4).await;
         store
             .mark_waited(&claim_request(4, 1).key)
             .await
             .expect("mark");
-        store.release(&marked).await.expect("release");
+        assert_eq!(
+            store.release(&marked).await.expect("release"),
+            ClaimStatus::Held
+        );
         assert_eq!(next(&mut listener).await, payload(4));
     }
 
@@ -560,10 +572,16 @@ mod announcements {
         let _watch = store.watch_in_flight();
         let mut listener = listener(&db).await;
         let claimed = claim(&store, 5).await;
-        store.complete(&claimed, &record()).await.expect("complete");
+        assert_eq!(
+            store.complete(&claimed, &record()).await.expect("complete"),
+            ClaimStatus::Held
+        );
         assert_eq!(next(&mut listener).await, payload(5));
         let claimed = claim(&store, 6).await;
-        store.release(&claimed).await.expect("release");
+        assert_eq!(
+            store.release(&claimed).await.expect("release"),
+            ClaimStatus::Held
+        );
         assert_eq!(next(&mut listener).await, payload(6));
     }
 }

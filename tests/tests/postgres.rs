@@ -442,7 +442,7 @@ mod announcements {
 
     use idempotency_tests::{
         db::TestDb,
-        postgres::{claim_request, migrated},
+        postgres::{claim_request, migrated, wait_until},
     };
     use sqlx::postgres::PgListener;
     use tower_idempotency::{
@@ -563,6 +563,28 @@ mod announcements {
         let store = PostgresStore::new(db.pool().clone()).partitioned(Duration::from_secs(3600));
         store.migrate().await.expect("partitions");
         only_marked_keys_are_announced(store, &db).await;
+    }
+
+    /// The listener holds a connection of its own: a pool of one is still free for requests.
+    #[tokio::test]
+    async fn the_listener_takes_no_connection_from_the_pool() {
+        let (db, _) = migrated().await;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_with(db.options().clone())
+            .await
+            .expect("pool");
+        let store = PostgresStore::new(pool.clone());
+        let _watch = store.watch_in_flight();
+        wait_until(
+            &db,
+            "SELECT count(*) = 1 FROM pg_stat_activity
+             WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+        )
+        .await;
+        let connection = pool.acquire().await;
+        assert!(connection.is_ok(), "{:?}", connection.err());
     }
 
     #[tokio::test]

@@ -421,8 +421,9 @@ impl Store for PostgresStore {
 
     /// `LISTEN`/`NOTIFY`: from now on, each completion and release of this store (and of every
     /// other instance whose layer waits) of a key a waiter marked ([`Store::mark_waited`]), and
-    /// each of transactional mode, announces its key on the channel `idempotency_settled`, and
-    /// one connection of the pool listens to it, shared by all the waiters of this process. With
+    /// each of transactional mode, announces its key on the channel `idempotency_settled`. One
+    /// connection listens to it for all the waiters of this process, opened beside the pool
+    /// (with its options) so as not to take one of the requests'. With
     /// [`with_in_flight_polling`](PostgresStore::with_in_flight_polling), waiters poll instead.
     fn watch_in_flight(&self) -> InFlightWatch {
         if let Some(interval) = self.in_flight_polling {

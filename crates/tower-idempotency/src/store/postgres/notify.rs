@@ -35,6 +35,12 @@ impl Notifications {
 /// listen (connecting, or reconnecting after a lost connection) waiters poll. Ends once the
 /// store is dropped.
 pub(super) async fn listen(notifications: std::sync::Weak<Notifications>, pool: PgPool) {
+    // A connection of its own, beside the pool: held for good, it would take one of the
+    // connections the requests share.
+    let options = (*pool.connect_options()).clone();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy_with(options);
     let mut pause = Duration::from_millis(100);
     loop {
         let Some(notifier) = notifications.upgrade().map(|n| n.notifier.clone()) else {

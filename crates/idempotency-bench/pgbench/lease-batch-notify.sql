@@ -1,5 +1,6 @@
 -- lease-batch.sql with the completion announcing each key, as a layer built with
--- `with_in_flight_wait` sends it: `complete_many(..., p_notify => true)`, one
+-- `with_in_flight_wait` sends it when a duplicate waits for every key (the worst case): the
+-- claims are marked `waited`, and `complete_many(..., p_notify => true)` sends one
 -- `pg_notify('idempotency_settled', key)` per record, delivered at commit.
 --
 -- What PostgreSQL does for four lease-mode requests that share their batches, as the layer
@@ -9,10 +10,10 @@
 -- this script is four requests.
 \set k random(1, 2000000000000000)
 WITH claimed AS (
-    INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until)
+    INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until, waited)
     SELECT c.key, c.fingerprint, nextval('idempotency.fencing_tokens'),
            now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
-           now() + c.lease * interval '1 microsecond'
+           now() + c.lease * interval '1 microsecond', true
     FROM unnest(
         ARRAY[lpad(to_hex(:k::int8 * 4), 32, '0')::uuid, lpad(to_hex(:k::int8 * 4 + 1), 32, '0')::uuid,
               lpad(to_hex(:k::int8 * 4 + 2), 32, '0')::uuid, lpad(to_hex(:k::int8 * 4 + 3), 32, '0')::uuid],

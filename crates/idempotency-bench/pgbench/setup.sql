@@ -10,3 +10,4 @@ CREATE SCHEMA idempotency;
 \ir ../../../migrations/20261125000002_autovacuum_thresholds.sql
 \ir ../../../migrations/20261125000003_claimants_and_ttl.sql
 \ir ../../../migrations/20261125000004_settled_notifications.sql
+\ir ../../../migrations/20261125000005_notify_waited_keys.sql

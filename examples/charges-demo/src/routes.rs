@@ -240,26 +240,13 @@ pub(crate) async fn list_charges<L: Ledger>(
     Extension(account): Extension<Account>,
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
-    let ListQuery {
-        limit,
-        starting_after,
-    } = ListQuery::parse(query.as_deref())?;
-    if let Some(cursor) = &starting_after {
-        let exists = api
-            .ledger
-            .retrieve(&account, cursor)
-            .await
-            .map_err(|error| ledger_failed(&error))?;
-        if exists.is_none() {
-            return Err(unknown_cursor("charge", cursor));
-        }
-    }
-    let page = api
-        .ledger
-        .list(&account, limit, starting_after.as_deref())
-        .await
-        .map_err(|error| ledger_failed(&error))?;
-    Ok(List::respond(&page, "/v1/charges"))
+    list_page(
+        query.as_deref(),
+        ("charge", "/v1/charges"),
+        async |id| api.ledger.retrieve(&account, id).await,
+        async |limit, after| api.ledger.list(&account, limit, after).await,
+    )
+    .await
 }
 
 /// `GET /v1/refunds?limit=N&starting_after=re_...`: the caller's refunds, newest first.
@@ -268,26 +255,39 @@ pub(crate) async fn list_refunds<L: Ledger>(
     Extension(account): Extension<Account>,
     RawQuery(query): RawQuery,
 ) -> Result<Response, ApiError> {
+    list_page(
+        query.as_deref(),
+        ("refund", "/v1/refunds"),
+        async |id| api.ledger.retrieve_refund(&account, id).await,
+        async |limit, after| api.ledger.list_refunds(&account, limit, after).await,
+    )
+    .await
+}
+
+/// One page of a list at `url`: a `starting_after` that `retrieve` does not find is a `400`
+/// naming the `object` (the ledger alone would answer an empty page).
+async fn list_page<T: Serialize, O, E: std::error::Error + 'static>(
+    query: Option<&str>,
+    (object, url): (&str, &'static str),
+    retrieve: impl AsyncFnOnce(&str) -> Result<Option<O>, E>,
+    page: impl AsyncFnOnce(usize, Option<&str>) -> Result<Page<T>, E>,
+) -> Result<Response, ApiError> {
     let ListQuery {
         limit,
         starting_after,
-    } = ListQuery::parse(query.as_deref())?;
+    } = ListQuery::parse(query)?;
     if let Some(cursor) = &starting_after {
-        let exists = api
-            .ledger
-            .retrieve_refund(&account, cursor)
+        let exists = retrieve(cursor)
             .await
             .map_err(|error| ledger_failed(&error))?;
         if exists.is_none() {
-            return Err(unknown_cursor("refund", cursor));
+            return Err(unknown_cursor(object, cursor));
         }
     }
-    let page = api
-        .ledger
-        .list_refunds(&account, limit, starting_after.as_deref())
+    let page = page(limit, starting_after.as_deref())
         .await
         .map_err(|error| ledger_failed(&error))?;
-    Ok(List::respond(&page, "/v1/refunds"))
+    Ok(List::respond(&page, url))
 }
 
 /// Any other URL.

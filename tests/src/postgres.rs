@@ -70,18 +70,69 @@ pub async fn instance_pool(db: &TestDb) -> sqlx::PgPool {
 /// Polls `condition` (a query returning one boolean) until it holds: for what happens in
 /// a background task with nothing to signal it. Bounded: fails after 10 s.
 pub async fn wait_until(db: &TestDb, condition: &'static str) {
+    poll(db, condition, None).await;
+}
+
+/// Waits until the store's statement whose text matches `like` (a `LIKE` pattern, such as
+/// `%unnest%` for a batched claim) waits on a row lock.
+pub async fn statement_waits_on_a_lock(db: &TestDb, like: &str) {
+    poll(
+        db,
+        "SELECT count(*) = 1 FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE $1",
+        Some(like),
+    )
+    .await;
+}
+
+/// Once the store's statement matching `like` has ended (a claim is invisible until it
+/// commits, so "no row" alone would not tell a release from a statement still under way),
+/// asserts that it left no record and that `next` claims the key as new: the claim its
+/// caller had gone from was released.
+pub async fn claim_released_after(
+    db: &TestDb,
+    store: &PostgresStore,
+    like: &str,
+    next: &tower_idempotency::store::ClaimRequest,
+) {
+    use tower_idempotency::store::{KeyState, Store};
+
+    poll(
+        db,
+        "SELECT count(*) = 0 FROM pg_stat_activity
+         WHERE datname = current_database() AND state <> 'idle'
+           AND query LIKE $1 AND pid <> pg_backend_pid()",
+        Some(like),
+    )
+    .await;
+    wait_until(db, "SELECT count(*) = 0 FROM idempotency.records").await;
+    let begin = store.begin(next).await.expect("begin");
+    assert!(
+        matches!(
+            begin,
+            KeyState::Acquired {
+                takeover: false,
+                ..
+            }
+        ),
+        "{begin:?}"
+    );
+}
+
+async fn poll(db: &TestDb, condition: &'static str, like: Option<&str>) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let holds: bool = sqlx::query_scalar(condition)
-            .fetch_one(db.pool())
-            .await
-            .expect("condition");
+        let mut query = sqlx::query_scalar::<_, bool>(condition);
+        if let Some(like) = like {
+            query = query.bind(like);
+        }
+        let holds = query.fetch_one(db.pool()).await.expect("condition");
         if holds {
             return;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "never held: {condition}"
+            "never held: {condition} ({like:?})"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

@@ -9,7 +9,10 @@ use http::StatusCode;
 use idempotency_tests::{
     app::{Probe, app},
     init_tracing,
-    postgres::{claim_request, held_uncommitted, migrated, post, wait_until},
+    postgres::{
+        claim_released_after, claim_request, held_uncommitted, migrated, post,
+        statement_waits_on_a_lock, wait_until,
+    },
     server::TestServer,
     suite::Reply,
 };
@@ -35,7 +38,7 @@ async fn an_unreachable_database_is_a_prompt_503() {
 /// waited) is released at once, not left in flight until its lease lapses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_batched_for_a_request_that_is_gone_is_released() {
-    use tower_idempotency::store::{KeyState, Store};
+    use tower_idempotency::store::Store;
 
     let (db, store) = migrated().await;
     let request = claim_request(9, 1);
@@ -45,29 +48,12 @@ async fn a_claim_batched_for_a_request_that_is_gone_is_released() {
         let (store, request) = (store.clone(), request.clone());
         async move { store.begin(&request).await }
     });
-    wait_until(&db, "SELECT count(*) = 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%unnest%'").await;
+    statement_waits_on_a_lock(&db, "%unnest%").await;
     // The request goes away; then the batch gets through and claims the key for no one.
     claiming.abort();
     assert!(claiming.await.expect_err("aborted").is_cancelled());
     blocker.rollback().await.expect("rollback");
-    // The batch commits its claim (the row is invisible until then, so "no row" alone
-    // would not tell a release from a batch still under way)...
-    wait_until(
-        &db,
-        "SELECT count(*) = 0 FROM pg_stat_activity
-         WHERE datname = current_database() AND state <> 'idle'
-           AND query LIKE '%unnest%' AND pid <> pg_backend_pid()",
-    )
-    .await;
-    // ...and the claim is released.
-    wait_until(&db, "SELECT count(*) = 0 FROM idempotency.records").await;
-    assert!(matches!(
-        store.begin(&request).await.expect("begin"),
-        KeyState::Acquired {
-            takeover: false,
-            ..
-        }
-    ));
+    claim_released_after(&db, &store, "%unnest%", &request).await;
 }
 
 /// The connection a batch writer keeps between batches can die under it (a server restart,
@@ -86,7 +72,7 @@ async fn a_batch_whose_connection_dies_is_claimed_alone_and_batching_goes_on() {
     // Another transaction holds key 0's row uncommitted: the first batch waits on it.
     let blocker = held_uncommitted(&db, &request(0)).await;
     let mut claims = vec![claim(0)];
-    wait_until(&db, "SELECT count(*) = 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%unnest%'").await;
+    statement_waits_on_a_lock(&db, "%unnest%").await;
     // Eight more queue behind that batch.
     claims.extend((1..=8).map(claim));
     // The batch writer's connection dies mid-batch.
@@ -178,7 +164,7 @@ async fn a_batched_claim_that_committed_then_failed_is_held_by_its_request() {
 /// commits afterwards is released once it does, not left to block its key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batched_claim_that_timed_out_is_released_when_it_commits() {
-    use tower_idempotency::store::{KeyState, Store};
+    use tower_idempotency::store::Store;
 
     let (db, store) = migrated().await;
     let store = store.with_timeout(Duration::from_millis(300));
@@ -188,7 +174,7 @@ async fn a_batched_claim_that_timed_out_is_released_when_it_commits() {
         let (store, request) = (store.clone(), request.clone());
         async move { store.begin(&request).await }
     });
-    wait_until(&db, "SELECT count(*) = 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%unnest%'").await;
+    statement_waits_on_a_lock(&db, "%unnest%").await;
     assert!(
         matches!(
             claiming.await.expect("task"),
@@ -198,22 +184,8 @@ async fn a_batched_claim_that_timed_out_is_released_when_it_commits() {
     );
     // The blocker gives the key up: the batch claims it, for nobody.
     blocker.rollback().await.expect("rollback");
-    wait_until(
-        &db,
-        "SELECT count(*) = 0 FROM pg_stat_activity
-         WHERE datname = current_database() AND state <> 'idle'
-           AND query LIKE '%unnest%' AND pid <> pg_backend_pid()",
-    )
-    .await;
-    wait_until(&db, "SELECT count(*) = 0 FROM idempotency.records").await;
     // Another payload under the key is a new request, not a 422.
-    assert!(matches!(
-        store.begin(&claim_request(12, 2)).await.expect("begin"),
-        KeyState::Acquired {
-            takeover: false,
-            ..
-        }
-    ));
+    claim_released_after(&db, &store, "%unnest%", &claim_request(12, 2)).await;
 }
 
 /// Issue 28.4: a single-key claim (a key with a row: here a lapsed lease, taken over)
@@ -243,25 +215,11 @@ async fn a_cancelled_single_key_claim_is_released_when_it_commits() {
         let (store, request) = (store.clone(), request.clone());
         async move { store.begin(&request).await }
     });
-    wait_until(&db, "SELECT count(*) = 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%taken AS%'").await;
+    statement_waits_on_a_lock(&db, "%taken AS%").await;
     claiming.abort();
     assert!(claiming.await.expect_err("aborted").is_cancelled());
     blocker.rollback().await.expect("rollback");
-    wait_until(
-        &db,
-        "SELECT count(*) = 0 FROM pg_stat_activity
-         WHERE datname = current_database() AND state <> 'idle'
-           AND query LIKE '%taken AS%' AND pid <> pg_backend_pid()",
-    )
-    .await;
-    wait_until(&db, "SELECT count(*) = 0 FROM idempotency.records").await;
-    assert!(matches!(
-        store.begin(&claim_request(13, 2)).await.expect("begin"),
-        KeyState::Acquired {
-            takeover: false,
-            ..
-        }
-    ));
+    claim_released_after(&db, &store, "%taken AS%", &claim_request(13, 2)).await;
 }
 
 /// Issue 28.1: the database refuses to store a delivered response for longer than the lease

@@ -2,12 +2,12 @@
 --
 -- PostgreSQL serialises the commits of every transaction that sent a notification, so a
 -- completion that announced every key queued behind all the others' WAL flushes (pgbench: 16
--- notifying completions at once ran at 0.44x the rate of quiet ones). A duplicate that waits for
--- a key in flight now marks its row `waited` first (an autocommitted UPDATE, before it reads the
--- key again); completions and releases announce a key only when its row is marked. The row lock
--- orders the two: a completion that commits first is seen by the waiter's read, one that commits
--- after finds the mark. Transactional mode's claims are invisible until they commit, so its
--- completions still announce every key.
+-- notifying completions at once ran at 0.44x the rate of quiet ones). A duplicate that waits now
+-- marks the row `waited` each time it finds the key in flight (an autocommitted UPDATE of a row in
+-- flight); completions and releases announce a key only when its row is marked. The row lock
+-- orders the two: a completion that commits first leaves no row in flight to mark, so the waiter
+-- reads the key again; one that commits after finds the mark. Transactional mode's claims are
+-- invisible until they commit, so its completions still announce every key.
 --
 -- Adding a nullable column rewrites nothing. Instances of the previous version keep working
 -- beside new ones: their waiters do not mark rows, so until they are replaced a new instance's

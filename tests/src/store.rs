@@ -233,7 +233,7 @@ impl<St: Store> Store for ObservedStore<St> {
         self.inner.watch_in_flight()
     }
 
-    async fn mark_waited(&self, key: &ScopeKey) -> Result<(), Self::Error> {
+    async fn mark_waited(&self, key: &ScopeKey) -> Result<bool, Self::Error> {
         self.check().map_err(ObservedError::Down)?;
         self.inner
             .mark_waited(key)

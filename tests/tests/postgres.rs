@@ -356,6 +356,71 @@ mod postgres_only {
         a_duplicate_on_another_instance_is_woken_when_the_first_commits(true).await;
     }
 
+    /// A released first request deletes its row, and the waiter that then claims the key makes
+    /// a new one: the duplicate still waiting must mark that one too, so that its completion
+    /// wakes it by `NOTIFY` rather than by its once-a-second re-read.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiter_is_woken_by_the_claim_that_followed_a_release() {
+        use idempotency_tests::store::ObservedStore;
+
+        let (db, _) = migrated().await;
+        let store = ObservedStore::new(PostgresStore::new(instance_pool(&db).await));
+        let probe = Probe::default();
+        let server = TestServer::start(app(
+            IdempotencyLayer::new(store.clone()).with_in_flight_wait(Duration::from_secs(5)),
+            probe.clone(),
+        ))
+        .await;
+        let client = reqwest::Client::new();
+        // `/panic` panics on its first execution (the key is released) and answers after.
+        let send = || {
+            let request = client
+                .post(server.url("/panic"))
+                .bearer_auth("acct_a")
+                .header("idempotency-key", "k-again")
+                .header("x-test-gate", "1")
+                .body("x");
+            tokio::spawn(async move {
+                let reply = Reply::of(request).await;
+                (reply, tokio::time::Instant::now())
+            })
+        };
+        let first = send();
+        probe.started(1).await;
+        store.begun(1).await;
+        let waiters = [send(), send()];
+        // Each found the key in flight and found it so again: both wait.
+        store.begun(4).await;
+        probe.open_gate(1);
+        first
+            .await
+            .expect("task")
+            .0
+            .assert_problem(500, "HandlerPanicked");
+        // One waiter claimed the released key and runs; the other found it in flight again.
+        probe.started(1).await;
+        store.begun(2).await;
+        probe.open_gate(1);
+        let mut replies = Vec::new();
+        for waiter in waiters {
+            replies.push(waiter.await.expect("task"));
+        }
+        replies.sort_by_key(|(reply, _)| reply.replayed());
+        let [(ran, ran_at), (replayed, replayed_at)] = <[_; 2]>::try_from(replies).expect("two");
+        assert_eq!(
+            (ran.status, &ran.body[..]),
+            (StatusCode::OK, &b"survived #2"[..])
+        );
+        assert!(replayed.replayed(), "{replayed:?}");
+        assert_eq!(replayed.body, ran.body);
+        let behind = replayed_at.saturating_duration_since(ran_at);
+        assert!(
+            behind < Duration::from_millis(300),
+            "the last waiter was answered {behind:?} after the second run: woken by a re-read, not by NOTIFY"
+        );
+        assert_eq!(probe.executions(), 2);
+    }
+
     /// A handler slower than its lease keeps the key: the heartbeat renews it.
     #[tokio::test]
     async fn the_heartbeat_keeps_a_slow_handlers_key() {
@@ -524,20 +589,32 @@ mod announcements {
         );
 
         let marked = claim(&store, 3).await;
-        store
-            .mark_waited(&claim_request(3, 1).key)
-            .await
-            .expect("mark");
+        assert!(
+            store
+                .mark_waited(&claim_request(3, 1).key)
+                .await
+                .expect("mark"),
+            "a key in flight is marked"
+        );
         assert_eq!(
             store.complete(&marked, &record()).await.expect("complete"),
             ClaimStatus::Held
         );
         assert_eq!(next(&mut listener).await, payload(3));
+        assert!(
+            !store
+                .mark_waited(&claim_request(3, 1).key)
+                .await
+                .expect("mark"),
+            "a settled key is not in flight: the waiter reads it again"
+        );
         let marked = claim(&store, 4).await;
-        store
-            .mark_waited(&claim_request(4, 1).key)
-            .await
-            .expect("mark");
+        assert!(
+            store
+                .mark_waited(&claim_request(4, 1).key)
+                .await
+                .expect("mark")
+        );
         assert_eq!(
             store.release(&marked).await.expect("release"),
             ClaimStatus::Held

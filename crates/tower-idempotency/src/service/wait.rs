@@ -63,13 +63,7 @@ impl<St: Store> Shared<St> {
             Some(InFlightWatch::Polled(every)) => (None, None, *every),
             None => (None, None, Duration::from_millis(100)),
         };
-        if subscription.is_some() {
-            // Marked after subscribing and before reading: a completion that commits first is
-            // read below, one that commits after finds the mark and announces the key.
-            if let Err(error) = self.store.mark_waited(&key).await {
-                tracing::debug!(error = %Chain(&error), "could not mark a key as waited for");
-            }
-        }
+        let mut settled_before_marked = 0;
         loop {
             // Read after subscribing: a settlement in between still wakes the next wait.
             let begin = self.claim(key, fingerprint).await?;
@@ -83,6 +77,18 @@ impl<St: Store> Shared<St> {
                 });
                 return Ok(begin);
             }
+            // Marked after each read that finds it in flight, since the next claim after a
+            // release is a new one: a settlement that commits after the mark announces the key;
+            // one before leaves nothing to mark, so the key is read again at once (a few times in
+            // a row at most, so that a store whose mark disagrees with its reads cannot spin us).
+            if subscription.is_some() {
+                if self.mark_waited(&key).await {
+                    settled_before_marked = 0;
+                } else if settled_before_marked < 3 {
+                    settled_before_marked += 1;
+                    continue;
+                }
+            }
             let poll = notifier.map_or(poll, |notifier| notifier.poll_interval());
             let next = later(now, poll).min(deadline);
             match &mut subscription {
@@ -95,5 +101,14 @@ impl<St: Store> Shared<St> {
                 None => tokio::time::sleep_until(next).await,
             }
         }
+    }
+
+    /// [`Store::mark_waited`]; a failure is logged and taken as marked: the waiter then wakes by
+    /// its periodic read.
+    async fn mark_waited(&self, key: &ScopeKey) -> bool {
+        self.store.mark_waited(key).await.unwrap_or_else(|error| {
+            tracing::debug!(error = %Chain(&error), "could not mark a key as waited for");
+            true
+        })
     }
 }

@@ -236,15 +236,19 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
-    /// Called when a request is about to wait for `key`, found in flight, before it reads the
-    /// key again (after subscribing to the [`Notifier`], if the store has one). A store that
-    /// announces only the keys someone waits for records here that this one is, so that its
-    /// completion or release wakes the waiter. The default does nothing: the store announces
-    /// every settled key, or none. A failure is logged, and the waiter still reads the key again
-    /// every second, as it always does.
-    fn mark_waited(&self, key: &ScopeKey) -> impl Future<Output = Result<(), Self::Error>> + Send {
+    /// Called each time a waiting request has just found `key` in flight (subscribed to the
+    /// [`Notifier`], if the store has one). A store that announces only the keys someone waits
+    /// for records here that this one is, so that the settlement of whichever claim now holds
+    /// the key wakes the waiter. `Ok(false)` says the key was no longer in flight: the waiter
+    /// reads it again at once instead of waiting. The default does nothing and says `true`: the
+    /// store announces every settled key, or none. A failure is logged, and the waiter still
+    /// reads the key again every second, as it always does.
+    fn mark_waited(
+        &self,
+        key: &ScopeKey,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
         let _ = key;
-        std::future::ready(Ok(()))
+        std::future::ready(Ok(true))
     }
 
     /// How a request that waits for a key in flight

@@ -435,8 +435,12 @@ impl Store for PostgresStore {
     }
 
     /// Only the keys marked here are announced when they settle: a notifying commit is
-    /// serialised with every other, so keys nobody waits for announce nothing.
-    async fn mark_waited(&self, key: &ScopeKey) -> Result<(), PostgresStoreError> {
+    /// serialised with every other, so keys nobody waits for announce nothing. Transactional
+    /// mode announces every key (its claims are invisible until they commit): nothing to mark.
+    async fn mark_waited(&self, key: &ScopeKey) -> Result<bool, PostgresStoreError> {
+        if self.transactional {
+            return Ok(true);
+        }
         self.mark_key_waited(key).await
     }
 

@@ -84,14 +84,15 @@ pub(super) async fn listen(notifications: std::sync::Weak<Notifications>, pool: 
 }
 
 impl PostgresStore {
-    /// Marks `key`, in flight, as waited for, so that its completion or release announces it
-    /// (see [`Store::mark_waited`]).
-    pub(super) async fn mark_key_waited(&self, key: &ScopeKey) -> Result<(), PostgresStoreError> {
+    /// Marks `key`, in flight, as waited for, so that its completion or release announces it;
+    /// `false` when no claim of it was in flight any more (see [`Store::mark_waited`]).
+    pub(super) async fn mark_key_waited(&self, key: &ScopeKey) -> Result<bool, PostgresStoreError> {
         let statement =
             Statement::new(self.fenced_sql().mark_waited).with(Param::Key(stored_key(key)));
-        self.timed("mark_waited", statement.execute(self.prepared, &self.pool))
+        let marked = self
+            .timed("mark_waited", statement.execute(self.prepared, &self.pool))
             .await?;
-        Ok(())
+        Ok(marked.rows_affected() > 0)
     }
 
     /// Wakes the duplicates waiting for `key` after a rollback freed it (a rollback notifies

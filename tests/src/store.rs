@@ -25,6 +25,12 @@ pub struct ObservedStore<St> {
 
 struct Shared {
     down: AtomicBool,
+    /// The first call to `begin` that fails (counting from 1); `usize::MAX`: none.
+    failing_begin: AtomicUsize,
+    /// Completions wait for a permit while `holding` is on.
+    holding: AtomicBool,
+    held_completions: Semaphore,
+    completing: Semaphore,
     begins: AtomicUsize,
     begun: Semaphore,
     settled: Semaphore,
@@ -49,6 +55,10 @@ impl<St> ObservedStore<St> {
             inner,
             shared: Arc::new(Shared {
                 down: AtomicBool::new(false),
+                failing_begin: AtomicUsize::new(usize::MAX),
+                holding: AtomicBool::new(false),
+                held_completions: Semaphore::new(0),
+                completing: Semaphore::new(0),
                 begins: AtomicUsize::new(0),
                 begun: Semaphore::new(0),
                 settled: Semaphore::new(0),
@@ -67,6 +77,37 @@ impl<St> ObservedStore<St> {
     /// Makes every call fail (`true`) or pass through again (`false`).
     pub fn set_down(&self, down: bool) {
         self.shared.down.store(down, Ordering::SeqCst);
+    }
+
+    /// Makes the `n`th call to `begin` (counting from 1) and every later one fail.
+    pub fn fail_begins_from(&self, n: usize) {
+        self.shared.failing_begin.store(n, Ordering::SeqCst);
+    }
+
+    /// Holds every completion until [`let_completions_go`](Self::let_completions_go): a store
+    /// whose completion takes as long as the test says.
+    pub fn hold_completions(&self) {
+        self.shared.holding.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits until `n` more completions are held.
+    pub async fn completing(&self, n: u32) {
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            self.shared.completing.acquire_many(n),
+        )
+        .await
+        .expect("completions held within 30 s")
+        .expect("open")
+        .forget();
+    }
+
+    /// Lets the held completions (and every later one) through.
+    pub fn let_completions_go(&self) {
+        self.shared.holding.store(false, Ordering::SeqCst);
+        self.shared
+            .held_completions
+            .add_permits(Semaphore::MAX_PERMITS / 2);
     }
 
     /// Waits until `n` more claims were completed or released (held or lost).
@@ -170,8 +211,12 @@ impl<St: Store> Store for ObservedStore<St> {
     type Error = ObservedError<St::Error>;
 
     async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<St::Claim>, Self::Error> {
-        self.shared.begins.fetch_add(1, Ordering::SeqCst);
+        let n = self.shared.begins.fetch_add(1, Ordering::SeqCst) + 1;
         self.check().map_err(ObservedError::Down)?;
+        if n >= self.shared.failing_begin.load(Ordering::SeqCst) {
+            self.shared.begun.add_permits(1);
+            return Err(ObservedError::Down(StoreDown));
+        }
         let begun = self.inner.begin(request).await;
         self.shared.begun.add_permits(1);
         begun.map_err(ObservedError::Inner)
@@ -191,6 +236,10 @@ impl<St: Store> Store for ObservedStore<St> {
         record: &Record,
     ) -> Result<ClaimStatus, Self::Error> {
         self.check().map_err(ObservedError::Down)?;
+        if self.shared.holding.load(Ordering::SeqCst) {
+            self.shared.completing.add_permits(1);
+            let _ = self.shared.held_completions.acquire().await;
+        }
         let status = self
             .inner
             .complete(claim, record)

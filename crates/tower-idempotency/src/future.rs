@@ -6,7 +6,7 @@ use std::{
     pin::Pin,
     sync::{
         Arc,
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicU8, AtomicUsize, Ordering},
     },
     task::{Context, Poll},
 };
@@ -62,9 +62,9 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     }
 
     /// A keyed request's future, boxed where it was made (moving the large state machine
-    /// would copy it); with `detach`, finished in a task of its own, counted there, if this
-    /// response future is dropped first (see [`Disconnect`](crate::Disconnect)).
-    pub(crate) fn keyed<Fut>(future: Pin<Box<Fut>>, detach: Option<Arc<Detached>>) -> Self
+    /// would copy it); with `detach`, finished in a task of its own if this response future is
+    /// dropped first (see [`Disconnect`](crate::Disconnect)), as its [`HangUp`] says.
+    pub(crate) fn keyed<Fut>(future: Pin<Box<Fut>>, detach: Option<Detach>) -> Self
     where
         Fut: Future<Output = Served<B, E>> + Send + 'static,
         B: Send + 'static,
@@ -74,7 +74,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
             kind: Kind::Keyed {
                 keyed: Detachable {
                     future: Some(future),
-                    detach: detach.map(|count| (finish_detached::<B, E> as Spawn<B, E>, count)),
+                    detach: detach.map(|detach| (finish_detached::<B, E> as Spawn<B, E>, detach)),
                 },
             },
         }
@@ -109,10 +109,63 @@ struct Detachable<B, E> {
     future: Option<BoxFuture<B, E>>,
     /// Spawns the unfinished future; made where `B` and `E` are known to be `Send`, which
     /// spawning needs and the response future's own bounds do not promise.
-    detach: Option<(Spawn<B, E>, Arc<Detached>)>,
+    detach: Option<(Spawn<B, E>, Detach)>,
 }
 
-type Spawn<B, E> = fn(BoxFuture<B, E>, Arc<Detached>);
+type Spawn<B, E> = fn(BoxFuture<B, E>, Option<Arc<Detached>>);
+
+/// What a keyed request's response future needs to finish it for a client that hung up: the
+/// layer's count of such requests and, for a request that may wait, where it stands.
+pub(crate) struct Detach {
+    pub(crate) detached: Arc<Detached>,
+    pub(crate) hang_up: Option<Arc<HangUp>>,
+}
+
+/// What a hang-up means where a keyed request stands, moved along by the request and read by
+/// its response future when dropped. A duplicate waiting for a key in flight holds no handler
+/// and no claim: its client gone, it stops, claiming nothing (the client retries).
+#[derive(Debug, Default)]
+pub(crate) struct HangUp(AtomicU8);
+
+/// Finished in the background and counted against the layer's limit: it may hold a claim.
+const FINISH: u8 = 0;
+/// A duplicate between reads of its key: it holds nothing, so it is dropped.
+const STOP: u8 = 1;
+/// A duplicate reading its key: the read is finished uncounted, and then it stops.
+const READING: u8 = 2;
+/// Its client left during a read.
+const LEFT: u8 = 3;
+
+impl HangUp {
+    /// The request may hold a claim from here on.
+    pub(crate) fn working(&self) {
+        self.0.store(FINISH, Ordering::Release);
+    }
+
+    /// The request waits between reads, holding nothing.
+    pub(crate) fn waiting(&self) {
+        self.0.store(STOP, Ordering::Release);
+    }
+
+    /// The request reads its key: a read may claim it, so it is not cut short.
+    pub(crate) fn reading(&self) {
+        self.0.store(READING, Ordering::Release);
+    }
+
+    /// Whether the client left while the request read its key.
+    pub(crate) fn client_left(&self) -> bool {
+        self.0.load(Ordering::Acquire) == LEFT
+    }
+
+    /// Called as the response future is dropped unfinished: what the request is to become.
+    fn on_hang_up(&self) -> u8 {
+        let stage = self.0.load(Ordering::Acquire);
+        if stage == READING {
+            self.0.store(LEFT, Ordering::Release);
+        }
+        stage
+    }
+}
 
 /// How many keyed requests are running for clients that hung up: shared by a layer's services.
 #[derive(Debug, Default)]
@@ -151,21 +204,31 @@ impl<B, E> Detachable<B, E> {
 
 impl<B, E> Drop for Detachable<B, E> {
     fn drop(&mut self) {
-        if let (Some(future), Some((spawn, count))) = (self.future.take(), self.detach.take()) {
-            spawn(future, count);
+        let (Some(future), Some((spawn, detach))) = (self.future.take(), self.detach.take()) else {
+            return;
+        };
+        // The request is not running while its response future is dropped: its stage holds.
+        match detach
+            .hang_up
+            .map_or(FINISH, |hang_up| hang_up.on_hang_up())
+        {
+            STOP => crate::metrics::waited("hung_up"),
+            READING => spawn(future, None),
+            _ => spawn(future, Some(detach.detached)),
         }
     }
 }
 
-/// Runs an abandoned keyed request to completion in a task of its own.
+/// Runs an abandoned keyed request to completion in a task of its own, counted in `detached`
+/// unless it holds nothing but a read.
 fn finish_detached<B: Send + 'static, E: Send + 'static>(
     future: BoxFuture<B, E>,
-    detached: Arc<Detached>,
+    detached: Option<Arc<Detached>>,
 ) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             tracing::debug!("client went away; finishing the request in the background");
-            let counted = Counted::new(detached);
+            let counted = detached.map(Counted::new);
             runtime.spawn(async move {
                 let _counted = counted;
                 // Its answer has no one to go to; what matters is that it completes.

@@ -44,7 +44,7 @@
 //! | `idempotency_store_batch_size` | histogram | `operation`: `claim`, `complete` | [`PostgresStore`](crate::store::PostgresStore)'s group commit: requests sharing each statement; about 1 under load means requests are spread too thin to share (many instances, little concurrency each) |
 //! | `idempotency_expired_deleted_total` | counter | | expiry keeps up (compare with the rate of new keys) |
 //! | `idempotency_expiry_errors_total` | counter | | the expiry loop is failing: the table grows |
-//! | `idempotency_in_flight_waits_total` | counter | `result`: `replayed`, `acquired`, `mismatch`, `timed_out`, `full` | duplicates that waited for their key ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)): `timed_out`, the wait is shorter than the handlers; `full`, more duplicates wait than `with_max_waiting` allows |
+//! | `idempotency_in_flight_waits_total` | counter | `result`: `replayed`, `acquired`, `mismatch`, `timed_out`, `full`, `hung_up`, `store_error` | duplicates that waited for their key ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)): `timed_out`, the wait is shorter than the handlers; `full`, more duplicates wait than `with_max_waiting` allows; `hung_up`, the client left while waiting (nothing was claimed); `store_error`, a re-read failed and the duplicate got `409` |
 
 /// Keyed requests by outcome.
 pub const REQUESTS: &str = "idempotency_requests_total";

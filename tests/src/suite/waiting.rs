@@ -4,6 +4,8 @@
 use std::time::Duration;
 
 use http::StatusCode;
+use tokio::{io::AsyncWriteExt, net::TcpStream};
+use tower_idempotency::StoreFailure;
 
 use super::{Backend, CHARGE, Harness, Reply};
 
@@ -57,4 +59,81 @@ pub async fn a_wait_that_runs_out_is_409<B: Backend>() {
     h.probe.open_gate(1);
     assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
     assert_eq!(h.probe.executions(), 1);
+}
+
+/// Sends a duplicate of `key` (the body of [`CHARGE`], as JSON, from `acct_a`) on a connection
+/// of its own, to hang up on later by dropping it.
+async fn send_duplicate(h: &Harness<impl Backend>, key: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(h.server.addr()).await.expect("connect");
+    let request = format!(
+        "POST /charges HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer acct_a\r\n\
+         Idempotency-Key: {key}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{CHARGE}",
+        CHARGE.len()
+    );
+    stream.write_all(request.as_bytes()).await.expect("write");
+    stream
+}
+
+/// Issue 34.1: duplicates that wait for a key in flight and whose clients hang up hold no
+/// handler: they stop, claim nothing and count against no limit, so another principal's new
+/// key still runs where two hung-up handlers would have filled `max_detached`.
+pub async fn waiters_that_hang_up_hold_nothing<B: Backend>() {
+    let h = Harness::<B>::with(|layer| {
+        layer
+            .with_max_detached(2)
+            .with_in_flight_wait(Duration::from_secs(5))
+    })
+    .await;
+    let post = || {
+        h.post("/charges", Some("k-slow"))
+            .header("content-type", "application/json")
+            .body(CHARGE)
+    };
+    let first = tokio::spawn(Reply::of(post().header("x-test-gate", "1")));
+    h.probe.started(1).await;
+    h.store.begun(1).await;
+    for _ in 0..2 {
+        let duplicate = send_duplicate(&h, "k-slow").await;
+        // Its first read found the key in flight, its second (once subscribed) too: it waits.
+        h.store.begun(2).await;
+        drop(duplicate);
+    }
+    h.probe.abandoned(2).await;
+    let other = Reply::of(
+        h.post_as("acct_b", "/charges", Some("k-other"))
+            .header("content-type", "application/json")
+            .body(CHARGE),
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+    h.probe.open_gate(1);
+    assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
+    let retry = Reply::of(post()).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(h.probe.executions(), 2, "the waiters ran nothing");
+}
+
+/// Issue 34.2: a read that fails while a duplicate waits answers what it last saw, the key in
+/// flight: `409`, never the handler a second time (fail-open) nor a `503` (fail-closed).
+pub async fn a_failed_read_while_waiting_is_409<B: Backend>() {
+    for failure in [StoreFailure::FailOpen, StoreFailure::default()] {
+        let h = Harness::<B>::with(|layer| {
+            layer
+                .with_in_flight_wait(Duration::from_secs(10))
+                .with_store_failure(failure)
+        })
+        .await;
+        let post = || h.post("/charges", Some("k-wait-fails")).body(CHARGE);
+        let first = tokio::spawn(Reply::of(post().header("x-test-gate", "1")));
+        h.probe.started(1).await;
+        h.store.begun(1).await;
+        // The duplicate's first read finds the key in flight; its second fails.
+        h.store.fail_begins_from(3);
+        Reply::of(post()).await.assert_problem(409, "InFlight");
+        assert_eq!(h.probe.executions(), 1, "{failure:?}: the handler ran once");
+        h.probe.open_gate(1);
+        assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
+        assert_eq!(h.probe.executions(), 1, "{failure:?}");
+    }
 }

@@ -120,13 +120,15 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             };
             let begin = match begin {
                 KeyState::InFlight { .. } if !config.in_flight_wait.is_zero() => {
+                    let hang_up = self.hang_up.as_deref();
                     match self
                         .shared
-                        .wait_while_in_flight(scope_key, fingerprint)
+                        .wait_while_in_flight(scope_key, fingerprint, hang_up)
                         .await
                     {
-                        Ok(begin) => begin,
-                        Err(error) => return self.store_failed(&error, parts, body).await,
+                        Some(begin) => begin,
+                        // Its client left: nobody reads this answer.
+                        None => return Ok(config.rendering.render(in_flight_rejection())),
                     }
                 }
                 begin => begin,
@@ -149,14 +151,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                 KeyState::Completed { record, .. } => Ok(replayed(&record)),
                 KeyState::InFlight { .. } => {
                     outcome(Outcome::Conflict);
-                    Ok(reject(
-                        config,
-                        Rejection::new(
-                            RejectionKind::InFlight,
-                            "a request with this Idempotency-Key is still being processed; \
-                     retry after the Retry-After delay to get its response",
-                        ),
-                    ))
+                    Ok(reject(config, in_flight_rejection()))
                 }
                 KeyState::Mismatch => Ok(mismatch(config)),
             }
@@ -193,6 +188,15 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             }
         }
     }
+}
+
+/// The `409` for a key in flight.
+fn in_flight_rejection() -> Rejection {
+    Rejection::new(
+        RejectionKind::InFlight,
+        "a request with this Idempotency-Key is still being processed; retry after the \
+         Retry-After delay to get its response",
+    )
 }
 
 impl<St: Store> Shared<St> {

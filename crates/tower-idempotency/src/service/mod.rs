@@ -32,11 +32,10 @@ use crate::{
     body::{self, BoxError, Buffered, RequestBody, ResponseBody},
     cache::{Hit, ReplayCache},
     chain::Chain,
-    config::Config,
-    config::KeySource,
+    config::{Config, KeySource, MAX_DURATION},
     context::IdempotencyContext,
     fingerprint::Fingerprint,
-    future::{Detached, ResponseFuture, Served},
+    future::{Detach, Detached, HangUp, ResponseFuture, Served},
     key::IdempotencyKey,
     metrics,
     policy::{Disconnect, Retention, StoreFailure},
@@ -229,11 +228,16 @@ where
         // The service that was polled ready is the one that runs the handler; a fresh clone
         // takes its place (see https://docs.rs/tower/latest/tower/trait.Service.html#be-careful-when-cloning-inner-services).
         let clone = self.inner.clone();
+        let detach = (config.disconnect == Disconnect::RunToCompletion).then(|| Detach {
+            detached: Arc::clone(&self.shared.detached),
+            hang_up: (!config.in_flight_wait.is_zero()).then(Arc::default),
+        });
         let keyed = Keyed {
             inner: std::mem::replace(&mut self.inner, clone),
             shared: self.shared.clone(),
             key,
             principal,
+            hang_up: detach.as_ref().and_then(|detach| detach.hang_up.clone()),
             _request_body: PhantomData,
         };
         let span = tracing::debug_span!(
@@ -241,8 +245,6 @@ where
             key = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
-        let detach = (config.disconnect == Disconnect::RunToCompletion)
-            .then(|| Arc::clone(&self.shared.detached));
         // Boxed where it is made: moving this large state machine into the response future
         // would copy it, where moving the box copies a pointer.
         ResponseFuture::keyed(Box::pin(keyed.serve(parts, body).instrument(span)), detach)
@@ -268,6 +270,9 @@ struct Keyed<S, St, ReqBody> {
     shared: Shared<St>,
     key: Option<IdempotencyKey>,
     principal: Principal,
+    /// Where the request stands, for its response future to tell what a hang-up means; only
+    /// for requests that may wait for a key in flight and are finished when their client leaves.
+    hang_up: Option<Arc<HangUp>>,
     _request_body: PhantomData<fn(ReqBody)>,
 }
 
@@ -349,6 +354,7 @@ mod tests {
             shared: service.shared.clone(),
             key: Some(IdempotencyKey::parse(&http::HeaderValue::from_static("k")).expect("key")),
             principal: Principal::new("acct").expect("principal"),
+            hang_up: None,
             _request_body: PhantomData,
         };
         let (parts, body) = Request::new(Full::new(Bytes::new())).into_parts();

@@ -37,21 +37,34 @@ impl Drop for WaitingSlot<'_> {
     }
 }
 
+/// What a waiting duplicate's read of its key came to.
+enum Reread<C> {
+    /// The key's state.
+    Found(KeyState<C>),
+    /// The store failed: the key was last seen in flight.
+    Failed,
+    /// The client hung up during the read.
+    Left,
+}
+
 impl<St: Store> Shared<St> {
-    /// Waits, up to the layer's in-flight wait, for a key in flight to settle: its replay once
-    /// it completed, the claim if it was released, or still `InFlight` when the wait is over or
-    /// too many wait already.
+    /// Waits, up to the layer's in-flight wait, for a key found in flight to settle: its replay
+    /// once it completed, the claim if it was released, or still `InFlight` when the wait is
+    /// over, too many wait already, or a re-read fails (the key was last seen in flight: a `409`,
+    /// never the handler a second time). `None` when the client hung up during a read: the
+    /// request then stops, holding nothing (see [`HangUp`]).
     pub(super) async fn wait_while_in_flight(
         &self,
         key: ScopeKey,
         fingerprint: Fingerprint,
-    ) -> Result<KeyState<St::Claim>, St::Error> {
-        let in_flight = KeyState::InFlight {
+        hang_up: Option<&HangUp>,
+    ) -> Option<KeyState<St::Claim>> {
+        let in_flight = || KeyState::InFlight {
             lease_remaining: None,
         };
         let Some(_slot) = self.waiting.enter(self.config.max_waiting) else {
             metrics::waited("full");
-            return Ok(in_flight);
+            return Some(in_flight());
         };
         let deadline = later(tokio::time::Instant::now(), self.config.in_flight_wait);
         let (mut subscription, notifier, poll) = match &self.waiting.watch {
@@ -66,7 +79,11 @@ impl<St: Store> Shared<St> {
         let mut settled_before_marked = 0;
         loop {
             // Read after subscribing: a settlement in between still wakes the next wait.
-            let begin = self.claim(key, fingerprint).await?;
+            let begin = match self.reread(key, fingerprint, hang_up).await {
+                Reread::Found(begin) => begin,
+                Reread::Failed => return Some(in_flight()),
+                Reread::Left => return None,
+            };
             let now = tokio::time::Instant::now();
             if !matches!(begin, KeyState::InFlight { .. }) || now >= deadline {
                 metrics::waited(match &begin {
@@ -75,7 +92,11 @@ impl<St: Store> Shared<St> {
                     KeyState::Completed { .. } => "replayed",
                     KeyState::Mismatch => "mismatch",
                 });
-                return Ok(begin);
+                return Some(begin);
+            }
+            // Between reads the request holds nothing: a hang-up ends it there and then.
+            if let Some(hang_up) = hang_up {
+                hang_up.waiting();
             }
             // Marked after each read that finds it in flight, since the next claim after a
             // release is a new one: a settlement that commits after the mark announces the key;
@@ -99,6 +120,41 @@ impl<St: Store> Shared<St> {
                     }
                 }
                 None => tokio::time::sleep_until(next).await,
+            }
+        }
+    }
+
+    /// A waiting duplicate's read of its key; a claim it took for a client that left meanwhile
+    /// is given back.
+    async fn reread(
+        &self,
+        key: ScopeKey,
+        fingerprint: Fingerprint,
+        hang_up: Option<&HangUp>,
+    ) -> Reread<St::Claim> {
+        if let Some(hang_up) = hang_up {
+            hang_up.reading();
+        }
+        let read = self.claim(key, fingerprint).await;
+        if hang_up.is_some_and(HangUp::client_left) {
+            metrics::waited("hung_up");
+            if let Ok(KeyState::Acquired { claim, .. }) = read {
+                HeldKey::new(Arc::clone(&self.store), claim).release().await;
+            }
+            return Reread::Left;
+        }
+        if let Some(hang_up) = hang_up {
+            hang_up.working();
+        }
+        match read {
+            Ok(begin) => Reread::Found(begin),
+            Err(error) => {
+                metrics::waited("store_error");
+                tracing::warn!(
+                    error = %Chain(&error),
+                    "reading a key in flight again failed; answering that it is in flight"
+                );
+                Reread::Failed
             }
         }
     }

@@ -95,7 +95,7 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_retention`](Self::with_retention) | [`RetentionPolicy::final_outcomes`] |
     /// | [`with_disconnect`](Self::with_disconnect) | [`Disconnect::RunToCompletion`] |
     /// | [`with_max_detached`](Self::with_max_detached) | 1,024 handlers finishing for clients that hung up (fewer if the store says so: [`Store::detached_limit`]); past it keyed requests get `503` |
-    /// | [`with_max_handler_time`](Self::with_max_handler_time) | 10 minutes, then the handler is cancelled and its key left to lapse |
+    /// | [`with_max_handler_time`](Self::with_max_handler_time) | 10 minutes, then the handler is cancelled and its key free at once for the retry (a takeover) |
     /// | [`with_unstored_headers`](Self::with_unstored_headers) | none besides those [`Record::capture`](crate::Record::capture) always drops |
     /// | [`with_rejection_response`](Self::with_rejection_response), [`with_problem_type_base`](Self::with_problem_type_base) | RFC 9457 problem documents whose `type` is this crate's documentation of the refusal |
     /// | [`with_in_flight_wait`](Self::with_in_flight_wait) | none: a duplicate of a key in flight gets `409` at once |

@@ -142,3 +142,30 @@ pub async fn a_hung_handler_is_stopped_and_its_key_taken_over<B: Backend>() {
     assert!(Reply::of(post()).await.replayed());
     assert_eq!(h.probe.executions(), 2);
 }
+
+/// Issue 34.7: a delivered response keeps its lease while it is stored, however long storing
+/// takes: a retry meanwhile is in flight (`409`), never a takeover that runs the handler again.
+pub async fn a_response_being_stored_keeps_its_lease<B: Backend>() {
+    let h =
+        Harness::<B>::with(|layer| layer.with_lease(Duration::from_millis(300)).expect("valid"))
+            .await;
+    let post = || {
+        h.post("/charges", Some("k-storing"))
+            .header("content-type", "application/json")
+            .body(CHARGE)
+    };
+    h.store.hold_completions();
+    let first = tokio::spawn(Reply::of(post()));
+    h.store.completing(1).await;
+    // Storing takes four leases: only renewals keep the key.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Taken over, the retry would run the handler and wait on its own held completion.
+    let retry = tokio::time::timeout(Duration::from_secs(10), Reply::of(post()))
+        .await
+        .expect("the retry is answered at once, not run again");
+    retry.assert_problem(409, "InFlight");
+    h.store.let_completions_go();
+    assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
+    assert!(Reply::of(post()).await.replayed());
+    assert_eq!(h.probe.executions(), 1);
+}

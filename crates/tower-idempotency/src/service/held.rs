@@ -52,7 +52,25 @@ impl<St: Store> HeldKey<St> {
         if let Some(body) = record.body() {
             metrics::stored_body(body.len());
         }
-        match metrics::timed("complete", self.store.complete(&claim, &record)).await {
+        let stored = {
+            let storing = pin!(metrics::timed(
+                "complete",
+                self.store.complete(&claim, &record)
+            ));
+            if atomic {
+                // The open transaction is the claim's hold: nothing to renew.
+                storing.await
+            } else {
+                // An attempt (or the batch it queues for) may outlast the lease: renewed meanwhile.
+                let heartbeat = Heartbeat {
+                    lease,
+                    max_time: MAX_DURATION,
+                };
+                let stored = heartbeat.run(&*self.store, &claim, storing).await;
+                stored.expect("a heartbeat without a time limit runs its future to the end")
+            }
+        };
+        match stored {
             Ok(ClaimStatus::Held) => Completion::Stored,
             Ok(ClaimStatus::RolledBack) => Completion::RolledBack,
             Ok(status) => {
@@ -93,7 +111,8 @@ impl<St: Store> HeldKey<St> {
         }
     }
 
-    /// Lets the claim go without releasing it: it lapses with its lease.
+    /// Gives the claim up without releasing it ([`Store::abandon`]): the next request takes the
+    /// key over at once, told that a handler may have run in part.
     pub(super) async fn abandon(mut self) {
         let Some(claim) = self.claim.take() else {
             return;
@@ -101,7 +120,7 @@ impl<St: Store> HeldKey<St> {
         if let Err(error) = self.store.abandon(&claim).await {
             tracing::warn!(
                 error = %Chain(&error),
-                "giving up a stopped handler's key failed; it frees itself when its lease lapses"
+                "giving up a stopped handler's key failed; it is taken over when its lease lapses"
             );
         }
     }
@@ -125,10 +144,10 @@ impl<St: Store> Drop for HeldKey<St> {
     }
 }
 
-/// Stores a delivered response the store did not take, keeping its claim alive meanwhile so that
-/// no retry takes the key over and runs the handler again: a retry gets `409` until the record is
-/// stored, then its replay. Retried promptly while the store is unreachable, with a growing
-/// pause while it answers but refuses; given up once the record would have expired anyway.
+/// Stores a delivered response the store did not take, its lease renewed meanwhile on its own
+/// clock (however long an attempt takes), so that no retry takes the key over and runs the
+/// handler again: a retry gets `409` until the record is stored, then its replay. Retried with a
+/// growing pause; given up once the record would have expired anyway.
 pub(super) async fn keep_storing<St: Store>(
     store: Arc<St>,
     claim: St::Claim,
@@ -136,52 +155,37 @@ pub(super) async fn keep_storing<St: Store>(
     lease: Duration,
     ttl: Duration,
 ) {
-    let started = tokio::time::Instant::now();
-    let renew_every = lease / 3;
-    let mut renewed: Option<tokio::time::Instant> = None;
+    let heartbeat = Heartbeat {
+        lease,
+        max_time: ttl,
+    };
+    let attempts = pin!(store_until_answered(&*store, &claim, &record, lease));
+    if heartbeat.run(&*store, &claim, attempts).await.is_none() {
+        tracing::error!(
+            "gave up storing the response: its record would have expired by now, so a retry \
+             with this key runs the handler again"
+        );
+    }
+}
+
+/// Completes `claim` until the store answers, pausing longer after each failure (at most a
+/// third of the lease, so the record follows soon after an outage ends).
+async fn store_until_answered<St: Store>(
+    store: &St,
+    claim: &St::Claim,
+    record: &Record,
+    lease: Duration,
+) {
     let mut pause = Duration::from_millis(100);
     loop {
         tokio::time::sleep(pause).await;
-        match metrics::timed("complete", store.complete(&claim, &record)).await {
-            Ok(status) => {
-                log_fenced(status, "complete");
-                return;
-            }
+        match metrics::timed("complete", store.complete(claim, record)).await {
+            Ok(status) => return log_fenced(status, "complete"),
             Err(error) => {
                 tracing::warn!(error = %Chain(&error), "storing the response failed again")
             }
         }
-        if started.elapsed() >= ttl {
-            tracing::error!(
-                "gave up storing the response: its record would have expired by now, so a retry \
-                 with this key runs the handler again"
-            );
-            return;
-        }
-        let due = renewed.is_none_or(|at| at.elapsed() >= renew_every);
-        let reachable = if due {
-            match metrics::timed("renew", store.renew(&claim, lease)).await {
-                Ok(ClaimStatus::Held) => {
-                    renewed = Some(tokio::time::Instant::now());
-                    true
-                }
-                Ok(_) => {
-                    tracing::error!(
-                        "the key was taken over while its delivered response waited to be stored; \
-                         the handler may run twice"
-                    );
-                    return;
-                }
-                Err(_) => false,
-            }
-        } else {
-            true
-        };
-        pause = if reachable {
-            (pause * 3).min(renew_every).min(Duration::from_secs(10))
-        } else {
-            RETRY_WHILE_UNREACHABLE
-        };
+        pause = (pause * 2).min(lease / 3).min(Duration::from_secs(2));
     }
 }
 

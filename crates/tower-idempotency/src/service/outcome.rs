@@ -39,7 +39,7 @@ pub(crate) enum Outcome {
     Mismatch,
     /// The handler ran (or failed) and the key was freed without storing a response.
     Released,
-    /// The handler ran past its maximum time: cancelled, its claim left to lapse.
+    /// The handler ran past its maximum time: cancelled, its key taken over by the next request.
     Abandoned,
     /// Too many handlers run for clients that hung up: `503`, nothing claimed.
     Overloaded,

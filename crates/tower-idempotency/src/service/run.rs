@@ -180,8 +180,9 @@ pub(super) struct Heartbeat {
 }
 
 impl Heartbeat {
-    /// Runs `future` while renewing `claim`'s lease every third of the lease; `None` when it
-    /// runs past the maximum time (it is then dropped, and its claim no longer renewed).
+    /// Runs `future` (the handler, or storing its response) while renewing `claim`'s lease
+    /// every third of the lease; `None` when it runs past the maximum time (it is then dropped,
+    /// and its claim no longer renewed).
     /// Renewal runs beside the handler, never blocking it; a renewal that fails or finds the
     /// claim lost is logged, and the handler goes on (fencing keeps a lost claim from writing
     /// its record). After a failed renewal the next comes sooner, so a lease outlives an outage
@@ -222,8 +223,8 @@ impl Heartbeat {
                 Ok(_) => {
                     metrics::renewal("lost");
                     tracing::warn!(
-                        "lease lost while the handler runs (another request took the key over); \
-                         this response will not be stored"
+                        "lease lost (another request took the key over); this response will not \
+                         be stored"
                     );
                     later(now, period)
                 }
@@ -239,8 +240,7 @@ impl Heartbeat {
 
 /// `at + span`, or far in the future where that would overflow.
 pub(super) fn later(at: tokio::time::Instant, span: Duration) -> tokio::time::Instant {
-    at.checked_add(span)
-        .unwrap_or_else(|| at + Duration::from_secs(100 * 365 * 24 * 3600))
+    at.checked_add(span).unwrap_or_else(|| at + MAX_DURATION)
 }
 
 /// How soon a store that failed is tried again while a claim must be kept alive: an outage

@@ -192,13 +192,12 @@ pub trait Store: Send + Sync + 'static {
     /// [maximum handler time](crate::IdempotencyLayer::with_max_handler_time)): the next request
     /// for the key takes it over at once, and is told so
     /// ([`KeyState::Acquired`]`{ takeover: true }`) unless the claim's effects were rolled back
-    /// with it. The default does nothing: the claim is left to lapse with its lease.
+    /// with it. The default renews the claim with a lease of zero, which lapses it now.
     fn abandon(
         &self,
         claim: &Self::Claim,
     ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send {
-        let _ = claim;
-        std::future::ready(Ok(ClaimStatus::Held))
+        self.renew(claim, Duration::ZERO)
     }
 
     /// Called once a key is acquired, before the handler runs, to hand the handler what the
@@ -438,6 +437,19 @@ mod tests {
         // 2 failures, then batches of 10, 10 and 5: the loop waits after a short batch.
         assert_eq!(store.calls.load(Ordering::SeqCst), 5);
         reaper.abort();
+    }
+
+    /// A store that implements only the required operations keeps the whole protocol through
+    /// the defaults: an abandoned claim is free at once (issue 34.8).
+    #[cfg(feature = "conformance")]
+    #[tokio::test(start_paused = true)]
+    async fn the_defaults_keep_the_protocol() {
+        let store = Flaky {
+            inner: MemoryStore::new(),
+            failures: Arc::default(),
+            calls: Arc::default(),
+        };
+        conformance::check(&store, Duration::from_secs(1)).await;
     }
 
     /// A store with a backlog: every deletion takes a second and comes back full.

@@ -23,7 +23,8 @@
 //! * a released key is free for any payload, and the released claim can no longer write;
 //! * a lapsed lease is taken over (`takeover: true`) and the stale holder is fenced out of
 //!   [`renew`](Store::renew), [`complete`](Store::complete) and [`release`](Store::release);
-//!   a renewed lease does not lapse;
+//!   a renewed lease does not lapse; an [abandoned](Store::abandon) claim is taken over at
+//!   once, without waiting for its lease;
 //! * a completed claim cannot be completed again, released or renewed: the record stays;
 //! * a record past its TTL is new, whatever its payload;
 //! * 64 concurrent [`begin`](Store::begin)s of one key acquire it exactly once, whether they
@@ -89,6 +90,7 @@ pub async fn check<St: Store + Clone>(store: &St, short: Duration) {
     a_released_key_is_free_and_its_claim_fenced_out(store, &keys).await;
     a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out(store, &keys, short).await;
     a_renewed_lease_does_not_lapse(store, &keys, short).await;
+    an_abandoned_claim_is_taken_over_at_once(store, &keys).await;
     a_completed_claim_is_final(store, &keys).await;
     an_expired_record_is_new(store, &keys, short).await;
     racing_requests_acquire_a_key_once(store, &keys).await;

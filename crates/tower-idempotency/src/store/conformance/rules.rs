@@ -142,6 +142,29 @@ pub(super) async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out
     another_payload_is_a_mismatch(RULE, store, &request, "whose lease lapsed").await;
 }
 
+pub(super) async fn an_abandoned_claim_is_taken_over_at_once<St: Store>(store: &St, keys: &Keys) {
+    const RULE: &str = "an abandoned claim is taken over at once";
+    let request = keys.request(LONG, LONG);
+    let stopped = acquire(RULE, store, &request).await;
+    held(RULE, "abandon", store.abandon(&stopped).await);
+    // Its lease was long: only the abandonment frees the key now.
+    match ok(RULE, "begin", store.begin(&request).await) {
+        KeyState::Acquired {
+            claim,
+            takeover: true,
+        } => {
+            fenced_out(RULE, store, &stopped).await;
+            held(RULE, "complete", store.complete(&claim, &record()).await);
+        }
+        other => panic!(
+            "{RULE}: the retry of a stopped handler's key must take it over (`takeover: true`), \
+             got {}",
+            describe(&other)
+        ),
+    }
+    replays_the_record(RULE, store, &request).await;
+}
+
 pub(super) async fn a_renewed_lease_does_not_lapse<St: Store>(
     store: &St,
     keys: &Keys,

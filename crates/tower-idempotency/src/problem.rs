@@ -42,8 +42,8 @@ pub enum RejectionKind {
     /// `503`: too many handlers are still finishing for clients that hung up; nothing was run.
     /// Retry after `Retry-After`.
     Overloaded,
-    /// `503`: the handler ran past its maximum time and was stopped. Retry after `Retry-After`,
-    /// once its lease has lapsed.
+    /// `503`: the handler ran past its maximum time and was stopped, and its key given up: the
+    /// retry (after `Retry-After`) takes it over at once.
     HandlerTimedOut,
 }
 

@@ -2,7 +2,7 @@
 # A refund runs once per Idempotency-Key, like a charge: retried, it is replayed and refunds
 # nothing more. A refund of more than is left is refused (`400 amount_too_large`) and changes
 # nothing; and a key belongs to one request whatever the endpoint, so the charge's key sent on a
-# refund is `400 idempotency_error`.
+# refund is `422 idempotency_error`.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
@@ -44,7 +44,7 @@ say ""
 say "-> POST /v1/refunds  Idempotency-Key: $CHARGE_KEY  (the charge's key)"
 refund reused "$CHARGE_KEY" charge="$CHARGE_ID"
 show_brief reused
-expect "a key used for the charge is refused on a refund" "$(status reused)" 400
+expect "a key used for the charge is refused on a refund" "$(status reused)" 422
 grep -q '"type": *"idempotency_error"' "$TMP/reused.body" ||
     fail "expected Stripe's idempotency_error in the problem's error: $(body reused)"
 say "   ok: as Stripe's idempotency_error"

@@ -166,22 +166,41 @@ async function doubleClick() {
   return `two clicks, charged once (${charges[0].id})`;
 }
 
+/** Sends `request` with a key already used for another request: refused with `422`, which the
+ * library raises as `StripeAPIError` (it picks the class by status for v1 paths; only a `400`
+ * becomes `StripeIdempotencyError`) carrying Stripe's `idempotency_error`, and sends once. */
+async function expectReusedKeyRefused(stripe, what, request) {
+  let sent = 0;
+  const count = () => sent++;
+  stripe.on('request', count);
+  try {
+    await request();
+    throw new Failed(`${what} was accepted`);
+  } catch (error) {
+    if (error instanceof Failed) throw error;
+    console.log(`<- ${describe(error)}: ${error.message}`);
+    expectTyped(error, 'StripeAPIError', 422, 'idempotency_error', 'false');
+    expect('an instance of Stripe.errors.StripeAPIError', error instanceof Stripe.errors.StripeAPIError, true);
+  } finally {
+    stripe.off('request', count);
+  }
+  expect('sent once: the library did not retry it', sent, 1);
+}
+
 async function changedAmount() {
   const stripe = client(newApiKey());
   const key = randomUUID();
   const first = await stripe.charges.create(CHARGE, { idempotencyKey: key });
   console.log(`-> ${first.id} for 2000; now the same key with amount=2500`);
-  try {
-    await stripe.charges.create({ ...CHARGE, amount: 2500 }, { idempotencyKey: key });
-    throw new Failed('the second payment was accepted');
-  } catch (error) {
-    if (error instanceof Failed) throw error;
-    console.log(`<- ${describe(error)}: ${error.message}`);
-    expectTyped(error, 'StripeIdempotencyError', 400, 'idempotency_error', 'false');
-  }
+  await expectReusedKeyRefused(stripe, 'the second payment', () =>
+    stripe.charges.create({ ...CHARGE, amount: 2500 }, { idempotencyKey: key }));
+  console.log(`-> refunds.create(charge=${first.id}) with the charge's key`);
+  await expectReusedKeyRefused(stripe, "the charge's key on a refund", () =>
+    stripe.refunds.create({ charge: first.id }, { idempotencyKey: key }));
   const charges = await chargesOf(stripe);
   expect('one charge on the account', charges.map((c) => [c.id, c.amount]), [[first.id, 2000]]);
-  return 'the changed amount was refused as idempotency_error, nothing charged';
+  expect('nothing refunded', (await stripe.refunds.list()).data, []);
+  return "the changed amount and the charge's key on a refund were refused, nothing run";
 }
 
 async function declinedCard() {

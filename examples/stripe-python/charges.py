@@ -187,6 +187,16 @@ def double_click():
     return f"two clicks, charged once ({charges[0].id})"
 
 
+def expect_reused_key(error):
+    """A key reused for another request: `422`, which the library raises as `APIError` (it
+    picks the class by status; only a `400` becomes `IdempotencyError`), carrying Stripe's
+    `idempotency_error` in `json_body["error"]`."""
+    print(f"<- {describe(error)}: {error.user_message}")
+    expect("the library's APIError", type(error), stripe.APIError)
+    expect('json_body["error"]["type"]', error.json_body["error"]["type"], "idempotency_error")
+    expect_typed(error, 422, "idempotency_error", "false")
+
+
 def changed_amount():
     """A key reused for another payment is refused, and the first charge stays as it was."""
     c = client(new_api_key())
@@ -196,14 +206,20 @@ def changed_amount():
     try:
         c.v1.charges.create(params={**CHARGE, "amount": 2500}, options={"idempotency_key": key})
     except stripe.StripeError as error:
-        print(f"<- {describe(error)}: {error.user_message}")
-        expect("the library's own IdempotencyError", type(error).__name__, "IdempotencyError")
-        expect_typed(error, 400, "idempotency_error", "false")
+        expect_reused_key(error)
     else:
         raise Failed("the second payment was accepted")
+    print(f"-> refunds.create(charge={first.id}) with the charge's key")
+    try:
+        c.v1.refunds.create(params={"charge": first.id}, options={"idempotency_key": key})
+    except stripe.StripeError as error:
+        expect_reused_key(error)
+    else:
+        raise Failed("the charge's key was accepted for a refund")
     charges = charges_of(c)
     expect("one charge on the account", [(ch.id, ch.amount) for ch in charges], [(first.id, 2000)])
-    return "the changed amount was refused as idempotency_error, nothing charged"
+    expect("nothing refunded", c.v1.refunds.list().data, [])
+    return "the changed amount and the charge's key on a refund were refused, nothing run"
 
 
 def declined_card():

@@ -34,7 +34,7 @@
 //!    layer, so keys are scoped per account.
 //! 3. On `POST /v1/charges` and `POST /v1/refunds` the [`IdempotencyLayer`] claims the
 //!    `Idempotency-Key` (required there; one key space per account across both endpoints), or
-//!    replays, or refuses (`409` in flight, `400` reused for another request, another endpoint's
+//!    replays, or refuses (`409` in flight, `422` reused for another request, another endpoint's
 //!    included) with a problem document that carries Stripe's error object ([`refusals`]).
 //! 4. The handler validates the [`params`], asks the simulated [`processor`] (which takes
 //!    `--processing-delay-ms`), records the charge or the refund in the [`ledger`], and answers
@@ -115,7 +115,7 @@ impl Default for Settings {
 /// Stripe's errors too ([`refusals`]).
 ///
 /// A key belongs to the account across endpoints, as Stripe's keys do: a charge's key sent on a
-/// refund is a key reused for another request, refused as `400 idempotency_error`, never run.
+/// refund is a key reused for another request, refused as `422 idempotency_error`, never run.
 ///
 /// # Errors
 ///

@@ -2,7 +2,7 @@
 //! each that writes, the idempotency layer's contract as the layer is configured (the key
 //! header, its refusals in the demo's Stripe shape, `Idempotent-Replayed`, the TTL in words).
 
-use tower_idempotency::{IdempotencyLayer, RejectionKind, store::Store};
+use tower_idempotency::{IdempotencyLayer, store::Store};
 use utoipa::openapi::{
     ComponentsBuilder, ContentBuilder, InfoBuilder, ObjectBuilder, OpenApi, OpenApiBuilder,
     PathItem, PathsBuilder, Ref, RefOr, Required, ResponseBuilder, Type,
@@ -10,8 +10,6 @@ use utoipa::openapi::{
     request_body::RequestBodyBuilder,
     security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme},
 };
-
-use crate::refusals;
 
 /// The paths whose `POST` runs under the idempotency layer.
 pub const IDEMPOTENT_PATHS: [&str; 2] = ["/v1/charges", "/v1/refunds"];
@@ -69,7 +67,6 @@ pub fn document<St: Store>(idempotency: &IdempotencyLayer<St>) -> OpenApi {
     idempotency
         .openapi()
         .with_refusal_schema(Ref::from_schema_name("Refusal"))
-        .with_refusal_status(RejectionKind::Mismatch, refusals::MISMATCH_STATUS.as_u16())
         .apply_to(&mut doc, IDEMPOTENT_PATHS);
     doc
 }
@@ -310,7 +307,7 @@ fn error_schema() -> RefOr<utoipa::openapi::Schema> {
 }
 
 /// A refusal of the idempotency layer as the demo renders it: an RFC 9457 problem document
-/// whose `error` member is Stripe's error object (see [`refusals`]).
+/// whose `error` member is Stripe's error object (see [`refusals`](crate::refusals)).
 fn refusal_schema() -> RefOr<utoipa::openapi::Schema> {
     let string = || ObjectBuilder::new().schema_type(Type::String);
     ObjectBuilder::new()

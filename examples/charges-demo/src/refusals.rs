@@ -1,7 +1,7 @@
 //! The idempotency layer's refusals, in the two languages the demo's clients speak.
 //!
-//! Every refusal keeps the layer's status code (those of the IETF draft), but for one, and is an
-//! RFC 9457 problem document (`application/problem+json` with `type`, `title`, `status` and `detail`)
+//! Every refusal keeps the layer's status code (those of the IETF draft) and is an RFC 9457
+//! problem document (`application/problem+json` with `type`, `title`, `status` and `detail`)
 //! whose extension member `error` is the error object Stripe's API sends in the same situation,
 //! with a `Stripe-Should-Retry` header saying whether the same request may succeed later:
 //!
@@ -11,7 +11,7 @@
 //! | the body arrived too slowly | `408` | `invalid_request_error` | `true` |
 //! | the key's first request is still running | `409` | `invalid_request_error`, code `idempotency_key_in_use` | `true` |
 //! | the body is too large | `413` | `invalid_request_error` | `false` |
-//! | the key was used with other parameters | `400` (the layer's is `422`) | `idempotency_error` | `false` |
+//! | the key was used with other parameters | `422` | `idempotency_error` | `false` |
 //! | no account to scope the key to (a misconfiguration) | `500` | `api_error` | `false` |
 //! | the handler panicked, or its transaction failed; nothing kept | `500` | `api_error` | `true` |
 //! | the store is down, too many detached handlers, a handler stopped | `503` | `api_error` | `true` |
@@ -19,11 +19,10 @@
 //! Stripe's client libraries read `error`: without it stripe-node takes the body for a
 //! successful response and stripe-python raises a generic "Invalid response object". Both retry
 //! by `Stripe-Should-Retry` when it is present, and both pick the exception class by status
-//! first: only a `400` or `404` becomes `IdempotencyError` or `InvalidRequestError`. So a key
-//! reused with other parameters is a `400`, as Stripe's API answers it, for the libraries to
-//! raise their own idempotency error (the layer's default, `422`, would arrive as a generic
-//! `APIError`); the `409` still arrives as `APIError`, carrying the code above, as Stripe's own
-//! `409` does.
+//! first: only a `400` or `404` becomes `IdempotencyError` or `InvalidRequestError`. So the
+//! `422` for a reused key (Stripe's own API answers `400`) arrives as `APIError` /
+//! `StripeAPIError` whose error object is of type `idempotency_error`, and the `409` as one
+//! carrying the code above, as Stripe's own `409` does.
 //!
 //! The message is the layer's `detail`, which never contains the key: error messages end up
 //! in logs and error trackers, where a key (often an order number) does not belong.
@@ -54,10 +53,8 @@ pub fn render(rejection: &Rejection) -> Response<Bytes> {
         error: &'a ApiError,
     }
     let error = stripe_error(rejection);
-    let mut problem = rejection.problem(None);
-    problem.insert("status".into(), status(rejection).as_u16().into());
     let document = Document {
-        problem,
+        problem: rejection.problem(None),
         error: &error,
     };
     let body = match serde_json::to_vec_pretty(&document) {
@@ -73,7 +70,7 @@ pub fn render(rejection: &Rejection) -> Response<Bytes> {
         }
     };
     let mut response = Response::new(body);
-    *response.status_mut() = status(rejection);
+    *response.status_mut() = rejection.kind().status();
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
     headers.insert(
@@ -87,22 +84,10 @@ pub fn render(rejection: &Rejection) -> Response<Bytes> {
     response
 }
 
-/// The demo's status for a key reused with other parameters: Stripe's, not the layer's `422`.
-pub const MISMATCH_STATUS: StatusCode = StatusCode::BAD_REQUEST;
-
-/// The status of the demo's answer to `rejection`: the layer's, but [`MISMATCH_STATUS`] for a
-/// key reused with other parameters (see the [module documentation](self)).
-pub fn status(rejection: &Rejection) -> StatusCode {
-    match rejection.kind() {
-        RejectionKind::Mismatch => MISMATCH_STATUS,
-        kind => kind.status(),
-    }
-}
-
 /// The error object Stripe's API sends where the layer refuses with `rejection`.
 pub fn stripe_error(rejection: &Rejection) -> ApiError {
     let kind = rejection.kind();
-    let status = status(rejection);
+    let status = kind.status();
     let message = sentence(rejection.detail());
     match kind {
         RejectionKind::InFlight => ApiError::new(status, ErrorType::InvalidRequestError, message)
@@ -187,11 +172,7 @@ mod tests {
     fn every_refusal_is_an_rfc9457_problem_document() {
         for kind in EVERY_KIND {
             let (response, document) = rendered(kind);
-            assert_eq!(
-                response.status(),
-                status(&Rejection::new(kind, "")),
-                "{kind:?}"
-            );
+            assert_eq!(response.status(), kind.status(), "{kind:?}");
             assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
             let document = document.as_object().expect("a JSON object");
             let problem_type = document["type"].as_str().expect("type is a string");
@@ -252,8 +233,8 @@ mod tests {
         let (response, mismatch) = rendered(RejectionKind::Mismatch);
         assert_eq!(
             response.status(),
-            StatusCode::BAD_REQUEST,
-            "as Stripe answers it"
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "the IETF draft's, not Stripe's 400"
         );
         assert_eq!(
             mismatch["error"],

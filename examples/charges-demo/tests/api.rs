@@ -103,12 +103,24 @@ async fn the_published_description_says_what_the_layer_does(backend: Backend) {
         create["responses"]["200"]["headers"]["Idempotent-Replayed"]["schema"]["enum"],
         json!(["true"])
     );
-    for status in ["409", "413", "503"] {
-        assert_eq!(
-            create["responses"][status]["content"]["application/problem+json"]["schema"]["$ref"],
-            "#/components/schemas/Refusal",
-            "{status}"
-        );
+    // Issue 34: every operation that takes a key lists the layer's refusals, `409` and `422`
+    // among them, as the demo renders them.
+    let keyed = keyed_operations(&doc);
+    assert_eq!(
+        keyed,
+        [("post", "/v1/charges"), ("post", "/v1/refunds")]
+            .map(|(m, p)| (m.to_owned(), p.to_owned())),
+        "the writes, and only they, take a key"
+    );
+    for (method, path) in &keyed {
+        let responses = &doc["paths"][path.as_str()][method.as_str()]["responses"];
+        for status in ["409", "413", "422", "503"] {
+            assert_eq!(
+                responses[status]["content"]["application/problem+json"]["schema"]["$ref"],
+                "#/components/schemas/Refusal",
+                "{method} {path} lists {status}"
+            );
+        }
     }
     // Refunds share the layer: the same contract, and one key per account across both.
     let create_refund = &doc["paths"]["/v1/refunds"]["post"];
@@ -160,6 +172,26 @@ async fn the_published_description_says_what_the_layer_does(backend: Backend) {
         "another endpoint: {}",
         on_a_refund.status
     );
+}
+
+/// The `(method, path)` of every operation in `doc` with an `Idempotency-Key` parameter, sorted.
+fn keyed_operations(doc: &serde_json::Value) -> Vec<(String, String)> {
+    let paths = doc["paths"].as_object().expect("paths");
+    let mut keyed: Vec<(String, String)> = paths
+        .iter()
+        .flat_map(|(path, item)| {
+            let operations = item.as_object().expect("a path item");
+            operations.iter().filter_map(move |(method, operation)| {
+                let parameters = operation["parameters"].as_array()?;
+                parameters
+                    .iter()
+                    .any(|p| p["name"] == "Idempotency-Key")
+                    .then(|| (method.clone(), path.clone()))
+            })
+        })
+        .collect();
+    keyed.sort();
+    keyed
 }
 
 async fn creates_a_charge_from_a_stripe_form(backend: Backend) {
@@ -261,9 +293,8 @@ async fn reused_key_with_another_amount_is_stripes_idempotency_error(backend: Ba
     let changed = h
         .send(charge(&api_key, Some(&key), "amount=3000&currency=usd"))
         .await;
-    // Stripe's status for it (the layer's own is 422), so that its libraries raise their
-    // idempotency error.
-    let error = changed.problem(StatusCode::BAD_REQUEST, "Mismatch");
+    // Issue 34: the IETF draft's status, the layer's own, not Stripe's `400`.
+    let error = changed.problem(StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
     // Stripe's error for a key reused with other parameters; retrying it cannot help.
     assert_eq!(error["type"], "idempotency_error");
     assert!(error.get("code").is_none(), "{error}");
@@ -660,7 +691,7 @@ async fn every_response_has_a_request_id_of_its_own(backend: Backend) {
         h.send(get(&api_key, "/v1/customers")).await,
     ];
     let statuses: Vec<u16> = replies.iter().map(|r| r.status.as_u16()).collect();
-    assert_eq!(statuses, [200, 200, 400, 400, 402, 400, 401, 200, 404]);
+    assert_eq!(statuses, [200, 200, 422, 400, 402, 400, 401, 200, 404]);
     let mut ids: Vec<&str> = replies
         .iter()
         .map(|r| r.header("request-id").expect("a Request-Id"))
@@ -730,7 +761,7 @@ async fn a_replay_names_its_original_request(backend: Backend) {
     let refused = h
         .send(charge(&api_key, Some(&key), "amount=2&currency=usd"))
         .await;
-    refused.problem(StatusCode::BAD_REQUEST, "Mismatch");
+    refused.problem(StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
     assert_eq!(refused.header("original-request"), None);
 }
 
@@ -1215,8 +1246,8 @@ async fn concurrent_refunds_with_different_keys_never_exceed_the_charge(backend:
 }
 
 /// One key space per account across endpoints (Stripe's): a charge's key sent on a refund is a
-/// key reused for another request, Stripe's `400 idempotency_error` (the layer's own is `422`),
-/// and runs nothing; so is a refund's key sent on a charge.
+/// key reused for another request, `422` with Stripe's `idempotency_error`, and runs nothing; so
+/// is a refund's key sent on a charge.
 async fn a_charge_key_sent_on_a_refund_is_an_idempotency_error(backend: Backend) {
     let h = Harness::start(backend).await;
     let api_key = new_api_key();
@@ -1228,7 +1259,7 @@ async fn a_charge_key_sent_on_a_refund_is_an_idempotency_error(backend: Backend)
     let reused = h
         .send(refund(&api_key, Some(&charge_key), &format!("charge={id}")))
         .await;
-    let error = reused.problem(StatusCode::BAD_REQUEST, "Mismatch");
+    let error = reused.problem(StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
     assert_eq!(error["type"], "idempotency_error");
     assert_eq!(reused.should_retry(), Some(false));
     assert!(h.refunds_of(&api_key).await.is_empty(), "nothing refunded");
@@ -1246,7 +1277,7 @@ async fn a_charge_key_sent_on_a_refund_is_an_idempotency_error(backend: Backend)
         .await,
     );
     let reused = h.send(charge(&api_key, Some(&refund_key), form)).await;
-    let error = reused.problem(StatusCode::BAD_REQUEST, "Mismatch");
+    let error = reused.problem(StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
     assert_eq!(error["type"], "idempotency_error");
     assert_eq!(h.charges_of(&api_key).await.len(), 1, "nothing charged");
     // Another account's key space is its own.

@@ -45,7 +45,8 @@ impl PostgresFixture for Bounced {
         // `LISTEN` does not work through transaction pooling: waiting duplicates poll.
         let store = PostgresStore::new(pool)
             .without_prepared_statements()
-            .with_in_flight_polling(std::time::Duration::from_millis(50));
+            .with_in_flight_polling(std::time::Duration::from_millis(50))
+            .expect("a valid interval");
         Self { db, store }
     }
 

@@ -637,7 +637,9 @@ mod announcements {
     #[tokio::test]
     async fn in_partitioned_mode() {
         let (db, _) = migrated().await;
-        let store = PostgresStore::new(db.pool().clone()).partitioned(Duration::from_secs(3600));
+        let store = PostgresStore::new(db.pool().clone())
+            .partitioned(Duration::from_secs(3600))
+            .expect("a valid width");
         store.migrate().await.expect("partitions");
         only_marked_keys_are_announced(store, &db).await;
     }

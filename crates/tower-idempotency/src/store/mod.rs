@@ -65,7 +65,10 @@ mod postgres;
 pub use memory::{MemoryStore, MemoryStoreError};
 pub use notify::{InFlightWatch, Notifier, POLL_WHILE_NOT_LIVE};
 #[cfg(feature = "postgres")]
-pub use postgres::{PartitionMaintenance, PgClaim, PostgresStore, PostgresStoreError};
+pub use postgres::{
+    MAX_PARTITIONS_AHEAD, MIN_IN_FLIGHT_POLLING, MIN_PARTITION_WIDTH, PartitionMaintenance,
+    PgClaim, PostgresConfigError, PostgresStore, PostgresStoreError,
+};
 
 /// What the layer asks a store to claim.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -124,6 +124,7 @@ async fn prepared_statements_break_through_pgbouncer_before_1_21() {
             fingerprint: Fingerprint::from_bytes([0; 32]),
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(60),
+            waiting: false,
         };
         store
             .begin(&request)

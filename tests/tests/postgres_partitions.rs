@@ -222,6 +222,7 @@ async fn claim_expiring_at(
             fingerprint: Fingerprint::from_bytes([key; 32]),
             lease: Duration::from_secs(1),
             ttl: Duration::from_secs(ttl),
+            waiting: false,
         })
         .await
 }

@@ -63,10 +63,10 @@ impl<St: Store> Shared<St> {
             Some(InFlightWatch::Polled(every)) => (None, None, *every),
             None => (None, None, Duration::from_millis(100)),
         };
-        let mut settled_before_marked = 0;
         loop {
-            // Read after subscribing: a settlement in between still wakes the next wait.
-            let begin = self.claim(key, fingerprint).await?;
+            // Read after subscribing: a settlement in between still wakes the next wait. As a
+            // waiter: a store that announces only waited keys marks this one as it reads it.
+            let begin = self.claim_as(key, fingerprint, true).await?;
             let now = tokio::time::Instant::now();
             if !matches!(begin, KeyState::InFlight { .. }) || now >= deadline {
                 metrics::waited(match &begin {
@@ -76,18 +76,6 @@ impl<St: Store> Shared<St> {
                     KeyState::Mismatch => "mismatch",
                 });
                 return Ok(begin);
-            }
-            // Marked after each read that finds it in flight, since the next claim after a
-            // release is a new one: a settlement that commits after the mark announces the key;
-            // one before leaves nothing to mark, so the key is read again at once (a few times in
-            // a row at most, so that a store whose mark disagrees with its reads cannot spin us).
-            if subscription.is_some() {
-                if self.mark_waited(&key).await {
-                    settled_before_marked = 0;
-                } else if settled_before_marked < 3 {
-                    settled_before_marked += 1;
-                    continue;
-                }
             }
             let poll = notifier.map_or(poll, |notifier| notifier.poll_interval());
             let next = later(now, poll).min(deadline);
@@ -101,14 +89,5 @@ impl<St: Store> Shared<St> {
                 None => tokio::time::sleep_until(next).await,
             }
         }
-    }
-
-    /// [`Store::mark_waited`]; a failure is logged and taken as marked: the waiter then wakes by
-    /// its periodic read.
-    async fn mark_waited(&self, key: &ScopeKey) -> bool {
-        self.store.mark_waited(key).await.unwrap_or_else(|error| {
-            tracing::debug!(error = %Chain(&error), "could not mark a key as waited for");
-            true
-        })
     }
 }

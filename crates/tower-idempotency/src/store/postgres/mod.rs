@@ -455,7 +455,7 @@ impl Store for PostgresStore {
     }
 
     /// `LISTEN`/`NOTIFY`: from now on, each completion and release of this store (and of every
-    /// other instance whose layer waits) of a key a waiter marked ([`Store::mark_waited`]), and
+    /// other instance whose layer waits) of a key a waiter marked ([`ClaimRequest::waiting`]), and
     /// each of transactional mode, announces its key on the channel `idempotency_settled`. One
     /// connection listens to it for all the waiters of this process, opened beside the pool
     /// (with its options) so as not to take one of the requests'. With
@@ -467,16 +467,6 @@ impl Store for PostgresStore {
         self.notifications.emit.store(true, Ordering::Relaxed);
         self.notifications.listen(&self.pool);
         InFlightWatch::Notified(self.notifications.notifier.clone())
-    }
-
-    /// Only the keys marked here are announced when they settle: a notifying commit is
-    /// serialised with every other, so keys nobody waits for announce nothing. Transactional
-    /// mode announces every key (its claims are invisible until they commit): nothing to mark.
-    async fn mark_waited(&self, key: &ScopeKey) -> Result<bool, PostgresStoreError> {
-        if self.transactional {
-            return Ok(true);
-        }
-        self.mark_key_waited(key).await
     }
 
     /// Half the pool in transactional mode, where each claim holds a pooled connection.

@@ -466,6 +466,13 @@ impl Store for PostgresStore {
         }
         self.notifications.emit.store(true, Ordering::Relaxed);
         self.notifications.listen(&self.pool);
+        // Built outside a runtime, the listener is started by the first request that waits.
+        let (notifications, pool) = (Arc::downgrade(&self.notifications), self.pool.clone());
+        self.notifications.notifier.start_on_wait(move || {
+            if let Some(notifications) = notifications.upgrade() {
+                notifications.listen(&pool);
+            }
+        });
         InFlightWatch::Notified(self.notifications.notifier.clone())
     }
 

@@ -17,8 +17,13 @@ impl Notifications {
         self.emit.load(Ordering::Relaxed)
     }
 
-    /// Starts the listener, once, if there is a runtime to run it on (else at the next call).
+    /// Starts the listener, once, if there is a runtime to run it on (else at the next call:
+    /// the next request that waits, see [`PostgresStore::watch_in_flight`]).
     pub(super) fn listen(self: &Arc<Self>, pool: &PgPool) {
+        // Called as each request starts waiting: the common case reads one flag.
+        if self.listening.load(Ordering::Acquire) {
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };

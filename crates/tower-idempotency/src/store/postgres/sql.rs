@@ -177,6 +177,12 @@ macro_rules! fenced_statements {
                 " RETURNING scope_key, waited) ",
                 NOTIFY_WAITED!()
             ),
+            release_notify_all: concat!(
+                "WITH settled AS (",
+                release!($table),
+                " RETURNING scope_key) ",
+                NOTIFY_SETTLED!()
+            ),
         }
     };
 }
@@ -262,6 +268,8 @@ pub(super) struct Fenced {
     pub(super) complete_notify_all: &'static str,
     pub(super) release: &'static str,
     pub(super) release_notify: &'static str,
+    /// [`release_notify`](Self::release_notify) for every key, as `complete_notify_all`.
+    pub(super) release_notify_all: &'static str,
     /// Marks a key in flight as waited for unless it is already (not fenced: any duplicate
     /// may), and says whether it is marked: `false` when no claim of it is in flight any more.
     pub(super) mark_waited: &'static str,

@@ -26,6 +26,7 @@ pub fn claim_request(key: u8, fingerprint: u8) -> tower_idempotency::store::Clai
         fingerprint: tower_idempotency::Fingerprint::from_bytes([fingerprint; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
+        waiting: false,
     }
 }
 

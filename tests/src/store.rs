@@ -11,7 +11,7 @@ use std::{
 
 use tokio::sync::Semaphore;
 use tower_idempotency::{
-    Record, ScopeKey,
+    Record,
     store::{ClaimRequest, ClaimStatus, KeyState, Store},
 };
 
@@ -280,13 +280,5 @@ impl<St: Store> Store for ObservedStore<St> {
 
     fn watch_in_flight(&self) -> tower_idempotency::store::InFlightWatch {
         self.inner.watch_in_flight()
-    }
-
-    async fn mark_waited(&self, key: &ScopeKey) -> Result<bool, Self::Error> {
-        self.check().map_err(ObservedError::Down)?;
-        self.inner
-            .mark_waited(key)
-            .await
-            .map_err(ObservedError::Inner)
     }
 }

@@ -33,6 +33,7 @@ fn requests(keys: u8) -> Vec<ClaimRequest> {
                 fingerprint: Fingerprint::from_bytes([1; 32]),
                 lease: Duration::from_secs(30),
                 ttl: Duration::from_secs(24 * 3600),
+                waiting: false,
             }
         })
         .collect()

@@ -45,7 +45,8 @@ impl PostgresFixture for Bounced {
         // `LISTEN` does not work through transaction pooling: waiting duplicates poll.
         let store = PostgresStore::new(pool)
             .without_prepared_statements()
-            .with_in_flight_polling(std::time::Duration::from_millis(50));
+            .with_in_flight_polling(std::time::Duration::from_millis(50))
+            .expect("a valid interval");
         Self { db, store }
     }
 
@@ -123,6 +124,7 @@ async fn prepared_statements_break_through_pgbouncer_before_1_21() {
             fingerprint: Fingerprint::from_bytes([0; 32]),
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(60),
+            waiting: false,
         };
         store
             .begin(&request)

@@ -476,6 +476,7 @@ async fn an_unmigrated_database_says_so() {
         fingerprint: Fingerprint::from_bytes([2; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(60),
+        waiting: false,
     };
     let error = store.begin(&request).await.expect_err("no schema");
     assert!(
@@ -499,7 +500,7 @@ async fn an_unmigrated_database_says_so() {
     assert_eq!(probe.executions(), 0);
 }
 
-/// With waiting on, a settled key is announced (`NOTIFY`) only when a waiter marked it: every
+/// With waiting on, a settled key is announced (`NOTIFY`) only when a waiter's read marked it: every
 /// notifying commit is serialised with the others, so keys nobody waits for must send nothing.
 /// Transactional mode's claims cannot be marked (invisible until they commit): it announces all.
 mod announcements {
@@ -512,7 +513,7 @@ mod announcements {
     use sqlx::postgres::PgListener;
     use tower_idempotency::{
         Record,
-        store::{ClaimStatus, KeyState, PgClaim, PostgresStore, Store},
+        store::{ClaimRequest, ClaimStatus, KeyState, PgClaim, PostgresStore, Store},
     };
 
     const SENTINEL: &str = "sentinel";
@@ -590,11 +591,8 @@ mod announcements {
 
         let marked = claim(&store, 3).await;
         assert!(
-            store
-                .mark_waited(&claim_request(3, 1).key)
-                .await
-                .expect("mark"),
-            "a key in flight is marked"
+            matches!(wait_read(&store, 3).await, KeyState::InFlight { .. }),
+            "a waiter's read finds the key in flight and marks it"
         );
         assert_eq!(
             store.complete(&marked, &record()).await.expect("complete"),
@@ -602,24 +600,28 @@ mod announcements {
         );
         assert_eq!(next(&mut listener).await, payload(3));
         assert!(
-            !store
-                .mark_waited(&claim_request(3, 1).key)
-                .await
-                .expect("mark"),
-            "a settled key is not in flight: the waiter reads it again"
+            matches!(wait_read(&store, 3).await, KeyState::Completed { .. }),
+            "a settled key is not in flight: the waiter has its replay"
         );
         let marked = claim(&store, 4).await;
-        assert!(
-            store
-                .mark_waited(&claim_request(4, 1).key)
-                .await
-                .expect("mark")
-        );
+        assert!(matches!(
+            wait_read(&store, 4).await,
+            KeyState::InFlight { .. }
+        ));
         assert_eq!(
             store.release(&marked).await.expect("release"),
             ClaimStatus::Held
         );
         assert_eq!(next(&mut listener).await, payload(4));
+    }
+
+    /// A waiting duplicate's read of `key` (it marks a claim it finds in flight).
+    async fn wait_read(store: &PostgresStore, key: u8) -> KeyState<PgClaim> {
+        let request = ClaimRequest {
+            waiting: true,
+            ..claim_request(key, 1)
+        };
+        store.begin(&request).await.expect("begin")
     }
 
     #[tokio::test]
@@ -637,7 +639,9 @@ mod announcements {
     #[tokio::test]
     async fn in_partitioned_mode() {
         let (db, _) = migrated().await;
-        let store = PostgresStore::new(db.pool().clone()).partitioned(Duration::from_secs(3600));
+        let store = PostgresStore::new(db.pool().clone())
+            .partitioned(Duration::from_secs(3600))
+            .expect("a valid width");
         store.migrate().await.expect("partitions");
         only_marked_keys_are_announced(store, &db).await;
     }

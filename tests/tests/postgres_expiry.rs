@@ -91,6 +91,7 @@ async fn expiry_never_deletes_a_record_taken_over_while_it_runs() {
         fingerprint: Fingerprint::from_bytes([7; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
+        waiting: false,
     };
     let record = |i: u16| {
         Record::from_parts(

@@ -27,7 +27,9 @@ impl PostgresFixture for Partitioned {
 
     async fn start() -> Self {
         let db = TestDb::new().await;
-        let store = PostgresStore::new(db.pool().clone()).partitioned(WIDTH);
+        let store = PostgresStore::new(db.pool().clone())
+            .partitioned(WIDTH)
+            .expect("a valid width");
         store
             .migrate()
             .await
@@ -135,7 +137,8 @@ async fn upkeep_creates_ahead_and_drops_expired_partitions() {
     let db = TestDb::new().await;
     let store = PostgresStore::new(db.pool().clone())
         .partitioned(WIDTH)
-        .with_partitions_ahead(Duration::from_secs(5 * 3600));
+        .and_then(|store| store.with_partitions_ahead(Duration::from_secs(5 * 3600)))
+        .expect("valid partitioning");
     store.migrate().await.expect("migrate");
     let ahead = partitions(&db).await;
     assert!((5..=6).contains(&ahead.len()), "{ahead:?}");
@@ -219,6 +222,7 @@ async fn claim_expiring_at(
             fingerprint: Fingerprint::from_bytes([key; 32]),
             lease: Duration::from_secs(1),
             ttl: Duration::from_secs(ttl),
+            waiting: false,
         })
         .await
 }
@@ -236,7 +240,8 @@ async fn a_width_change_on_a_live_table_leaves_no_gap() {
     let (old, old_end) = loop {
         let old = PostgresStore::new(db.pool().clone())
             .partitioned(WIDTH)
-            .with_partitions_ahead(old_ahead);
+            .and_then(|store| store.with_partitions_ahead(old_ahead))
+            .expect("valid partitioning");
         old.migrate().await.expect("migrate");
         let end = bounds(&db).await.last().expect("hourly partitions").1;
         if end % NEW_WIDTH != 0 {
@@ -253,7 +258,8 @@ async fn a_width_change_on_a_live_table_leaves_no_gap() {
     let ahead = old_ahead + 2 * WIDTH;
     let new = PostgresStore::new(db.pool().clone())
         .partitioned(Duration::from_secs(NEW_WIDTH as u64))
-        .with_partitions_ahead(ahead);
+        .and_then(|store| store.with_partitions_ahead(ahead))
+        .expect("valid partitioning");
     new.maintain_partitions().await.expect("upkeep");
 
     let now = db_now(&db).await;
@@ -294,7 +300,8 @@ async fn an_overlap_the_store_cannot_account_for_fails_only_its_own_step() {
         .expect("pool");
     let store = PostgresStore::new(one_connection)
         .partitioned(WIDTH)
-        .with_partitions_ahead(WIDTH);
+        .and_then(|store| store.with_partitions_ahead(WIDTH))
+        .expect("valid partitioning");
     store.migrate().await.expect("migrate");
     let end = bounds(&db).await.last().expect("hourly partitions").1;
     db.pool()
@@ -310,7 +317,9 @@ async fn an_overlap_the_store_cannot_account_for_fails_only_its_own_step() {
 
     // Buckets `end` (overlapping, half uncovered) and `end + 1 h` are due.
     let before = bounds(&db).await.len();
-    let store = store.with_partitions_ahead(3 * WIDTH);
+    let store = store
+        .with_partitions_ahead(3 * WIDTH)
+        .expect("a valid window");
     let report = store.maintain_partitions().await.expect("upkeep");
     let live = bounds(&db).await;
     assert!(!live.iter().any(|&(start, _)| start == end), "{live:?}");
@@ -327,7 +336,9 @@ async fn an_overlap_the_store_cannot_account_for_fails_only_its_own_step() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn narrow_partitions_are_dropped_once_expired() {
     let db = TestDb::new().await;
-    let store = PostgresStore::new(db.pool().clone()).partitioned(WIDTH);
+    let store = PostgresStore::new(db.pool().clone())
+        .partitioned(WIDTH)
+        .expect("a valid width");
     store.migrate().await.expect("migrate");
     let ahead = bounds(&db).await;
     let start = ahead[0].0 - 600;

@@ -151,7 +151,9 @@ impl App {
 /// The store of [`App::LeasePartitioned`]: partitioned mode, [`PARTITION_WIDTH`] wide
 /// partitions.
 pub(crate) fn partitioned_store(pool: &PgPool) -> PostgresStore {
-    PostgresStore::new(pool.clone()).partitioned(PARTITION_WIDTH)
+    PostgresStore::new(pool.clone())
+        .partitioned(PARTITION_WIDTH)
+        .expect("PARTITION_WIDTH is a valid width")
 }
 
 /// Builds `app`. `pool` is `Some` exactly for apps that [use the database](App::uses_database).

@@ -179,6 +179,7 @@ impl Keys {
             // The layer's defaults.
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(24 * 60 * 60),
+            waiting: false,
         }
     }
 }

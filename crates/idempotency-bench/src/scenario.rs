@@ -42,6 +42,9 @@ pub(crate) enum Runner {
     Store { op: StoreOp },
     /// Storms of duplicates: one server process, many requests with one key at once.
     Storm(Storm),
+    /// Fresh keys at full load while `waiters` duplicates wait for one slow key on a second
+    /// server (0: the key sent alone); see `run::waiters`.
+    Waiters { waiters: usize },
 }
 
 /// A storm scenario: for each of `--storm-keys` keys, [`size`](Self::size) requests with that
@@ -334,6 +337,27 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         targets: &[Target::StormReplayed(STORM_SIZE)],
     },
     Scenario {
+        name: "waiter-storm-quiet",
+        about: "fresh keys at full load on a waiting lease server, while a second one runs one \
+                key with a 200 ms handler, sent once: the baseline of waiter-storm",
+        baseline: None,
+        runner: Runner::Waiters { waiters: 0 },
+        scale: true,
+        targets: &[],
+    },
+    Scenario {
+        name: "waiter-storm",
+        about: "the same with the key sent by 1,001 requests at once: 1,000 wait for it \
+                (issue 34.3); the other keys' req/s and p99, the holder's answer, the records' \
+                row updates",
+        baseline: Some("waiter-storm-quiet"),
+        runner: Runner::Waiters {
+            waiters: crate::run::WAITERS,
+        },
+        scale: true,
+        targets: &[Target::Throughput(0.9)],
+    },
+    Scenario {
         name: "large-bodies",
         about: "1 MiB JSON request bodies through the lease layer at 64 connections: peak RSS",
         baseline: None,
@@ -536,6 +560,8 @@ const GROUPS: &[(&str, &[&str])] = &[
             "expiry-reap",
             "partitioned-reap",
             "many-instances",
+            "waiter-storm-quiet",
+            "waiter-storm",
         ],
     ),
     (

@@ -3,19 +3,21 @@
 //! - [`databases`]: the run's databases, created, prepared and dropped;
 //! - [`http`]: one measurement of an HTTP scenario, and what runs beside its load;
 //! - [`cpu`]: the CPU time of the servers, PostgreSQL and this process over a window;
-//! - [`mod@print`]: the progress lines, the report's header and `--list`.
+//! - [`mod@print`]: the progress lines, the report's header and `--list`;
+//! - [`waiters`]: a storm of waiters on one key while other keys run at full load.
 
 mod cpu;
 mod databases;
 mod http;
 mod print;
+mod waiters;
 
 use std::{sync::Arc, time::Duration};
 
 use tokio::time::Instant;
 use tower_idempotency::store::PostgresStore;
 
-pub(crate) use self::cpu::CpuSnapshot;
+pub(crate) use self::{cpu::CpuSnapshot, waiters::WAITERS};
 use self::{
     cpu::cpu_probe,
     databases::Databases,
@@ -158,6 +160,7 @@ async fn measure(
     match scenario.runner {
         Runner::Http(http) => measure_http(dbs, scenario, &http, args, round).await,
         Runner::Storm(storm) => storm::measure(dbs.run(), storm, args, round).await,
+        Runner::Waiters { waiters } => waiters::measure(dbs.run(), waiters, args, round).await,
         Runner::Store { op } => {
             let db = dbs.run();
             let warmup = Duration::from_secs(args.warmup_secs);

@@ -78,7 +78,7 @@ pub(crate) async fn restore_expired_partitions(
     target: u64,
     width: Duration,
 ) -> Result<String, BoxError> {
-    let store = PostgresStore::new(db.control().clone()).partitioned(width);
+    let store = PostgresStore::new(db.control().clone()).partitioned(width)?;
     store.maintain_partitions().await?;
     let width = width.as_secs().max(1);
     let now = db_now(db).await?;

@@ -234,11 +234,23 @@ impl<St: Store> Shared<St> {
         key: ScopeKey,
         fingerprint: Fingerprint,
     ) -> Result<KeyState<St::Claim>, St::Error> {
+        self.claim_as(key, fingerprint, false).await
+    }
+
+    /// [`claim`](Self::claim), by a duplicate waiting for the key when `waiting`
+    /// ([`ClaimRequest::waiting`]).
+    pub(super) async fn claim_as(
+        &self,
+        key: ScopeKey,
+        fingerprint: Fingerprint,
+        waiting: bool,
+    ) -> Result<KeyState<St::Claim>, St::Error> {
         let request = ClaimRequest {
             key,
             fingerprint,
             lease: self.config.lease,
             ttl: self.config.ttl,
+            waiting,
         };
         let begin = metrics::timed("begin", self.store.begin(&request)).await?;
         if let KeyState::Completed {

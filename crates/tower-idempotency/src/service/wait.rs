@@ -76,9 +76,9 @@ impl<St: Store> Shared<St> {
             Some(InFlightWatch::Polled(every)) => (None, None, *every),
             None => (None, None, Duration::from_millis(100)),
         };
-        let mut settled_before_marked = 0;
         loop {
-            // Read after subscribing: a settlement in between still wakes the next wait.
+            // Read after subscribing: a settlement in between still wakes the next wait. As a
+            // waiter: a store that announces only waited keys marks this one as it reads it.
             let begin = match self.reread(key, fingerprint, hang_up).await {
                 Reread::Found(begin) => begin,
                 Reread::Failed => return Some(in_flight()),
@@ -97,18 +97,6 @@ impl<St: Store> Shared<St> {
             // Between reads the request holds nothing: a hang-up ends it there and then.
             if let Some(hang_up) = hang_up {
                 hang_up.waiting();
-            }
-            // Marked after each read that finds it in flight, since the next claim after a
-            // release is a new one: a settlement that commits after the mark announces the key;
-            // one before leaves nothing to mark, so the key is read again at once (a few times in
-            // a row at most, so that a store whose mark disagrees with its reads cannot spin us).
-            if subscription.is_some() {
-                if self.mark_waited(&key).await {
-                    settled_before_marked = 0;
-                } else if settled_before_marked < 3 {
-                    settled_before_marked += 1;
-                    continue;
-                }
             }
             let poll = notifier.map_or(poll, |notifier| notifier.poll_interval());
             let next = later(now, poll).min(deadline);
@@ -135,7 +123,7 @@ impl<St: Store> Shared<St> {
         if let Some(hang_up) = hang_up {
             hang_up.reading();
         }
-        let read = self.claim(key, fingerprint).await;
+        let read = self.claim_as(key, fingerprint, true).await;
         if hang_up.is_some_and(HangUp::client_left) {
             metrics::waited("hung_up");
             if let Ok(KeyState::Acquired { claim, .. }) = read {
@@ -157,14 +145,5 @@ impl<St: Store> Shared<St> {
                 Reread::Failed
             }
         }
-    }
-
-    /// [`Store::mark_waited`]; a failure is logged and taken as marked: the waiter then wakes by
-    /// its periodic read.
-    async fn mark_waited(&self, key: &ScopeKey) -> bool {
-        self.store.mark_waited(key).await.unwrap_or_else(|error| {
-            tracing::debug!(error = %Chain(&error), "could not mark a key as waited for");
-            true
-        })
     }
 }

@@ -13,6 +13,7 @@
 //!     fingerprint: Fingerprint::from_bytes([2; 32]),
 //!     lease: Duration::from_secs(30),
 //!     ttl: Duration::from_secs(86_400),
+//!     waiting: false,
 //! };
 //!
 //! // The first request acquires the key and runs the handler...
@@ -65,7 +66,10 @@ mod postgres;
 pub use memory::{MemoryStore, MemoryStoreError};
 pub use notify::{InFlightWatch, Notifier, POLL_WHILE_NOT_LIVE};
 #[cfg(feature = "postgres")]
-pub use postgres::{PartitionMaintenance, PgClaim, PostgresStore, PostgresStoreError};
+pub use postgres::{
+    MAX_PARTITIONS_AHEAD, MIN_IN_FLIGHT_POLLING, MIN_PARTITION_WIDTH, PartitionMaintenance,
+    PgClaim, PostgresConfigError, PostgresStore, PostgresStoreError,
+};
 
 /// What the layer asks a store to claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,6 +83,12 @@ pub struct ClaimRequest {
     /// How long the record lives, counted from its claim. A claim in flight outlives it while
     /// its lease is live; once completed (or lapsed), a record past its TTL is gone.
     pub ttl: Duration,
+    /// Whether the caller is a duplicate waiting for the key to settle, reading it again
+    /// ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)). A store that
+    /// announces only the keys someone waits for marks a key it finds in flight as waited for
+    /// in the same step (once per claim), so that the claim's settlement wakes the caller.
+    /// Other stores ignore it.
+    pub waiting: bool,
 }
 
 /// What [`Store::begin`] found the key in: free, and now the caller's (`Acquired`); in flight
@@ -233,21 +243,6 @@ pub trait Store: Send + Sync + 'static {
     /// is right for every store whose claims hold nothing of the store's.
     fn detached_limit(&self) -> Option<usize> {
         None
-    }
-
-    /// Called each time a waiting request has just found `key` in flight (subscribed to the
-    /// [`Notifier`], if the store has one). A store that announces only the keys someone waits
-    /// for records here that this one is, so that the settlement of whichever claim now holds
-    /// the key wakes the waiter. `Ok(false)` says the key was no longer in flight: the waiter
-    /// reads it again at once instead of waiting. The default does nothing and says `true`: the
-    /// store announces every settled key, or none. A failure is logged, and the waiter still
-    /// reads the key again every second, as it always does.
-    fn mark_waited(
-        &self,
-        key: &ScopeKey,
-    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
-        let _ = key;
-        std::future::ready(Ok(true))
     }
 
     /// How a request that waits for a key in flight
@@ -417,6 +412,7 @@ mod tests {
                 fingerprint: Fingerprint::from_bytes([0; 32]),
                 lease: Duration::from_secs(1),
                 ttl: Duration::from_secs(10),
+                waiting: false,
             };
             assert!(matches!(
                 store.begin(&request).await,

@@ -5,7 +5,7 @@ use std::{
     collections::HashMap,
     fmt,
     sync::{
-        Arc, Mutex,
+        Arc, Mutex, OnceLock,
         atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::Duration,
@@ -41,6 +41,8 @@ struct Inner {
     keys: Mutex<HashMap<[u8; 16], watch::Sender<()>>>,
     waiting: AtomicUsize,
     not_live: AtomicBool,
+    /// Called as each request starts waiting (see [`Notifier::start_on_wait`]).
+    on_wait: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 /// How often a waiter reads its key while notifications cannot be relied on.
@@ -100,8 +102,19 @@ impl Notifier {
         self.0.waiting.load(Ordering::Relaxed) > 0
     }
 
+    /// Has `start` called as each request starts waiting, for a store that wakes waiters from a
+    /// task of its own: the layer may be built outside a runtime, where none can be spawned, so
+    /// the first waiter starts it. `start` returns at once once it has started.
+    pub(crate) fn start_on_wait(&self, start: impl Fn() + Send + Sync + 'static) {
+        // Set once, by the store that owns this notifier.
+        let _ = self.0.on_wait.set(Box::new(start));
+    }
+
     /// Starts waiting for `key`: every notification from now on wakes the subscription.
     pub(crate) fn subscribe(&self, key: &ScopeKey) -> Subscription {
+        if let Some(start) = self.0.on_wait.get() {
+            start();
+        }
         let prefix = prefix(key);
         let receiver = self
             .keys()

@@ -231,6 +231,7 @@ impl Keys {
             fingerprint: Fingerprint::from_bytes([1; 32]),
             lease,
             ttl,
+            waiting: false,
         }
     }
 }

@@ -8,6 +8,7 @@ fn request(fingerprint: u8) -> ClaimRequest {
         fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
+        waiting: false,
     }
 }
 
@@ -100,6 +101,7 @@ async fn a_lease_longer_than_the_ttl_keeps_the_record() {
 fn short_ttl(fingerprint: u8) -> ClaimRequest {
     ClaimRequest {
         ttl: Duration::from_secs(2),
+        waiting: false,
         ..request(fingerprint)
     }
 }
@@ -285,6 +287,7 @@ fn periodic(n: u8, period: u8, ttl: Duration) -> ClaimRequest {
         fingerprint: Fingerprint::from_bytes([1; 32]),
         lease: Duration::from_secs(1),
         ttl,
+        waiting: false,
     }
 }
 
@@ -400,6 +403,7 @@ mod properties {
         let request = ClaimRequest {
             lease,
             ttl,
+            waiting: false,
             ..request(1)
         };
         let released = ClaimRequest {

@@ -15,6 +15,7 @@ impl PostgresStore {
         let sql = match (self.partitions.is_some(), self.transactional) {
             (true, _) => BEGIN_PARTITIONED,
             (false, true) => BEGIN_TRANSACTIONAL,
+            (false, false) if self.marks(request) => BEGIN_LEASE_WAITING,
             (false, false) => BEGIN_LEASE,
         };
         let statement = Statement::new(sql)
@@ -38,7 +39,8 @@ impl PostgresStore {
         request: &ClaimRequest,
     ) -> Result<KeyState<PgClaim>, PostgresStoreError> {
         let mut attempt = ClaimAttempt::new(self, request.key);
-        if self.batches() {
+        // A waiter's key has a row: the batch of new keys would only cost it a round trip.
+        if self.batches() && !request.waiting {
             let (pool, timeout) = (self.pool.clone(), self.timeout);
             let store = self.clone();
             let claimed = tokio::time::timeout(
@@ -76,10 +78,14 @@ impl PostgresStore {
                 Ok(Some(Batched::Done(None) | Batched::Alone) | None) => {}
             }
         }
-        for _ in 0..BEGIN_ATTEMPTS {
+        for tries_left in (0..BEGIN_ATTEMPTS).rev() {
             let statement = self.claim_statement(request, attempt.claimant);
             if let Some(row) = attempt.run(statement).await? {
                 let begin = decode_begin(request, &row)?;
+                // Settled unannounced since the read: read it again rather than wait for news.
+                if tries_left > 0 && !self.waiter_marked(request, &begin, &row).await? {
+                    continue;
+                }
                 attempt.settle();
                 return Ok(begin.map_claim(|lease| PgClaim { lease, tx: None }));
             }
@@ -87,6 +93,37 @@ impl PostgresStore {
         // No row in any try: nothing was claimed.
         attempt.settle();
         Err(PostgresStoreError::Contended)
+    }
+
+    /// Whether `request` is a waiter whose key this store marks (see [`ClaimRequest::waiting`]):
+    /// in lease mode, when settlements are announced. Transactional mode announces every key.
+    pub(super) fn marks(&self, request: &ClaimRequest) -> bool {
+        request.waiting && !self.transactional && self.notifications.emit()
+    }
+
+    /// Whether the claim a waiter found in flight is marked as waited for, so that its settlement
+    /// wakes the waiter; `true` for every other answer. The plain table's claim statement marks
+    /// it and says so; partitioned mode's marks it with a statement of its own.
+    async fn waiter_marked(
+        &self,
+        request: &ClaimRequest,
+        begin: &KeyState<Fence>,
+        row: &PgRow,
+    ) -> Result<bool, PostgresStoreError> {
+        if !self.marks(request) || !matches!(begin, KeyState::InFlight { .. }) {
+            return Ok(true);
+        }
+        if self.partitions.is_none() {
+            return Ok(row.try_get::<Option<bool>, _>("marked")?.unwrap_or(false));
+        }
+        // A failed mark leaves the waiter to its periodic read, as a lost announcement would.
+        Ok(self
+            .mark_key_waited(&request.key)
+            .await
+            .unwrap_or_else(|error| {
+                tracing::debug!(%error, "could not mark a key as waited for");
+                true
+            }))
     }
 
     pub(super) async fn begin_transactional(

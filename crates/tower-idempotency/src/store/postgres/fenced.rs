@@ -39,9 +39,11 @@ impl PostgresStore {
                 Some(Batched::Alone) | None => {}
             }
         }
+        // Transactional mode's waiters mark nothing (see `complete_sql`): a claim of its taken
+        // again in lease mode after a failed commit announces its key all the same.
         self.fenced(
             "complete",
-            complete_statement(self.complete_sql(false), held, record),
+            complete_statement(self.complete_sql(self.transactional), held, record),
             &self.pool,
         )
         .await
@@ -51,10 +53,10 @@ impl PostgresStore {
         &self,
         held: &Fence,
     ) -> Result<ClaimStatus, PostgresStoreError> {
-        let sql = if self.notifications.emit() {
-            self.fenced_sql().release_notify
-        } else {
-            self.fenced_sql().release
+        let sql = match (self.notifications.emit(), self.transactional) {
+            (false, _) => self.fenced_sql().release,
+            (true, false) => self.fenced_sql().release_notify,
+            (true, true) => self.fenced_sql().release_notify_all,
         };
         self.fenced("release", fenced_statement(sql, held), &self.pool)
             .await

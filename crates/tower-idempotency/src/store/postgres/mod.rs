@@ -32,6 +32,7 @@ mod fenced;
 mod group_commit;
 mod notify;
 mod partitions;
+mod settings;
 mod sql;
 mod statement;
 mod transaction;
@@ -47,6 +48,9 @@ use transaction::*;
 
 pub use error::PostgresStoreError;
 pub use partitions::PartitionMaintenance;
+pub use settings::{
+    MAX_PARTITIONS_AHEAD, MIN_IN_FLIGHT_POLLING, MIN_PARTITION_WIDTH, PostgresConfigError,
+};
 
 /// The [`Store`] for production: PostgreSQL, shared by every instance of the application.
 ///
@@ -106,6 +110,9 @@ pub struct PostgresStore {
     transactional: bool,
     prepared: bool,
     partitions: Option<Partitioning>,
+    /// How far ahead partitioned mode keeps partitions, whether set before or after
+    /// [`partitioned`](Self::partitioned).
+    partitions_ahead: Duration,
     /// Where the current expiry drain stands: every record expiring before it was deleted or
     /// skipped as locked by this store's earlier batches (microseconds since the Unix epoch;
     /// 0 when no drain is under way). Reset by a short batch, so the next drain starts from
@@ -158,6 +165,7 @@ impl PostgresStore {
             transactional: false,
             prepared: true,
             partitions: None,
+            partitions_ahead: Duration::from_secs(2 * 24 * 3600),
             expiry_cursor: Arc::default(),
             // A claim whose caller stopped waiting before its batch was written is not written.
             new_claims: Arc::new(Batcher::new(MAX_BATCH).skipping_abandoned()),
@@ -184,23 +192,41 @@ impl PostgresStore {
     /// Claims are still one statement, serialised per key by a transaction-scoped advisory lock
     /// (a partitioned table cannot have a unique index on the key alone). Both lease and
     /// transactional mode work on it.
-    #[must_use]
-    pub fn partitioned(mut self, width: Duration) -> Self {
-        let ahead = self
-            .partitions
-            .map_or(Duration::from_secs(2 * 24 * 3600), |p| p.ahead);
-        self.partitions = Some(Partitioning { width, ahead });
-        self
+    ///
+    /// # Errors
+    ///
+    /// [`PostgresConfigError::Zero`] for a zero width, [`PostgresConfigError::TooShort`] for one
+    /// under [`MIN_PARTITION_WIDTH`], [`PostgresConfigError::TooManyPartitions`] when more than
+    /// [`MAX_PARTITIONS_AHEAD`] would be kept ahead. A width over [`MAX_DURATION`] is taken as it.
+    ///
+    /// [`MAX_DURATION`]: crate::MAX_DURATION
+    pub fn partitioned(mut self, width: Duration) -> Result<Self, PostgresConfigError> {
+        let width = settings::duration("partition_width", width, MIN_PARTITION_WIDTH)?;
+        settings::partitions_fit(width, self.partitions_ahead)?;
+        self.partitions = Some(Partitioning {
+            width,
+            ahead: self.partitions_ahead,
+        });
+        Ok(self)
     }
 
     /// How far ahead partitioned mode keeps partitions (default 2 days): longer than the
     /// layer's TTL and lease, or claims fail (`503`) for want of a partition for their expiry.
-    #[must_use]
-    pub fn with_partitions_ahead(mut self, ahead: Duration) -> Self {
+    /// It may be set before or after [`partitioned`](Self::partitioned).
+    ///
+    /// # Errors
+    ///
+    /// [`PostgresConfigError::Zero`] for zero, [`PostgresConfigError::TooManyPartitions`] when
+    /// more than [`MAX_PARTITIONS_AHEAD`] partitions would be kept ahead. A window over
+    /// [`MAX_DURATION`](crate::MAX_DURATION) is taken as it.
+    pub fn with_partitions_ahead(mut self, ahead: Duration) -> Result<Self, PostgresConfigError> {
+        let ahead = settings::duration("partitions_ahead", ahead, Duration::ZERO)?;
         if let Some(partitions) = &mut self.partitions {
+            settings::partitions_fit(partitions.width, ahead)?;
             partitions.ahead = ahead;
         }
-        self
+        self.partitions_ahead = ahead;
+        Ok(self)
     }
 
     /// Sends each statement as one simple-protocol query instead of a cached prepared statement,
@@ -219,10 +245,19 @@ impl PostgresStore {
     /// ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)) read the key again
     /// every `interval` instead of being woken by `LISTEN`/`NOTIFY`: for PgBouncer in
     /// transaction pooling mode, through which `LISTEN` does not work.
-    #[must_use]
-    pub fn with_in_flight_polling(mut self, interval: Duration) -> Self {
+    ///
+    /// # Errors
+    ///
+    /// [`PostgresConfigError::Zero`] for zero, [`PostgresConfigError::TooShort`] for an interval
+    /// under [`MIN_IN_FLIGHT_POLLING`]. One over [`MAX_DURATION`](crate::MAX_DURATION) is taken
+    /// as it.
+    pub fn with_in_flight_polling(
+        mut self,
+        interval: Duration,
+    ) -> Result<Self, PostgresConfigError> {
+        let interval = settings::duration("in_flight_polling", interval, MIN_IN_FLIGHT_POLLING)?;
         self.in_flight_polling = Some(interval);
-        self
+        Ok(self)
     }
 
     /// Switches to transactional mode: each claim opens a transaction on a pooled connection,
@@ -420,7 +455,7 @@ impl Store for PostgresStore {
     }
 
     /// `LISTEN`/`NOTIFY`: from now on, each completion and release of this store (and of every
-    /// other instance whose layer waits) of a key a waiter marked ([`Store::mark_waited`]), and
+    /// other instance whose layer waits) of a key a waiter marked ([`ClaimRequest::waiting`]), and
     /// each of transactional mode, announces its key on the channel `idempotency_settled`. One
     /// connection listens to it for all the waiters of this process, opened beside the pool
     /// (with its options) so as not to take one of the requests'. With
@@ -431,17 +466,14 @@ impl Store for PostgresStore {
         }
         self.notifications.emit.store(true, Ordering::Relaxed);
         self.notifications.listen(&self.pool);
+        // Built outside a runtime, the listener is started by the first request that waits.
+        let (notifications, pool) = (Arc::downgrade(&self.notifications), self.pool.clone());
+        self.notifications.notifier.start_on_wait(move || {
+            if let Some(notifications) = notifications.upgrade() {
+                notifications.listen(&pool);
+            }
+        });
         InFlightWatch::Notified(self.notifications.notifier.clone())
-    }
-
-    /// Only the keys marked here are announced when they settle: a notifying commit is
-    /// serialised with every other, so keys nobody waits for announce nothing. Transactional
-    /// mode announces every key (its claims are invisible until they commit): nothing to mark.
-    async fn mark_waited(&self, key: &ScopeKey) -> Result<bool, PostgresStoreError> {
-        if self.transactional {
-            return Ok(true);
-        }
-        self.mark_key_waited(key).await
     }
 
     /// Half the pool in transactional mode, where each claim holds a pooled connection.

@@ -17,8 +17,13 @@ impl Notifications {
         self.emit.load(Ordering::Relaxed)
     }
 
-    /// Starts the listener, once, if there is a runtime to run it on (else at the next call).
+    /// Starts the listener, once, if there is a runtime to run it on (else at the next call:
+    /// the next request that waits, see [`PostgresStore::watch_in_flight`]).
     pub(super) fn listen(self: &Arc<Self>, pool: &PgPool) {
+        // Called as each request starts waiting: the common case reads one flag.
+        if self.listening.load(Ordering::Acquire) {
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -84,15 +89,22 @@ pub(super) async fn listen(notifications: std::sync::Weak<Notifications>, pool: 
 }
 
 impl PostgresStore {
-    /// Marks `key`, in flight, as waited for, so that its completion or release announces it;
-    /// `false` when no claim of it was in flight any more (see [`Store::mark_waited`]).
+    /// Marks `key`, in flight, as waited for unless it is already, so that its completion or
+    /// release announces it; `false` when no claim of it was in flight any more. Partitioned
+    /// mode's mark; the plain table's rides on the waiter's claim statement.
     pub(super) async fn mark_key_waited(&self, key: &ScopeKey) -> Result<bool, PostgresStoreError> {
         let statement =
             Statement::new(self.fenced_sql().mark_waited).with(Param::Key(stored_key(key)));
-        let marked = self
-            .timed("mark_waited", statement.execute(self.prepared, &self.pool))
+        let row = self
+            .timed(
+                "mark_waited",
+                statement.fetch_optional(self.prepared, &self.pool),
+            )
             .await?;
-        Ok(marked.rows_affected() > 0)
+        Ok(match row {
+            Some(row) => row.try_get::<bool, _>("marked")?,
+            None => false,
+        })
     }
 
     /// Wakes the duplicates waiting for `key` after a rollback freed it (a rollback notifies

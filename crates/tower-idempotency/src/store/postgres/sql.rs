@@ -15,17 +15,23 @@
 // so a row committed by a racing claim after the snapshot was taken can be invisible; the
 // statement then returns nothing and the caller runs it again (rare, and safe: nothing was
 // claimed). `$5` is the attempt's claimant: a row it finds in flight under that id is its own
-// (`mine`), claimed by an earlier try whose answer was lost.
+// (`mine`), claimed by an earlier try whose answer was lost. A waiting duplicate's variant marks
+// a claim it finds in flight as waited for (`mark`), once per claim, and says in `marked` whether
+// the claim is marked, by it or before: if not, the claim settled meanwhile and its settlement
+// announced nothing, so the caller reads the key again rather than waiting to be woken.
 macro_rules! begin_statement {
-    (lock: $lock:literal, gate: $gate:literal, existing: $existing:literal, busy: $busy:literal) => {
+    (lock: $lock:literal, mark: $mark:literal, marked: $marked:literal, gate: $gate:literal,
+     existing: $existing:literal, busy: $busy:literal) => {
         concat!(
             "WITH ",
             $lock,
             "existing AS MATERIALIZED (
                 SELECT token, takeover, fingerprint, lease_until, expires_at, created_at, claimant,
-                       status, header_names, header_values, body
+                       status, header_names, header_values, body, waited
                 FROM idempotency.records WHERE scope_key = $1
-            ),
+            ), ",
+            $mark,
+            "
             inserted AS (
                 INSERT INTO idempotency.records
                     (scope_key, fingerprint, token, expires_at, lease_until, claimant)
@@ -64,7 +70,7 @@ macro_rules! begin_statement {
                    NULL::boolean AS same_fingerprint, NULL::float8 AS lease_remaining,
                    NULL::float8 AS expires_in,
                    NULL::int2 AS status, NULL::text[] AS header_names, NULL::bytea[] AS header_values,
-                   NULL::bytea AS body, NULL::boolean AS mine
+                   NULL::bytea AS body, NULL::boolean AS mine, NULL::boolean AS marked
             FROM claimed ",
             $busy,
             " UNION ALL
@@ -72,7 +78,9 @@ macro_rules! begin_statement {
                    e.fingerprint = $2, extract(epoch FROM e.lease_until - now())::float8,
                    extract(epoch FROM least(e.expires_at, e.created_at + $4::interval) - now())::float8,
                    e.status, e.header_names, e.header_values, e.body,
-                   coalesce(e.claimant = $5, false) AND e.status IS NULL
+                   coalesce(e.claimant = $5, false) AND e.status IS NULL, ",
+            $marked,
+            "
             FROM existing e
             WHERE e.expires_at > now()
               AND NOT (e.created_at + $4::interval <= now()
@@ -83,14 +91,36 @@ macro_rules! begin_statement {
     };
 }
 
-pub(super) const BEGIN_LEASE: &str = begin_statement!(lock: "", gate: "", existing: "", busy: "");
+pub(super) const BEGIN_LEASE: &str = begin_statement!(
+    lock: "", mark: "", marked: "NULL::boolean", gate: "", existing: "", busy: ""
+);
+
+/// [`BEGIN_LEASE`] for a waiting duplicate ([`ClaimRequest::waiting`](crate::store::ClaimRequest)):
+/// a claim in flight with its fingerprint and a live lease is marked `waited`, unless it is
+/// already, a row update once per claim however many duplicates wait. The lease condition
+/// excludes every row `taken` may update, so no row is updated twice in the statement.
+pub(super) const BEGIN_LEASE_WAITING: &str = begin_statement!(
+    lock: "",
+    mark: "marked AS (
+        UPDATE idempotency.records r SET waited = true
+        WHERE r.scope_key = $1 AND r.fingerprint = $2 AND r.status IS NULL
+          AND r.waited IS NOT TRUE AND r.lease_until > now() AND r.expires_at > now()
+        RETURNING 1
+    ),",
+    marked: "EXISTS (SELECT FROM marked) OR coalesce(e.waited, false)",
+    gate: "",
+    existing: "",
+    busy: ""
+);
 
 pub(super) const BEGIN_TRANSACTIONAL: &str = begin_statement!(
     lock: "lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($6) AS held), ",
+    mark: "",
+    marked: "NULL::boolean",
     gate: "AND (SELECT held FROM lock)",
     // Without the lock, only a completed record is answered: an uncommitted claim is invisible.
     existing: "AND ((SELECT held FROM lock) OR e.status IS NOT NULL)",
-    busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+    busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
            FROM lock WHERE NOT lock.held AND NOT EXISTS (
                SELECT FROM existing e WHERE e.status IS NOT NULL AND e.expires_at > now()
                  AND e.created_at + $4::interval > now())"
@@ -123,10 +153,16 @@ macro_rules! fenced_statements {
                 NOTIFY_SETTLED!()
             ),
             mark_waited: concat!(
-                "UPDATE idempotency.",
+                "WITH marked AS (UPDATE idempotency.",
                 $table,
                 " SET waited = true
-                 WHERE scope_key = $1 AND status IS NULL AND expires_at > now()"
+                 WHERE scope_key = $1 AND status IS NULL AND waited IS NOT TRUE
+                   AND lease_until > now() AND expires_at > now()
+                 RETURNING 1)
+                 SELECT EXISTS (SELECT FROM marked) OR EXISTS (SELECT FROM idempotency.",
+                $table,
+                " WHERE scope_key = $1 AND status IS NULL AND waited AND expires_at > now())
+                 AS marked"
             ),
             release: concat!("", release!($table)),
             abandon: concat!(
@@ -140,6 +176,12 @@ macro_rules! fenced_statements {
                 release!($table),
                 " RETURNING scope_key, waited) ",
                 NOTIFY_WAITED!()
+            ),
+            release_notify_all: concat!(
+                "WITH settled AS (",
+                release!($table),
+                " RETURNING scope_key) ",
+                NOTIFY_SETTLED!()
             ),
         }
     };
@@ -226,7 +268,10 @@ pub(super) struct Fenced {
     pub(super) complete_notify_all: &'static str,
     pub(super) release: &'static str,
     pub(super) release_notify: &'static str,
-    /// Marks a key in flight as waited for (not fenced: any duplicate may).
+    /// [`release_notify`](Self::release_notify) for every key, as `complete_notify_all`.
+    pub(super) release_notify_all: &'static str,
+    /// Marks a key in flight as waited for unless it is already (not fenced: any duplicate
+    /// may), and says whether it is marked: `false` when no claim of it is in flight any more.
     pub(super) mark_waited: &'static str,
     /// Ends a stopped handler's lease now, so the next request takes the key over at once.
     pub(super) abandon: &'static str,

@@ -1,28 +1,32 @@
 //! The request fingerprint: see [`Fingerprint`].
 
+mod canon;
 mod coverage;
+#[cfg(test)]
+mod equivalence;
 mod form;
 mod json;
 #[cfg(test)]
+mod oracle;
+mod pointer;
+#[cfg(test)]
 mod properties;
+mod token;
 
 use std::{borrow::Cow, fmt};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
-use serde::{
-    Serialize,
-    de::{Deserialize, DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor},
-};
 use sha2::{Digest, Sha256};
 
 pub(crate) use coverage::{Coverage, compute_for_request};
 #[doc(hidden)]
 pub use form::{FormPair, canonical_form_pairs};
-use form::{form_decode, put_pairs};
-use json::hash_json;
+use form::{excluded_names, put_pairs, put_pairs_without};
 #[doc(hidden)]
 pub use json::{CanonicalJsonError, canonical_json};
+use json::{hash_json, hash_json_excluding};
+use pointer::Exclusions;
 
 /// How request bodies are compared; see the [`Fingerprint`](crate::Fingerprint).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -111,33 +115,33 @@ impl Fingerprint {
         content_type: Option<&HeaderValue>,
         body: &[u8],
     ) -> Self {
+        let mut hasher = Self::head(mode, method, uri);
+        match mode {
+            FingerprintMode::Raw => put_raw(&mut hasher, body),
+            FingerprintMode::Semantic => match BodyKind::of(content_type) {
+                BodyKind::Json if hash_json(&mut hasher, body) => {}
+                BodyKind::Form => {
+                    hasher.update(b"form\0");
+                    put_pairs(&mut hasher, body);
+                }
+                BodyKind::Json | BodyKind::Other => put_raw(&mut hasher, body),
+            },
+        }
+        Self(hasher.finalize().into())
+    }
+
+    /// The hasher after the method, the path and the query: what every body follows.
+    fn head(mode: FingerprintMode, method: &Method, uri: &Uri) -> Sha256 {
         let mut hasher = Sha256::new();
         hasher.update(b"tower-idempotency/fingerprint/v1\0");
         put_field(&mut hasher, method.as_str().as_bytes());
         put_field(&mut hasher, uri.path().as_bytes());
         let query = uri.query().unwrap_or("").as_bytes();
         match mode {
-            FingerprintMode::Raw => {
-                put_field(&mut hasher, query);
-                hasher.update(b"raw\0");
-                hasher.update(body);
-            }
-            FingerprintMode::Semantic => {
-                put_pairs(&mut hasher, query);
-                match BodyKind::of(content_type) {
-                    BodyKind::Json if hash_json(&mut hasher, body) => {}
-                    BodyKind::Form => {
-                        hasher.update(b"form\0");
-                        put_pairs(&mut hasher, body);
-                    }
-                    BodyKind::Json | BodyKind::Other => {
-                        hasher.update(b"raw\0");
-                        hasher.update(body);
-                    }
-                }
-            }
+            FingerprintMode::Raw => put_field(&mut hasher, query),
+            FingerprintMode::Semantic => put_pairs(&mut hasher, query),
         }
-        Self(hasher.finalize().into())
+        hasher
     }
 
     /// Rebuilds a fingerprint from its 32 bytes, as a store reads it back.
@@ -184,6 +188,11 @@ impl BodyKind {
             Self::Other
         }
     }
+}
+
+fn put_raw(hasher: &mut Sha256, body: &[u8]) {
+    hasher.update(b"raw\0");
+    hasher.update(body);
 }
 
 fn put_field(hasher: &mut Sha256, bytes: &[u8]) {

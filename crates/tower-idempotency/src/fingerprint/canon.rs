@@ -184,6 +184,7 @@ impl<S: Sink> Canon<'_, '_, '_, S> {
         Ok(())
     }
 
+    #[inline]
     fn number(&mut self) -> Result<(), Stop> {
         let start = self.pos;
         let Some(number) = read_number(self.input, start) else {
@@ -228,7 +229,14 @@ impl<S: Sink> Canon<'_, '_, '_, S> {
         }
         for index in 0.. {
             let child = self.enter_element(path, live.clone(), index);
-            self.value(depth_left, path + 1, child.clone())?;
+            if child.is_empty() && matches!(self.input.get(self.pos), Some(b'-' | b'0'..=b'9')) {
+                // The common element, read without the dispatch of `value`; a run of short
+                // integers, already canonical, is skipped in one tight loop.
+                self.pos = integer_run(self.input, self.pos);
+                self.number()?;
+            } else {
+                self.value(depth_left, path + 1, child.clone())?;
+            }
             self.live.truncate(child.start);
             if self.open_objects == 0 && self.out_pos() >= OUT_CHUNK {
                 self.drain();
@@ -270,6 +278,10 @@ impl<S: Sink> Canon<'_, '_, '_, S> {
         if self.input.get(self.pos) == Some(&b'}') {
             self.pos += 1;
             return Ok(());
+        }
+        if self.open_objects == 0 {
+            // What the outermost object's canonical form needs, without doubling's slack.
+            self.out.reserve_exact(self.input.len() - self.pos);
         }
         self.open_objects += 1;
         let (first, arena) = (self.members.len(), self.arena.len());
@@ -399,6 +411,7 @@ impl<S: Sink> Canon<'_, '_, '_, S> {
                 .get(i + 1)
                 .is_none_or(|next| names(next) != names(m));
             if !deduplicate || last_of_name {
+                grow_gently(&mut self.spans);
                 self.spans.push((m.start, m.end));
             }
         }
@@ -470,4 +483,41 @@ fn name_bytes<'b>(input: &'b [u8], arena: &'b [u8], name: u32, len: u32) -> &'b 
         (input, name)
     };
     &source[at as usize..(at + len) as usize]
+}
+
+/// Skips a run of integers of at most 18 digits separated by single commas (`1,-22,333,`),
+/// each its own canonical form, up to the start of the run's last number, which the caller
+/// reads as any number: what follows it decides whether it is one.
+fn integer_run(input: &[u8], mut at: usize) -> usize {
+    loop {
+        let start = at;
+        let mut i = at + usize::from(input.get(at) == Some(&b'-'));
+        let first = i;
+        match input.get(i) {
+            Some(b'0') => i += 1,
+            Some(b'1'..=b'9') => {
+                i += 1;
+                while input.get(i).is_some_and(u8::is_ascii_digit) {
+                    i += 1;
+                }
+            }
+            _ => return start,
+        }
+        let negative_zero = first != start && i == first + 1 && input[first] == b'0';
+        if i - first > 18 || negative_zero || input.get(i) != Some(&b',') {
+            return start;
+        }
+        if !matches!(input.get(i + 1), Some(b'-' | b'0'..=b'9')) {
+            return start;
+        }
+        at = i + 1;
+    }
+}
+
+/// Makes room for one more element by a quarter more, not double: records are held until
+/// their object closes, and doubling would hold up to twice what they need.
+fn grow_gently<T>(records: &mut Vec<T>) {
+    if records.len() == records.capacity() {
+        records.reserve_exact(records.len() / 4 + 64);
+    }
 }

@@ -1,5 +1,7 @@
 //! The request fingerprint: see [`Fingerprint`].
 
+#[cfg(test)]
+mod bounds;
 mod canon;
 mod coverage;
 #[cfg(test)]
@@ -142,6 +144,30 @@ impl Fingerprint {
             FingerprintMode::Semantic => put_pairs(&mut hasher, query),
         }
         hasher
+    }
+
+    /// [`compute`](Self::compute) with the body fields at the JSON Pointers `excluded` left
+    /// out, as [`with_fingerprint_excluding`](crate::IdempotencyLayer::with_fingerprint_excluding)
+    /// computes it; for benchmarks and fuzzing.
+    #[doc(hidden)]
+    pub fn compute_excluding(
+        mode: FingerprintMode,
+        method: &Method,
+        uri: &Uri,
+        content_type: Option<&HeaderValue>,
+        body: &[u8],
+        excluded: &[String],
+    ) -> Self {
+        let mut headers = HeaderMap::new();
+        if let Some(content_type) = content_type {
+            headers.insert(http::header::CONTENT_TYPE, content_type.clone());
+        }
+        let coverage = Coverage {
+            mode,
+            excluded: excluded.to_vec(),
+            headers: Vec::new(),
+        };
+        coverage.fingerprint(method, uri, &headers, body)
     }
 
     /// Rebuilds a fingerprint from its 32 bytes, as a store reads it back.

@@ -118,6 +118,7 @@ pub(super) struct Number {
 }
 
 /// Reads the number at `start` by JSON's grammar; `None` when it is not one.
+#[inline]
 pub(super) fn read_number(input: &[u8], start: usize) -> Option<Number> {
     let negative = input.get(start) == Some(&b'-');
     let int_start = start + usize::from(negative);
@@ -158,6 +159,7 @@ pub(super) fn read_number(input: &[u8], start: usize) -> Option<Number> {
     })
 }
 
+#[inline]
 fn digits_end(input: &[u8], mut at: usize) -> usize {
     while input.get(at).is_some_and(u8::is_ascii_digit) {
         at += 1;
@@ -170,6 +172,7 @@ impl Number {
     /// an integer short enough for `i64`/`u64` (not `-0`), or a decimal of at most 15
     /// significant digits (so exactly one double's shortest form) without a trailing zero,
     /// in the range written without an exponent.
+    #[inline]
     pub(super) fn is_canonical(&self, token: &[u8]) -> bool {
         if self.exponent {
             return false;

@@ -33,6 +33,9 @@ pub(crate) enum Command {
         /// Timed runs of each shape; the median is reported.
         #[arg(long, default_value_t = 15)]
         iterations: usize,
+        /// Only the shapes whose name contains this.
+        #[arg(long, default_value = "")]
+        only: String,
     },
 }
 

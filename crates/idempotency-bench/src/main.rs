@@ -61,8 +61,8 @@ fn main() -> ExitCode {
         .init();
 
     let (thread_name, outcome) = match cli.command {
-        Some(Command::FingerprintCosts { iterations }) => {
-            fingerprint_cost::run(iterations);
+        Some(Command::FingerprintCosts { iterations, only }) => {
+            fingerprint_cost::run(iterations, &only);
             return ExitCode::SUCCESS;
         }
         Some(Command::Serve(args)) => ("bench-server", Task::Serve(args)),

@@ -93,14 +93,22 @@ pub enum FingerprintMode {
 ///
 /// A fingerprint costs time and memory linear in the request, whatever the request holds:
 ///
+/// * A JSON body is canonicalised in one pass over its bytes, without building a tree of
+///   its values, with or without fields left out: runs already in canonical form are copied
+///   as they are, and an object whose members arrive out of order is not moved but emitted
+///   once in sorted order from a record of its members' places. Nesting deeper than 127 (the
+///   limit of serde_json, whose reading the canonical form follows) is not JSON: the body is
+///   hashed as its raw bytes, the same way on every retry.
 /// * A form body or query string of more than 10,000 pairs is hashed as its raw bytes, not
 ///   decoded and sorted (Django's `DATA_UPLOAD_MAX_NUMBER_FIELDS` and PHP's `max_input_vars`
 ///   cap fields likewise, at 1,000). The pairs are counted first, without decoding; a retry
-///   with the same bytes still matches, a reordered one is a `422`.
-/// * Sorting the members of a JSON body's objects may move at most 4 × the body's length plus
-///   64 KiB into place in total. A document that needs more (objects out of order at every
-///   level of a deep nesting) is hashed as its raw bytes, as a body that is not JSON is; within
-///   this budget the canonical form is the one described above.
+///   with the same bytes still matches, a reordered one is a `422`. Fields left out of a form
+///   are found without decoding a copy of it.
+/// * A JSON body whose out-of-order objects total more than 4 × its length plus 64 KiB (objects
+///   out of order at every level of a deep nesting) is hashed as its raw bytes, as a body that
+///   is not JSON is; this limit bounded the work of an earlier canonicaliser, and is kept so
+///   that such a body keeps the fingerprint it had. Within it, the canonical form is the one
+///   described above.
 /// * A body over 64 KiB is fingerprinted on Tokio's blocking thread pool
 ///   ([`spawn_blocking`](tokio::task::spawn_blocking)), so it does not hold up the async
 ///   worker threads that serve other requests; as many at once as there are cores, the others

@@ -27,6 +27,16 @@ pub(crate) enum Command {
     /// Runs one benchmark server (used by the benchmark itself, not by people).
     #[command(hide = true)]
     Serve(ServeArgs),
+    /// Times the fingerprint of each hostile body shape in process, against plain bytes of
+    /// the same size (no database, no HTTP).
+    FingerprintCosts {
+        /// Timed runs of each shape; the median is reported.
+        #[arg(long, default_value_t = 15)]
+        iterations: usize,
+        /// Only the shapes whose name contains this.
+        #[arg(long, default_value = "")]
+        only: String,
+    },
 }
 
 /// Options of a benchmark run.

@@ -31,6 +31,7 @@ mod app;
 mod ceiling;
 mod cli;
 mod db;
+mod fingerprint_cost;
 mod load;
 mod procfs;
 mod reaper;
@@ -60,6 +61,10 @@ fn main() -> ExitCode {
         .init();
 
     let (thread_name, outcome) = match cli.command {
+        Some(Command::FingerprintCosts { iterations, only }) => {
+            fingerprint_cost::run(iterations, &only);
+            return ExitCode::SUCCESS;
+        }
         Some(Command::Serve(args)) => ("bench-server", Task::Serve(args)),
         None => ("bench-client", Task::Bench(cli.bench)),
     };

@@ -200,7 +200,7 @@ const CACHED_REPLAYS: Workload = Workload {
 const STORM_SIZE: usize = 32;
 
 /// The hostile bodies' size: just under the layer's default limit (2 MiB), and axum's.
-const HOSTILE_BODY_BYTES: usize = 2 * 1024 * 1024 - 1024;
+pub(crate) const HOSTILE_BODY_BYTES: usize = 2 * 1024 * 1024 - 1024;
 
 /// The hostile-body scenarios' fixed concurrency.
 const HOSTILE_CONNECTIONS: usize = 16;

@@ -31,25 +31,12 @@ impl Coverage {
         if self.excluded.is_empty() && self.headers.is_empty() {
             return Fingerprint::compute(self.mode, method, uri, content_type, body);
         }
-        let trimmed;
-        let body = match (self.mode, BodyKind::of(content_type)) {
-            (FingerprintMode::Semantic, BodyKind::Json) if !self.excluded.is_empty() => {
-                match without_json_fields(body, &self.excluded) {
-                    Some(without) => {
-                        trimmed = without;
-                        &trimmed[..]
-                    }
-                    None => body,
-                }
+        let Fingerprint(body_only) = match (self.mode, BodyKind::of(content_type)) {
+            (FingerprintMode::Semantic, kind) if !self.excluded.is_empty() => {
+                self.fingerprint_excluding(method, uri, kind, body)
             }
-            (FingerprintMode::Semantic, BodyKind::Form) if !self.excluded.is_empty() => {
-                trimmed = without_form_fields(body, &self.excluded);
-                &trimmed[..]
-            }
-            _ => body,
+            _ => Fingerprint::compute(self.mode, method, uri, content_type, body),
         };
-        let Fingerprint(body_only) =
-            Fingerprint::compute(self.mode, method, uri, content_type, body);
         if self.headers.is_empty() {
             return Fingerprint(body_only);
         }
@@ -67,6 +54,28 @@ impl Coverage {
         Fingerprint(hasher.finalize().into())
     }
 
+    /// A semantic fingerprint with the fields at `self.excluded` left out of a JSON or form
+    /// body; the same as of the body with those fields removed and written out again.
+    fn fingerprint_excluding(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        kind: BodyKind,
+        body: &[u8],
+    ) -> Fingerprint {
+        let mut hasher = Fingerprint::head(FingerprintMode::Semantic, method, uri);
+        match kind {
+            BodyKind::Json
+                if hash_json_excluding(&mut hasher, body, &Exclusions::new(&self.excluded)) => {}
+            BodyKind::Form => {
+                hasher.update(b"form\0");
+                put_pairs_without(&mut hasher, body, &excluded_names(&self.excluded));
+            }
+            BodyKind::Json | BodyKind::Other => put_raw(&mut hasher, body),
+        }
+        Fingerprint(hasher.finalize().into())
+    }
+
     /// The headers a fingerprint reads, for a copy made to fingerprint elsewhere.
     fn relevant_headers(&self, headers: &HeaderMap) -> HeaderMap {
         let mut relevant = HeaderMap::new();
@@ -77,44 +86,6 @@ impl Coverage {
         }
         relevant
     }
-}
-
-/// `body` without the members at `pointers`, re-serialised: `None` when it is not JSON (the
-/// caller then hashes it as it is). Only object members are removed; a pointer that names
-/// nothing, or an array element, is ignored.
-fn without_json_fields(body: &[u8], pointers: &[String]) -> Option<Vec<u8>> {
-    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    for pointer in pointers {
-        let Some((parent, last)) = pointer.rsplit_once('/') else {
-            continue;
-        };
-        let last = last.replace("~1", "/").replace("~0", "~");
-        if let Some(serde_json::Value::Object(members)) = value.pointer_mut(parent) {
-            members.remove(&last);
-        }
-    }
-    serde_json::to_vec(&value).ok()
-}
-
-/// A form body without the fields named by top-level pointers (`/name`), re-encoded pair by pair
-/// as it came.
-fn without_form_fields(body: &[u8], pointers: &[String]) -> Vec<u8> {
-    let names: Vec<String> = pointers
-        .iter()
-        .filter_map(|pointer| pointer.strip_prefix('/'))
-        .filter(|name| !name.contains('/'))
-        .map(|name| name.replace("~1", "/").replace("~0", "~"))
-        .collect();
-    let kept: Vec<&[u8]> = body
-        .split(|b| *b == b'&')
-        .filter(|pair| {
-            let name = pair.split(|b| *b == b'=').next().unwrap_or_default();
-            !names
-                .iter()
-                .any(|excluded| *form_decode(name) == *excluded.as_bytes())
-        })
-        .collect();
-    kept.join(&b'&')
 }
 
 /// The fingerprint of a request for the service: inline for a body up to 64 KiB, on Tokio's

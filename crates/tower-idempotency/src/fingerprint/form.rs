@@ -57,6 +57,86 @@ pub fn canonical_form_pairs(encoded: &[u8]) -> Vec<FormPair<'_>> {
     pairs
 }
 
+/// The form field names a fingerprint leaves out: those of top-level pointers (`/name`).
+pub(super) fn excluded_names(pointers: &[String]) -> Vec<Vec<u8>> {
+    pointers
+        .iter()
+        .filter_map(|pointer| pointer.strip_prefix('/'))
+        .filter(|name| !name.contains('/'))
+        .map(|name| name.replace("~1", "/").replace("~0", "~").into_bytes())
+        .collect()
+}
+
+/// [`put_pairs`] of `encoded` without the pairs whose decoded name is in `names`, the others
+/// joined by `&` as they came. Two passes over the bytes and no decoded copy: the first
+/// measures what is kept, the second hashes it (or, for at most 10,000 pairs, copies it).
+pub(super) fn put_pairs_without(hasher: &mut Sha256, encoded: &[u8], names: &[Vec<u8>]) {
+    let kept = |segment: &&[u8]| {
+        let name = segment.split(|b| *b == b'=').next().unwrap_or_default();
+        !names.iter().any(|excluded| decodes_to(name, excluded))
+    };
+    let (mut all, mut segments, mut length, mut pairs) = (0usize, 0usize, 0usize, 0usize);
+    for segment in encoded.split(|b| *b == b'&') {
+        all += 1;
+        if kept(&segment) {
+            segments += 1;
+            length += segment.len();
+            pairs += usize::from(!segment.is_empty());
+        }
+    }
+    if segments == all {
+        return put_pairs(hasher, encoded);
+    }
+    let joined = encoded.split(|b| *b == b'&').filter(kept);
+    if pairs <= MAX_FORM_PAIRS {
+        let trimmed: Vec<u8> = joined.collect::<Vec<_>>().join(&b'&');
+        return put_pairs(hasher, &trimmed);
+    }
+    hasher.update(TOO_MANY_PAIRS.to_be_bytes());
+    hasher.update(((length + segments.saturating_sub(1)) as u64).to_be_bytes());
+    let mut buffer = Vec::with_capacity(16 * 1024);
+    for (i, segment) in joined.enumerate() {
+        if i > 0 {
+            buffer.push(b'&');
+        }
+        buffer.extend_from_slice(segment);
+        if buffer.len() >= 16 * 1024 {
+            hasher.update(&buffer);
+            buffer.clear();
+        }
+    }
+    hasher.update(&buffer);
+}
+
+/// Whether `encoded` form-decodes (`+` as space, then `%XX`) to `target`, without decoding
+/// it into a copy. A decoded byte comes from one to three encoded ones.
+fn decodes_to(encoded: &[u8], target: &[u8]) -> bool {
+    if encoded.len() < target.len() || encoded.len() > 3 * target.len() {
+        return false;
+    }
+    let mut at = 0;
+    let mut decoded = std::iter::from_fn(|| {
+        let b = *encoded.get(at)?;
+        at += 1;
+        let hex = |i: usize| encoded.get(i).and_then(|d| (*d as char).to_digit(16));
+        Some(match b {
+            b'+' => b' ',
+            b'%' => match (hex(at), hex(at + 1)) {
+                (Some(high), Some(low)) => {
+                    at += 2;
+                    (high * 16 + low) as u8
+                }
+                _ => b'%',
+            },
+            b => b,
+        })
+    });
+    decoded
+        .by_ref()
+        .take(target.len() + 1)
+        .eq(target.iter().copied())
+}
+
 pub(super) fn form_decode(input: &[u8]) -> Cow<'_, [u8]> {
     let plus_free: Cow<'_, [u8]> = if input.contains(&b'+') {
         Cow::Owned(

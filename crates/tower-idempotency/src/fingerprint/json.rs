@@ -1,18 +1,84 @@
 //! JSON bodies in canonical form: members sorted, whitespace dropped, strings and numbers
-//! written one way, within a reordering budget.
+//! written one way, within a reordering budget; computed by the streaming
+//! canonicaliser in `canon`.
 
-use super::*;
+use std::fmt;
 
-/// Hashes the canonical form of a JSON body; `false` (nothing hashed) when it is not JSON or
-/// over the reordering budget, and the caller hashes the raw bytes instead.
+use serde::de::Error as _;
+use sha2::{Digest, Sha256};
+
+use super::canon::{Rules, Sink, Stop, Work, canonicalise};
+use super::pointer::Exclusions;
+
+/// Hashes the canonical form of a JSON body; `false` (the hasher as it was) when it is not
+/// JSON or over the reordering budget, and the caller hashes the raw bytes instead.
 pub(super) fn hash_json(hasher: &mut Sha256, body: &[u8]) -> bool {
-    match canonical_json(body) {
-        Ok(canonical) => {
-            hasher.update(b"json\0");
-            hasher.update(&canonical);
-            true
+    let rules = Rules {
+        budget: Some(reorder_budget(body.len())),
+        exclusions: None,
+    };
+    hash_canonical(hasher, body, rules)
+}
+
+/// Hashes the canonical form of a JSON body without the members named by `excluded`, and
+/// with each repeated member name's last value only; `false` as for [`hash_json`].
+///
+/// This is the canonical form of the body read into a `serde_json::Value`, those members
+/// removed and written out again, as fingerprints with fields left out were first computed:
+/// written out sorted, it is never over the reordering budget.
+pub(super) fn hash_json_excluding(hasher: &mut Sha256, body: &[u8], excluded: &Exclusions) -> bool {
+    let rules = Rules {
+        budget: None,
+        exclusions: Some(excluded),
+    };
+    hash_canonical(hasher, body, rules)
+}
+
+fn hash_canonical(hasher: &mut Sha256, body: &[u8], rules: Rules<'_>) -> bool {
+    // The canonical form is hashed as it is written: a body found not to be JSON halfway
+    // leaves the hasher as it was before.
+    let before = hasher.clone();
+    hasher.update(b"json\0");
+    let mut sink = HashSink {
+        hasher,
+        buffer: Vec::with_capacity(HASH_CHUNK),
+    };
+    let done = canonicalise(body, rules, &mut sink);
+    sink.flush();
+    if done.is_err() {
+        *hasher = before;
+    }
+    done.is_ok()
+}
+
+/// Pieces of canonical form are gathered up to this size before hashing.
+const HASH_CHUNK: usize = 16 * 1024;
+
+/// Hashes what it is given in chunks: the many small pieces of a sorted object cost one
+/// copy each rather than one hasher call each.
+struct HashSink<'h> {
+    hasher: &'h mut Sha256,
+    buffer: Vec<u8>,
+}
+
+impl HashSink<'_> {
+    fn flush(&mut self) {
+        self.hasher.update(&self.buffer);
+        self.buffer.clear();
+    }
+}
+
+impl Sink for HashSink<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        if bytes.len() >= HASH_CHUNK {
+            self.flush();
+            self.hasher.update(bytes);
+            return;
         }
-        Err(_) => false,
+        self.buffer.extend_from_slice(bytes);
+        if self.buffer.len() >= HASH_CHUNK {
+            self.flush();
+        }
     }
 }
 
@@ -28,9 +94,22 @@ pub(super) fn hash_json(hasher: &mut Sha256, body: &[u8]) -> bool {
 /// When `input` is not a single valid JSON document, or sorting its objects would exceed the
 /// budget.
 pub fn canonical_json(input: &[u8]) -> Result<Vec<u8>, CanonicalJsonError> {
-    let mut writer = Writer::new(input.len());
-    writer.canonicalise(input)?;
-    Ok(writer.out)
+    canonical_json_with_work(input).map(|(out, _)| out)
+}
+
+fn canonical_json_with_work(input: &[u8]) -> Result<(Vec<u8>, Work), CanonicalJsonError> {
+    let rules = Rules {
+        budget: Some(reorder_budget(input.len())),
+        exclusions: None,
+    };
+    let mut out = Vec::with_capacity(input.len());
+    match canonicalise(input, rules, &mut out) {
+        Ok(work) => Ok((out, work)),
+        Err(Stop::OverBudget) => Err(CanonicalJsonError::OverBudget),
+        Err(Stop::Invalid(at)) => Err(CanonicalJsonError::Invalid(serde_json::Error::custom(
+            format_args!("not a single JSON document (byte {at})"),
+        ))),
+    }
 }
 
 /// Why [`canonical_json`] gave no canonical form.
@@ -70,227 +149,10 @@ fn reorder_budget(input_len: usize) -> usize {
     input_len.saturating_mul(4).saturating_add(64 * 1024)
 }
 
-/// The canonical form being written, and what sorting objects may still cost.
-struct Writer {
-    out: Vec<u8>,
-    /// An out-of-order object's members wait here while they are written back sorted; one
-    /// buffer for every object.
-    scratch: Vec<u8>,
-    /// Bytes of out-of-order objects that may still be moved into place.
-    budget: usize,
-    /// Bytes of out-of-order objects moved into place so far.
-    moved: usize,
-    over_budget: bool,
-}
-
-impl Writer {
-    fn new(input_len: usize) -> Self {
-        Self {
-            // The canonical form is never longer than the input, except for the rare number
-            // written shorter than its canonical form (`1e9`).
-            out: Vec::with_capacity(input_len),
-            scratch: Vec::new(),
-            budget: reorder_budget(input_len),
-            moved: 0,
-            over_budget: false,
-        }
-    }
-
-    fn canonicalise(&mut self, input: &[u8]) -> Result<(), CanonicalJsonError> {
-        let mut deserializer = serde_json::Deserializer::from_slice(input);
-        let read = Canonical(self)
-            .deserialize(&mut deserializer)
-            .and_then(|()| deserializer.end());
-        match read {
-            Ok(()) => Ok(()),
-            Err(_) if self.over_budget => Err(CanonicalJsonError::OverBudget),
-            Err(error) => Err(CanonicalJsonError::Invalid(error)),
-        }
-    }
-}
-
-/// Writes the canonical form of the JSON value it is given to the end of its writer's buffer:
-/// values are written as they are read, into one buffer, and an object's members are only
-/// moved when they arrive out of order.
-struct Canonical<'a>(&'a mut Writer);
-
-impl<'de> DeserializeSeed<'de> for Canonical<'_> {
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
-        deserializer.deserialize_any(self)
-    }
-}
-
-/// Integers below this magnitude are exact as doubles, so `1.0`, `1e0` and `1` meet there.
-const EXACT_INTEGER_LIMIT: f64 = 9_007_199_254_740_992.0; // 2^53
-
-impl<'de> Visitor<'de> for Canonical<'_> {
-    type Value = ();
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON value")
-    }
-
-    fn visit_unit<E>(self) -> Result<(), E> {
-        self.0.out.extend_from_slice(b"null");
-        Ok(())
-    }
-
-    fn visit_bool<E>(self, v: bool) -> Result<(), E> {
-        self.0
-            .out
-            .extend_from_slice(if v { b"true" } else { b"false" });
-        Ok(())
-    }
-
-    fn visit_i64<E>(self, v: i64) -> Result<(), E> {
-        write_json(&mut self.0.out, &v);
-        Ok(())
-    }
-
-    fn visit_u64<E>(self, v: u64) -> Result<(), E> {
-        write_json(&mut self.0.out, &v);
-        Ok(())
-    }
-
-    fn visit_f64<E>(self, v: f64) -> Result<(), E> {
-        if v.fract() == 0.0 && v.abs() < EXACT_INTEGER_LIMIT {
-            // Exact: the value is an integer below 2^53.
-            write_json(&mut self.0.out, &(v as i64));
-            return Ok(());
-        }
-        // JSON numbers are finite, so serde_json writes ryu's shortest round-trip form.
-        write_json(&mut self.0.out, &v);
-        Ok(())
-    }
-
-    fn visit_str<E>(self, v: &str) -> Result<(), E> {
-        write_json(&mut self.0.out, v);
-        Ok(())
-    }
-
-    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<(), E> {
-        write_unescaped(&mut self.0.out, v);
-        Ok(())
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        let writer = self.0;
-        writer.out.push(b'[');
-        let mut first = true;
-        loop {
-            let comma = writer.out.len();
-            if !first {
-                writer.out.push(b',');
-            }
-            if seq.next_element_seed(Canonical(&mut *writer))?.is_none() {
-                writer.out.truncate(comma);
-                break;
-            }
-            first = false;
-        }
-        writer.out.push(b']');
-        Ok(())
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let writer = self.0;
-        let start = writer.out.len();
-        writer.out.push(b'{');
-        // Each member's name and where its `"name":value` was written.
-        let mut members: Vec<(Name<'de>, usize, usize)> = Vec::new();
-        while let Some(name) = map.next_key::<Name<'de>>()? {
-            let out = &mut writer.out;
-            if !members.is_empty() {
-                out.push(b',');
-            }
-            let at = out.len();
-            match &name.0 {
-                Cow::Borrowed(name) => write_unescaped(out, name),
-                Cow::Owned(name) => write_json(out, name.as_str()),
-            }
-            out.push(b':');
-            map.next_value_seed(Canonical(&mut *writer))?;
-            members.push((name, at, writer.out.len()));
-        }
-        writer.out.push(b'}');
-        // Stable: members with the same name keep their order. Usually already in order.
-        if !members.is_sorted_by(|(a, ..), (b, ..)| a.0 <= b.0) {
-            // Each level of out-of-order nesting moves everything inside it once more: the
-            // budget keeps the total linear in the input.
-            let length = writer.out.len() - start;
-            if length > writer.budget {
-                writer.over_budget = true;
-                return Err(A::Error::custom("over the reordering budget"));
-            }
-            writer.budget -= length;
-            writer.moved += length;
-            members.sort_by(|(a, ..), (b, ..)| a.0.cmp(&b.0));
-            let Writer { out, scratch, .. } = writer;
-            scratch.clear();
-            scratch.extend_from_slice(&out[start..]);
-            out.truncate(start);
-            out.push(b'{');
-            for (i, (_, from, to)) in members.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                out.extend_from_slice(&scratch[from - start..to - start]);
-            }
-            out.push(b'}');
-        }
-        Ok(())
-    }
-}
-
-/// An object member's name, borrowed from the input unless it had escapes to decode.
-struct Name<'de>(Cow<'de, str>);
-
-impl<'de> Deserialize<'de> for Name<'de> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct NameVisitor;
-
-        impl<'de> Visitor<'de> for NameVisitor {
-            type Value = Name<'de>;
-
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("an object member name")
-            }
-
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Name<'de>, E> {
-                Ok(Name(Cow::Borrowed(v)))
-            }
-
-            fn visit_str<E>(self, v: &str) -> Result<Name<'de>, E> {
-                Ok(Name(Cow::Owned(v.to_owned())))
-            }
-        }
-
-        deserializer.deserialize_str(NameVisitor)
-    }
-}
-
-/// Appends a number or string as serde_json writes it: strings minimally escaped, integers in
-/// decimal, other numbers in ryu's shortest round-trip form.
-fn write_json<T: Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) {
-    // Serialising a number or `str` into a `Vec` cannot fail.
-    let _ = value.serialize(&mut serde_json::Serializer::new(out));
-}
-
-/// Appends a string read straight from the input, quoted. Borrowed from the input, it held no
-/// escape, so none of what minimal escaping escapes (`"`, `\`, control characters, which JSON
-/// does not allow unescaped): it is its own canonical form, and is copied without a second scan.
-fn write_unescaped(out: &mut Vec<u8>, v: &str) {
-    out.reserve(v.len() + 2);
-    out.push(b'"');
-    out.extend_from_slice(v.as_bytes());
-    out.push(b'"');
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fingerprint::FingerprintMode;
     use crate::fingerprint::testing::*;
 
     #[test]
@@ -375,17 +237,6 @@ mod tests {
     #[test]
     fn deep_out_of_order_json_stops_at_the_reordering_budget() {
         let doc = deep_unordered_json(120, 2 << 20);
-        let mut writer = Writer::new(doc.len());
-        assert!(matches!(
-            writer.canonicalise(doc.as_bytes()),
-            Err(CanonicalJsonError::OverBudget)
-        ));
-        assert!(
-            writer.moved <= reorder_budget(doc.len()),
-            "moved {} bytes for {}",
-            writer.moved,
-            doc.len()
-        );
         assert!(matches!(
             canonical_json(doc.as_bytes()),
             Err(CanonicalJsonError::OverBudget)
@@ -407,9 +258,8 @@ mod tests {
         sorted.push_str(&"x".repeat(doc.len() - depth * (open.len() + 1) - 2));
         sorted.push('"');
         sorted.push_str(&"}".repeat(depth));
-        let mut writer = Writer::new(doc.len());
-        writer.canonicalise(doc.as_bytes()).unwrap();
-        assert_eq!(String::from_utf8(writer.out).unwrap(), sorted);
-        assert!(writer.moved <= reorder_budget(doc.len()));
+        let (out, work) = canonical_json_with_work(doc.as_bytes()).unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), sorted);
+        assert!(work.moved <= reorder_budget(doc.len()));
     }
 }

@@ -1,28 +1,34 @@
 //! The request fingerprint: see [`Fingerprint`].
 
+#[cfg(test)]
+mod bounds;
+mod canon;
 mod coverage;
+#[cfg(test)]
+mod equivalence;
 mod form;
 mod json;
 #[cfg(test)]
+mod oracle;
+mod pointer;
+#[cfg(test)]
 mod properties;
+mod token;
 
 use std::{borrow::Cow, fmt};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
-use serde::{
-    Serialize,
-    de::{Deserialize, DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor},
-};
 use sha2::{Digest, Sha256};
 
 pub(crate) use coverage::{Coverage, compute_for_request};
 #[doc(hidden)]
 pub use form::{FormPair, canonical_form_pairs};
-use form::{form_decode, put_pairs};
-use json::hash_json;
+use form::{excluded_names, put_pairs, put_pairs_without};
 #[doc(hidden)]
 pub use json::{CanonicalJsonError, canonical_json};
+use json::{hash_json, hash_json_excluding};
+use pointer::Exclusions;
 
 /// How request bodies are compared; see the [`Fingerprint`](crate::Fingerprint).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -87,14 +93,22 @@ pub enum FingerprintMode {
 ///
 /// A fingerprint costs time and memory linear in the request, whatever the request holds:
 ///
+/// * A JSON body is canonicalised in one pass over its bytes, without building a tree of
+///   its values, with or without fields left out: runs already in canonical form are copied
+///   as they are, and an object whose members arrive out of order is not moved but emitted
+///   once in sorted order from a record of its members' places. Nesting deeper than 127 (the
+///   limit of serde_json, whose reading the canonical form follows) is not JSON: the body is
+///   hashed as its raw bytes, the same way on every retry.
 /// * A form body or query string of more than 10,000 pairs is hashed as its raw bytes, not
 ///   decoded and sorted (Django's `DATA_UPLOAD_MAX_NUMBER_FIELDS` and PHP's `max_input_vars`
 ///   cap fields likewise, at 1,000). The pairs are counted first, without decoding; a retry
-///   with the same bytes still matches, a reordered one is a `422`.
-/// * Sorting the members of a JSON body's objects may move at most 4 × the body's length plus
-///   64 KiB into place in total. A document that needs more (objects out of order at every
-///   level of a deep nesting) is hashed as its raw bytes, as a body that is not JSON is; within
-///   this budget the canonical form is the one described above.
+///   with the same bytes still matches, a reordered one is a `422`. Fields left out of a form
+///   are found without decoding a copy of it.
+/// * A JSON body whose out-of-order objects total more than 4 × its length plus 64 KiB (objects
+///   out of order at every level of a deep nesting) is hashed as its raw bytes, as a body that
+///   is not JSON is; this limit bounded the work of an earlier canonicaliser, and is kept so
+///   that such a body keeps the fingerprint it had. Within it, the canonical form is the one
+///   described above.
 /// * A body over 64 KiB is fingerprinted on Tokio's blocking thread pool
 ///   ([`spawn_blocking`](tokio::task::spawn_blocking)), so it does not hold up the async
 ///   worker threads that serve other requests; as many at once as there are cores, the others
@@ -111,33 +125,57 @@ impl Fingerprint {
         content_type: Option<&HeaderValue>,
         body: &[u8],
     ) -> Self {
+        let mut hasher = Self::head(mode, method, uri);
+        match mode {
+            FingerprintMode::Raw => put_raw(&mut hasher, body),
+            FingerprintMode::Semantic => match BodyKind::of(content_type) {
+                BodyKind::Json if hash_json(&mut hasher, body) => {}
+                BodyKind::Form => {
+                    hasher.update(b"form\0");
+                    put_pairs(&mut hasher, body);
+                }
+                BodyKind::Json | BodyKind::Other => put_raw(&mut hasher, body),
+            },
+        }
+        Self(hasher.finalize().into())
+    }
+
+    /// The hasher after the method, the path and the query: what every body follows.
+    fn head(mode: FingerprintMode, method: &Method, uri: &Uri) -> Sha256 {
         let mut hasher = Sha256::new();
         hasher.update(b"tower-idempotency/fingerprint/v1\0");
         put_field(&mut hasher, method.as_str().as_bytes());
         put_field(&mut hasher, uri.path().as_bytes());
         let query = uri.query().unwrap_or("").as_bytes();
         match mode {
-            FingerprintMode::Raw => {
-                put_field(&mut hasher, query);
-                hasher.update(b"raw\0");
-                hasher.update(body);
-            }
-            FingerprintMode::Semantic => {
-                put_pairs(&mut hasher, query);
-                match BodyKind::of(content_type) {
-                    BodyKind::Json if hash_json(&mut hasher, body) => {}
-                    BodyKind::Form => {
-                        hasher.update(b"form\0");
-                        put_pairs(&mut hasher, body);
-                    }
-                    BodyKind::Json | BodyKind::Other => {
-                        hasher.update(b"raw\0");
-                        hasher.update(body);
-                    }
-                }
-            }
+            FingerprintMode::Raw => put_field(&mut hasher, query),
+            FingerprintMode::Semantic => put_pairs(&mut hasher, query),
         }
-        Self(hasher.finalize().into())
+        hasher
+    }
+
+    /// [`compute`](Self::compute) with the body fields at the JSON Pointers `excluded` left
+    /// out, as [`with_fingerprint_excluding`](crate::IdempotencyLayer::with_fingerprint_excluding)
+    /// computes it; for benchmarks and fuzzing.
+    #[doc(hidden)]
+    pub fn compute_excluding(
+        mode: FingerprintMode,
+        method: &Method,
+        uri: &Uri,
+        content_type: Option<&HeaderValue>,
+        body: &[u8],
+        excluded: &[String],
+    ) -> Self {
+        let mut headers = HeaderMap::new();
+        if let Some(content_type) = content_type {
+            headers.insert(http::header::CONTENT_TYPE, content_type.clone());
+        }
+        let coverage = Coverage {
+            mode,
+            excluded: excluded.to_vec(),
+            headers: Vec::new(),
+        };
+        coverage.fingerprint(method, uri, &headers, body)
     }
 
     /// Rebuilds a fingerprint from its 32 bytes, as a store reads it back.
@@ -184,6 +222,11 @@ impl BodyKind {
             Self::Other
         }
     }
+}
+
+fn put_raw(hasher: &mut Sha256, body: &[u8]) {
+    hasher.update(b"raw\0");
+    hasher.update(body);
 }
 
 fn put_field(hasher: &mut Sha256, bytes: &[u8]) {

@@ -53,7 +53,7 @@ fn check_canonical(input: &[u8]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-fn json_value() -> impl Strategy<Value = Value> {
+pub(super) fn json_value() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
         Just(Value::Null),
         any::<bool>().prop_map(Value::from),
@@ -75,7 +75,7 @@ fn json_value() -> impl Strategy<Value = Value> {
 }
 
 /// xorshift64, for the choices of one rewriting.
-struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
     fn below(&mut self, n: usize) -> usize {
@@ -92,7 +92,7 @@ impl Rng {
 
 /// `value` as JSON with its members shuffled, whitespace between tokens, and integers
 /// spelt `7`, `7.0` or `7e0`: the same document, written differently.
-fn rewrite(value: &Value, rng: &mut Rng, out: &mut String) {
+pub(super) fn rewrite(value: &Value, rng: &mut Rng, out: &mut String) {
     rng.space(out);
     match value {
         Value::Number(n) => match (n.as_i64(), rng.below(3)) {
@@ -156,7 +156,7 @@ fn string(text: &str, rng: &mut Rng, out: &mut String) {
 }
 
 /// Text that looks like JSON, to reach the canonicaliser's error paths and numbers.
-fn json_like() -> impl Strategy<Value = String> {
+pub(super) fn json_like() -> impl Strategy<Value = String> {
     let token = prop_oneof![
         prop::sample::select(vec![
             "{",

@@ -32,6 +32,10 @@ struct Shared {
     held_completions: Semaphore,
     completing: Semaphore,
     begins: AtomicUsize,
+    /// Calls to `begin` by waiting duplicates ([`ClaimRequest::waiting`]).
+    waiting_begins: AtomicUsize,
+    /// First reads (not a waiter's) that found their key in flight.
+    found_in_flight: Semaphore,
     begun: Semaphore,
     settled: Semaphore,
     completed: AtomicUsize,
@@ -60,6 +64,8 @@ impl<St> ObservedStore<St> {
                 held_completions: Semaphore::new(0),
                 completing: Semaphore::new(0),
                 begins: AtomicUsize::new(0),
+                waiting_begins: AtomicUsize::new(0),
+                found_in_flight: Semaphore::new(0),
                 begun: Semaphore::new(0),
                 settled: Semaphore::new(0),
                 completed: AtomicUsize::new(0),
@@ -126,6 +132,24 @@ impl<St> ObservedStore<St> {
             .expect("begins answered within 30 s")
             .expect("open")
             .forget();
+    }
+
+    /// Waits until `n` more first reads (not a waiter's re-read) found their key in flight: that
+    /// many duplicates wait, with waiting on.
+    pub async fn found_in_flight(&self, n: u32) {
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            self.shared.found_in_flight.acquire_many(n),
+        )
+        .await
+        .expect("first reads found their keys in flight within 30 s")
+        .expect("open")
+        .forget();
+    }
+
+    /// Calls to `begin` by waiting duplicates.
+    pub fn waiting_begins(&self) -> usize {
+        self.shared.waiting_begins.load(Ordering::SeqCst)
     }
 
     /// Calls to `begin` that reached the store.
@@ -217,7 +241,13 @@ impl<St: Store> Store for ObservedStore<St> {
             self.shared.begun.add_permits(1);
             return Err(ObservedError::Down(StoreDown));
         }
+        if request.waiting {
+            self.shared.waiting_begins.fetch_add(1, Ordering::SeqCst);
+        }
         let begun = self.inner.begin(request).await;
+        if !request.waiting && matches!(begun, Ok(KeyState::InFlight { .. })) {
+            self.shared.found_in_flight.add_permits(1);
+        }
         self.shared.begun.add_permits(1);
         begun.map_err(ObservedError::Inner)
     }

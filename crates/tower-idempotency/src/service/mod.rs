@@ -49,6 +49,7 @@ use crate::{
 mod held;
 mod keyed;
 mod outcome;
+mod reads;
 mod run;
 mod wait;
 

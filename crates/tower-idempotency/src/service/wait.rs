@@ -2,12 +2,14 @@
 //! ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)).
 
 use super::*;
+use crate::service::reads::{Found, Role, SharedReads, followed};
 
 /// The requests waiting for keys in flight, and how the store wakes them.
 #[derive(Debug, Default)]
 pub(crate) struct Waiting {
     pub(super) watch: Option<InFlightWatch>,
     pub(super) count: AtomicUsize,
+    reads: Arc<SharedReads>,
 }
 
 impl Waiting {
@@ -15,6 +17,7 @@ impl Waiting {
         Self {
             watch: Some(watch),
             count: AtomicUsize::new(0),
+            reads: Arc::default(),
         }
     }
 
@@ -45,6 +48,9 @@ enum Reread<C> {
     Failed,
     /// The client hung up during the read.
     Left,
+    /// The key is to be read again at once: another waiter of this process took it, or the one
+    /// that read it for the others went away.
+    Again,
 }
 
 impl<St: Store> Shared<St> {
@@ -83,6 +89,7 @@ impl<St: Store> Shared<St> {
                 Reread::Found(begin) => begin,
                 Reread::Failed => return Some(in_flight()),
                 Reread::Left => return None,
+                Reread::Again => continue,
             };
             let now = tokio::time::Instant::now();
             if !matches!(begin, KeyState::InFlight { .. }) || now >= deadline {
@@ -112,18 +119,52 @@ impl<St: Store> Shared<St> {
         }
     }
 
-    /// A waiting duplicate's read of its key; a claim it took for a client that left meanwhile
-    /// is given back.
+    /// A waiting duplicate's read of its key, shared with the other waiters of this process
+    /// (see [`SharedReads`]).
     async fn reread(
         &self,
         key: ScopeKey,
         fingerprint: Fingerprint,
         hang_up: Option<&HangUp>,
     ) -> Reread<St::Claim> {
+        // Until its own read starts, it holds nothing: a hang-up ends it there and then.
+        if let Some(hang_up) = hang_up {
+            hang_up.waiting();
+        }
+        let mut reader = match self.waiting.reads.join(key, fingerprint) {
+            Role::Reader(reader) => reader,
+            Role::Follower(found) => {
+                return match followed(found).await {
+                    Some(Found::InFlight) => Reread::Found(KeyState::InFlight {
+                        lease_remaining: None,
+                    }),
+                    Some(Found::Completed(record, expires_in)) => {
+                        Reread::Found(KeyState::Completed { record, expires_in })
+                    }
+                    Some(Found::Mismatch) => Reread::Found(KeyState::Mismatch),
+                    Some(Found::Failed) => {
+                        metrics::waited("store_error");
+                        Reread::Failed
+                    }
+                    Some(Found::Taken) | None => Reread::Again,
+                };
+            }
+        };
+        reader.start().await;
         if let Some(hang_up) = hang_up {
             hang_up.reading();
         }
         let read = self.claim_as(key, fingerprint, true).await;
+        reader.publish(Found::of(&read));
+        self.settle_read(read, hang_up).await
+    }
+
+    /// The reader's own answer; a claim it took for a client that left meanwhile is given back.
+    async fn settle_read(
+        &self,
+        read: Result<KeyState<St::Claim>, St::Error>,
+        hang_up: Option<&HangUp>,
+    ) -> Reread<St::Claim> {
         if hang_up.is_some_and(HangUp::client_left) {
             metrics::waited("hung_up");
             if let Ok(KeyState::Acquired { claim, .. }) = read {

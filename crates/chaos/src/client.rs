@@ -11,7 +11,9 @@
 //!   other one after a connection error or a timeout;
 //! * some attempts hang up: the client drops the request (and its connection) after a few
 //!   milliseconds, not knowing whether the charge went through, and retries;
-//! * some charges are sent twice **in parallel** (a double click: two senders, same key);
+//! * some charges are sent twice **in parallel** (a double click: two senders, same key): the
+//!   instances make the duplicate wait for the first one's answer; in some pairs the second
+//!   sender, sent just after the first, hangs up while its duplicate waits;
 //! * some are sent once more after their answer (a client whose response was lost), which must
 //!   be a replay of the same bytes;
 //! * some are marked (the [`catch::HEADER`]) for the instances' handler that catches a database
@@ -25,13 +27,18 @@
 //!   (together often more than the charge: one of them may then be refused, `400
 //!   amount_too_large` or `charge_already_refunded`), some sent again after their answer.
 //!
+//! A sender of a charge sent at once whose first attempt met the window of failed waiting reads
+//! ([`wait_reads`](crate::wait_reads)) and was answered `503 StoreUnavailable` before either
+//! sender retried was turned away by a failed read while it waited; it is counted for the
+//! checks ([`Observed`]).
+//!
 //! Any other answer (`400`, `422`...) is final and reported: it should never happen here.
 //! What each sender saw is kept in an [`Observed`] for the final checks.
 
 use std::{
     sync::{
         Arc, OnceLock,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU32, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -42,7 +49,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tower_idempotency::{PROBLEM_TYPE_BASE, RejectionKind};
 
-use crate::{catch, faults::Storm, instance::Addrs, rng::Rng};
+use crate::{catch, faults::Storm, instance::Addrs, rng::Rng, wait_reads::Phase};
 
 /// How the clients behave (the command line's client options).
 #[derive(Debug, Clone)]
@@ -57,6 +64,7 @@ pub(crate) struct Behaviour {
     pub(crate) decline_percent: u8,
     pub(crate) catch_percent: u8,
     pub(crate) refund_percent: u8,
+    pub(crate) wait_hangup_percent: u8,
 }
 
 /// The first backoff step and its cap.
@@ -64,6 +72,11 @@ const BACKOFF_BASE: Duration = Duration::from_millis(50);
 const BACKOFF_CAP: Duration = Duration::from_secs(2);
 /// A hang-up drops the request this long after sending it (a range, in milliseconds).
 const HANGUP_AFTER_MS: (u64, u64) = (1, 60);
+/// Of two senders of a charge sent at once, the second that hangs up while it waits starts
+/// this much later (so that it is the one that waits), and hangs up this long after sending (a
+/// range, in milliseconds: within the instances' processing delay of 10–50 ms).
+const DUPLICATE_LAG: Duration = Duration::from_millis(2);
+const WAIT_HANGUP_AFTER_MS: (u64, u64) = (3, 30);
 /// Of the refunded charges: those refunded twice at once (different keys), those refunded in
 /// full (no `amount`: what is left), and the refunds sent again after their answer.
 const REFUND_PARALLEL_PERCENT: u8 = 30;
@@ -82,6 +95,8 @@ pub(crate) struct Shared {
     pub(crate) deadline: OnceLock<Instant>,
     /// The latest hang-up storm.
     pub(crate) storms: watch::Receiver<Storm>,
+    /// The window in which waiting reads fail.
+    pub(crate) wait_reads: Phase,
 }
 
 /// Counters of what the clients did and met.
@@ -106,6 +121,13 @@ pub(crate) struct Stats {
     pub(crate) storm_hangups: AtomicU64,
     /// Logical charges sent in storms.
     pub(crate) storm_charges: AtomicU64,
+    /// Second senders of a charge sent at once that hung up while waiting, as planned.
+    pub(crate) wait_hangups: AtomicU64,
+    /// Senders of a charge sent at once whose request a storm dropped.
+    pub(crate) storm_pair_hangups: AtomicU64,
+    /// First attempts of a charge sent at once answered `503 StoreUnavailable` while waiting
+    /// reads failed.
+    pub(crate) wait_read_503s: AtomicU64,
     pub(crate) unexpected: AtomicU64,
 }
 
@@ -151,6 +173,8 @@ impl Plan {
             ],
             caught_error: self.caught_error,
             expected: vec![self.expected_status()],
+            wait_read_503s: AtomicU32::new(0),
+            attempts: AtomicU32::new(0),
         }
     }
 
@@ -199,6 +223,8 @@ impl RefundPlan {
             form,
             caught_error: false,
             expected,
+            wait_read_503s: AtomicU32::new(0),
+            attempts: AtomicU32::new(0),
         }
     }
 }
@@ -212,6 +238,21 @@ struct Call<'a> {
     caught_error: bool,
     /// The statuses of its correct final answers.
     expected: Vec<StatusCode>,
+    /// Its senders' first attempts turned away by a failed waiting read (see [`First`]).
+    wait_read_503s: AtomicU32,
+    /// Attempts its senders made so far.
+    attempts: AtomicU32,
+}
+
+/// How [`send`] makes a logical request's first attempt.
+#[derive(Debug, Clone, Copy, Default)]
+struct First {
+    /// A storm drops it (a storm charge's first request).
+    stormed: bool,
+    /// One of two senders of a charge sent at once: one of them waits for the other's answer.
+    pair: bool,
+    /// The second of them hangs up this long after sending, while it waits.
+    hang_up: Option<Duration>,
 }
 
 /// A final answer, reduced to what the checks compare.
@@ -273,6 +314,9 @@ pub(crate) struct Observed {
     pub(crate) resent: bool,
     /// The refunds made of it afterwards (none, one, or two at once).
     pub(crate) refunds: Vec<ObservedRefund>,
+    /// First attempts of its senders (sent at once) answered `503 StoreUnavailable` while
+    /// waiting reads failed: a failed read while waiting must answer `409`.
+    pub(crate) wait_read_503s: u32,
 }
 
 /// What the senders of one logical refund saw.
@@ -355,14 +399,24 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
         let call = plan.call();
         if parallel {
             let (mut first, mut second) = (rng.fork(), rng.fork());
-            let (a, b) = tokio::join!(
-                send(&sender, &call, false, &mut first),
-                send(&sender, &call, false, &mut second)
-            );
+            let pair = First {
+                pair: true,
+                ..First::default()
+            };
+            let hang_up = rng.percent(behaviour.wait_hangup_percent).then(|| {
+                let (lo, hi) = WAIT_HANGUP_AFTER_MS;
+                Duration::from_millis(rng.between(lo, hi))
+            });
+            let (a, b) = tokio::join!(send(&sender, &call, pair, &mut first), async {
+                if hang_up.is_some() {
+                    tokio::time::sleep(DUPLICATE_LAG).await;
+                }
+                send(&sender, &call, First { hang_up, ..pair }, &mut second).await
+            });
             record(a);
             record(b);
         } else {
-            record(send(&sender, &call, false, &mut rng).await);
+            record(send(&sender, &call, First::default(), &mut rng).await);
         }
         // A client whose response was lost sends again: a replay of the same bytes, or, for a
         // caught error, whose key must have been released, a fresh answer.
@@ -370,11 +424,12 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             && (plan.caught_error || rng.percent(behaviour.resend_percent));
         if resent {
             let mut again = rng.fork();
-            match send(&sender, &call, false, &mut again).await {
+            match send(&sender, &call, First::default(), &mut again).await {
                 Some(answer) => answers.push(answer),
                 None => unresolved += 1,
             }
         }
+        let wait_read_503s = call.wait_read_503s.load(Ordering::Relaxed);
         drop(call);
         let succeeded = answers
             .first()
@@ -394,6 +449,7 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             parallel,
             resent,
             refunds,
+            wait_read_503s,
         });
     }
     observed
@@ -426,7 +482,11 @@ pub(crate) async fn storm_charges(shared: &Shared, index: usize, mut rng: Rng) -
             caught_error: false,
         };
         Stats::add(&shared.stats.storm_charges);
-        let answer = send(&sender, &plan.call(), true, &mut rng).await;
+        let stormed = First {
+            stormed: true,
+            ..First::default()
+        };
+        let answer = send(&sender, &plan.call(), stormed, &mut rng).await;
         Stats::add(&shared.stats.charges);
         observed.push(Observed {
             plan,
@@ -435,6 +495,7 @@ pub(crate) async fn storm_charges(shared: &Shared, index: usize, mut rng: Rng) -
             parallel: false,
             resent: false,
             refunds: Vec::new(),
+            wait_read_503s: 0,
         });
     }
     observed
@@ -482,7 +543,7 @@ async fn send_refund(
     let mut answers = Vec::new();
     let mut unresolved = 0;
     for _ in 0..=u8::from(resent) {
-        match send(sender, &call, false, &mut rng).await {
+        match send(sender, &call, First::default(), &mut rng).await {
             Some(answer) => answers.push(answer),
             None => unresolved += 1,
         }
@@ -511,9 +572,9 @@ enum Attempt {
     HungUp,
 }
 
-/// Sends `call` until a final answer, or `None` past the deadline; with `storm`, the first
-/// request is one a storm drops.
-async fn send(sender: &Sender<'_>, call: &Call<'_>, storm: bool, rng: &mut Rng) -> Option<Answer> {
+/// Sends `call` until a final answer, or `None` past the deadline; its first attempt as
+/// `first` says.
+async fn send(sender: &Sender<'_>, call: &Call<'_>, first: First, rng: &mut Rng) -> Option<Answer> {
     let Sender {
         shared,
         http,
@@ -530,6 +591,7 @@ async fn send(sender: &Sender<'_>, call: &Call<'_>, storm: bool, rng: &mut Rng) 
             Stats::add(&stats.retries);
         }
         Stats::add(&stats.requests);
+        call.attempts.fetch_add(1, Ordering::Relaxed);
         let url = format!("http://{}{}", shared.addrs.get(instance), call.path);
         let mut request = http
             .post(url)
@@ -541,14 +603,21 @@ async fn send(sender: &Sender<'_>, call: &Call<'_>, storm: bool, rng: &mut Rng) 
             request = request.header(catch::HEADER, "1");
         }
         let exchange = exchange(request);
-        let stormed = storm && attempt == 0;
-        let hangup = (stormed || rng.percent(shared.behaviour.hangup_percent))
-            .then(|| Duration::from_millis(rng.between(HANGUP_AFTER_MS.0, HANGUP_AFTER_MS.1)));
+        let planned = if attempt == 0 {
+            first
+        } else {
+            First::default()
+        };
+        let hangup = planned.hang_up.or_else(|| {
+            (planned.stormed || rng.percent(shared.behaviour.hangup_percent))
+                .then(|| Duration::from_millis(rng.between(HANGUP_AFTER_MS.0, HANGUP_AFTER_MS.1)))
+        });
         // Only storms raised from now on strike this request.
         let mut storms = shared.storms.clone();
         storms.mark_unchanged();
+        let phase = shared.wait_reads.now();
         let (outcome, stormed) = tokio::select! {
-            outcome = hang_up_after(hangup, exchange) => (outcome, stormed),
+            outcome = hang_up_after(hangup, exchange) => (outcome, planned.stormed),
             _ = struck(&mut storms, *client) => (Attempt::HungUp, true),
         };
         let mut delay = backoff(attempt, rng);
@@ -562,27 +631,28 @@ async fn send(sender: &Sender<'_>, call: &Call<'_>, storm: bool, rng: &mut Rng) 
                 if replayed {
                     Stats::add(&stats.replays);
                 }
-                if status == StatusCode::CONFLICT || status.is_server_error() {
-                    if status == StatusCode::CONFLICT {
-                        Stats::add(&stats.conflicts);
-                    } else {
-                        Stats::add(&stats.server_errors);
-                        if status == StatusCode::SERVICE_UNAVAILABLE {
-                            Stats::add(&stats.unavailable);
-                            if problem_is(&body, RejectionKind::Overloaded) {
-                                Stats::add(&stats.overloaded);
-                            }
-                        }
-                        instance = 1 - instance;
-                    }
-                    if let Some(after) = retry_after {
-                        delay = delay.max(after) + Duration::from_millis(rng.below(200));
-                    }
-                } else {
+                if status != StatusCode::CONFLICT && !status.is_server_error() {
                     if !call.expected.contains(&status) {
                         Stats::add(&stats.unexpected);
                     }
                     return Some(Answer::new(status, replayed, &body));
+                }
+                if count_refusal(stats, status, &body) {
+                    instance = 1 - instance;
+                }
+                // Once a sender retried, its claim may have armed the fault for the other's
+                // first claim (see `wait_reads`): only the first two attempts tell.
+                let turned_away = planned.pair
+                    && call.attempts.load(Ordering::Relaxed) <= 2
+                    && status == StatusCode::SERVICE_UNAVAILABLE
+                    && problem_is(&body, RejectionKind::StoreUnavailable)
+                    && shared.wait_reads.overlapped(phase);
+                if turned_away {
+                    Stats::add(&stats.wait_read_503s);
+                    call.wait_read_503s.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Some(after) = retry_after {
+                    delay = delay.max(after) + Duration::from_millis(rng.below(200));
                 }
             }
             Attempt::ConnectionError => {
@@ -593,12 +663,7 @@ async fn send(sender: &Sender<'_>, call: &Call<'_>, storm: bool, rng: &mut Rng) 
                 Stats::add(&stats.timeouts);
                 instance = 1 - instance;
             }
-            Attempt::HungUp => {
-                Stats::add(&stats.hangups);
-                if stormed {
-                    Stats::add(&stats.storm_hangups);
-                }
-            }
+            Attempt::HungUp => count_hang_up(stats, stormed, first.pair, planned.hang_up),
         }
         let delay = match shared.deadline.get() {
             Some(deadline) => delay.min(deadline.saturating_duration_since(Instant::now())),
@@ -611,6 +676,37 @@ async fn send(sender: &Sender<'_>, call: &Call<'_>, storm: bool, rng: &mut Rng) 
         }
     }
     None
+}
+
+/// Counts a `409` or `5xx`; `true` for a `5xx`, after which the next attempt goes to the other
+/// instance.
+fn count_refusal(stats: &Stats, status: StatusCode, body: &[u8]) -> bool {
+    if status == StatusCode::CONFLICT {
+        Stats::add(&stats.conflicts);
+        return false;
+    }
+    Stats::add(&stats.server_errors);
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        Stats::add(&stats.unavailable);
+        if problem_is(body, RejectionKind::Overloaded) {
+            Stats::add(&stats.overloaded);
+        }
+    }
+    true
+}
+
+/// Counts a hang-up: a storm's (of one of two senders at once, `pair`, or not), or a planned
+/// one of a duplicate waiting (`planned`), or any other.
+fn count_hang_up(stats: &Stats, stormed: bool, pair: bool, planned: Option<Duration>) {
+    Stats::add(&stats.hangups);
+    if stormed {
+        Stats::add(&stats.storm_hangups);
+        if pair {
+            Stats::add(&stats.storm_pair_hangups);
+        }
+    } else if planned.is_some() {
+        Stats::add(&stats.wait_hangups);
+    }
 }
 
 /// `exchange`, dropped (with its connection) `after` it was sent, if given.

@@ -23,6 +23,7 @@ use crate::{
     rng::Rng,
     serve::Bug,
     verify,
+    wait_reads::{self, Phase, WaitReadFaults},
 };
 
 /// How long the database's transactions may take to end once the clients are done.
@@ -40,7 +41,8 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
     eprintln!(
         "chaos run: seed {seed}, {} s, {} clients, 2 charges-demo instances (processing delay \
          {}–{} ms), a SIGKILL every {:.1}–{:.1} s, one PostgreSQL restart, completions refused \
-         for {} s, {} % caught database errors, {} hang-up storms of {} % of the clients",
+         for {} s, {} % caught database errors, {} hang-up storms of {} % of the clients, \
+         duplicates waiting up to {} ms ({} % of them hanging up), waiting reads failing for {} s",
         args.duration_secs,
         args.clients,
         args.delay_min_ms,
@@ -51,6 +53,9 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
         catch_percent(&args),
         args.storms,
         args.storm_percent,
+        args.in_flight_wait_ms,
+        args.wait_hangup_percent,
+        args.fail_wait_reads_secs,
     );
     eprintln!(
         "replay it with: cargo run --release -p chaos -- {}",
@@ -152,17 +157,24 @@ async fn run(
 ) -> Result<Report, BoxError> {
     let mut rng = Rng::new(seed);
     let log = Arc::new(DemoLog::create(&cluster.dir().join("demo.log"))?);
-    let spec = Spec {
-        exe: own_executable()?,
-        database_url: cluster.url(),
-        delay_ms: (args.delay_min_ms, args.delay_max_ms),
-        inject_bug: args.inject_bug,
-    };
     let pool = PgPoolOptions::new()
         .max_connections(3)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(cluster.connect_options())
         .await?;
+    let fail_wait_reads = Duration::from_secs(args.fail_wait_reads_secs);
+    // Before the instances start: their statements must resolve the shim.
+    if !fail_wait_reads.is_zero() {
+        wait_reads::prepare(&pool).await?;
+    }
+    let spec = Spec {
+        exe: own_executable()?,
+        database_url: cluster.url(),
+        delay_ms: (args.delay_min_ms, args.delay_max_ms),
+        in_flight_wait_ms: args.in_flight_wait_ms,
+        search_path: (!fail_wait_reads.is_zero()).then_some(wait_reads::SEARCH_PATH),
+        inject_bug: args.inject_bug,
+    };
     let fleet = Fleet::start(spec, Arc::clone(&log), pool.clone(), rng.fork()).await?;
     let setup = setup_started.elapsed();
 
@@ -194,6 +206,10 @@ async fn run(
         usize::from(args.clients),
         args.storm_percent,
     );
+    // Drawn last, so that the other faults' plans of a seed stay as they were.
+    let mut avoid = vec![(restart.at, restart.at + restart.down_for)];
+    avoid.extend(refusal.map(|refusal| (refusal.at, refusal.at + refusal.window)));
+    let wait_read_fault = wait_reads::plan(&mut rng, duration, fail_wait_reads, &avoid);
     let (storm_tx, storm_rx) = watch::channel(Storm::default());
     let (stop_tx, stop_rx) = watch::channel(false);
     let shared = Arc::new(Shared {
@@ -207,11 +223,13 @@ async fn run(
             decline_percent: args.decline_percent,
             catch_percent: catch_percent(args),
             refund_percent: args.refund_percent,
+            wait_hangup_percent: args.wait_hangup_percent,
         },
         stats: Stats::default(),
         stop: stop_rx.clone(),
         deadline: OnceLock::new(),
         storms: storm_rx,
+        wait_reads: Phase::default(),
     });
     let stop = || {
         let _ = shared.deadline.set(Instant::now() + drain);
@@ -220,7 +238,7 @@ async fn run(
 
     progress(format_args!(
         "chaos for {} s with {} clients; PostgreSQL restart (stop -m {}) planned at {:.1} s; {}; \
-         hang-up storms at [{}] s",
+         hang-up storms at [{}] s; {}",
         duration.as_secs(),
         args.clients,
         restart.mode.as_str(),
@@ -238,6 +256,14 @@ async fn run(
             .map(|storm| format!("{:.1}", storm.at.as_secs_f64()))
             .collect::<Vec<_>>()
             .join(", "),
+        match wait_read_fault {
+            Some(fault) => format!(
+                "waiting reads fail at {:.1} s for {} s",
+                fault.at.as_secs_f64(),
+                fault.window.as_secs()
+            ),
+            None => "no waiting reads fail".to_owned(),
+        },
     ));
     let chaos_started = Instant::now();
     let mut clients = JoinSet::new();
@@ -256,6 +282,7 @@ async fn run(
     let database_faults = DatabaseFaults::default();
     let refusal_faults = RefusalFaults::default();
     let storm_faults = StormFaults::default();
+    let wait_read_faults = WaitReadFaults::default();
     let faults = async {
         tokio::try_join!(
             faults::kill_instances(
@@ -270,6 +297,13 @@ async fn run(
             faults::restart_database(cluster, &pool, stop_rx.clone(), restart, &database_faults),
             faults::refuse_completions(&pool, stop_rx.clone(), refusal, &refusal_faults),
             faults::hang_up_storms(&storms, &storm_tx, stop_rx.clone(), &storm_faults),
+            wait_reads::fail_wait_reads(
+                &pool,
+                stop_rx.clone(),
+                wait_read_fault,
+                &shared.wait_reads,
+                &wait_read_faults,
+            ),
             tick(&shared, &fleet, stop_rx.clone()),
         )
     };
@@ -340,6 +374,8 @@ async fn run(
             refused: &refusal_faults,
             storms: &storms,
             stormed: &storm_faults,
+            wait_read_fault,
+            wait_reads_failed: &wait_read_faults,
         },
         verdict,
         Phases {
@@ -461,6 +497,21 @@ fn replay_args(args: &RunArgs, seed: u64) -> String {
         ),
         ("storms", args.storms.into(), defaults.storms.into()),
         (
+            "in-flight-wait-ms",
+            args.in_flight_wait_ms,
+            defaults.in_flight_wait_ms,
+        ),
+        (
+            "wait-hangup-percent",
+            args.wait_hangup_percent.into(),
+            defaults.wait_hangup_percent.into(),
+        ),
+        (
+            "fail-wait-reads-secs",
+            args.fail_wait_reads_secs,
+            defaults.fail_wait_reads_secs,
+        ),
+        (
             "storm-percent",
             args.storm_percent.into(),
             defaults.storm_percent.into(),
@@ -545,6 +596,8 @@ mod tests {
              --pg-stop-mode fast --keep-logs",
             "--refuse-completions-secs 0 --catch-percent 0 --storms 0",
             "--refuse-completions-secs 9 --catch-percent 100 --storms 7 --storm-percent 100",
+            "--in-flight-wait-ms 0 --wait-hangup-percent 0 --fail-wait-reads-secs 0",
+            "--in-flight-wait-ms 2500 --wait-hangup-percent 100 --fail-wait-reads-secs 9",
         ] {
             let args = parse(given);
             let replayed = parse(&replay_args(&args, 7));

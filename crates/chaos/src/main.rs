@@ -101,6 +101,7 @@ mod client;
 mod cluster;
 mod faults;
 mod instance;
+mod replay;
 mod report;
 mod rng;
 mod run;

@@ -1,7 +1,6 @@
 //! How the duplicates' waits for their keys in flight ended, counted across the instances.
 //!
-//! The layer counts each end of a wait in the metric
-//! [`IN_FLIGHT_WAITS`](tower_idempotency::metrics::IN_FLIGHT_WAITS), by `result`. An instance
+//! The layer counts each end of a wait in the metric [`IN_FLIGHT_WAITS`], by `result`. An instance
 //! ([`install`], in `chaos serve`) logs each increment as a line, [`ENDED`] and the result, at
 //! once, so that the count outlives a `SIGKILL`; the run counts those lines ([`WaitCounts`]).
 //! A line per increment is what no exporter does: they keep totals to be scraped.

@@ -105,6 +105,7 @@ mod replay;
 mod report;
 mod rng;
 mod run;
+mod send;
 mod serve;
 mod verify;
 mod wait_reads;

@@ -11,7 +11,9 @@
 //!   other one after a connection error or a timeout;
 //! * some attempts hang up: the client drops the request (and its connection) after a few
 //!   milliseconds, not knowing whether the charge went through, and retries;
-//! * some charges are sent twice **in parallel** (a double click: two senders, same key);
+//! * some charges are sent twice **in parallel** (a double click: two senders, same key): the
+//!   instances make the duplicate wait for the first one's answer; in some pairs the second
+//!   sender, sent just after the first, hangs up while its duplicate waits;
 //! * some are sent once more after their answer (a client whose response was lost), which must
 //!   be a replay of the same bytes;
 //! * some are marked (the [`catch::HEADER`]) for the instances' handler that catches a database
@@ -25,13 +27,18 @@
 //!   (together often more than the charge: one of them may then be refused, `400
 //!   amount_too_large` or `charge_already_refunded`), some sent again after their answer.
 //!
+//! A sender of a charge sent at once whose first attempt met the window of failed waiting reads
+//! ([`wait_reads`](crate::wait_reads)) and was answered `503 StoreUnavailable` before either
+//! sender retried was turned away by a failed read while it waited; it is counted for the
+//! checks ([`Observed`]).
+//!
 //! Any other answer (`400`, `422`...) is final and reported: it should never happen here.
 //! What each sender saw is kept in an [`Observed`] for the final checks.
 
 use std::{
     sync::{
         Arc, OnceLock,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU32, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -40,9 +47,15 @@ use bytes::Bytes;
 use http::StatusCode;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
-use tower_idempotency::{PROBLEM_TYPE_BASE, RejectionKind};
 
-use crate::{catch, faults::Storm, instance::Addrs, rng::Rng};
+use crate::{
+    catch,
+    faults::Storm,
+    instance::Addrs,
+    rng::Rng,
+    send::{Call, First, Sender, send, struck},
+    wait_reads::Phase,
+};
 
 /// How the clients behave (the command line's client options).
 #[derive(Debug, Clone)]
@@ -57,13 +70,14 @@ pub(crate) struct Behaviour {
     pub(crate) decline_percent: u8,
     pub(crate) catch_percent: u8,
     pub(crate) refund_percent: u8,
+    pub(crate) wait_hangup_percent: u8,
 }
 
-/// The first backoff step and its cap.
-const BACKOFF_BASE: Duration = Duration::from_millis(50);
-const BACKOFF_CAP: Duration = Duration::from_secs(2);
-/// A hang-up drops the request this long after sending it (a range, in milliseconds).
-const HANGUP_AFTER_MS: (u64, u64) = (1, 60);
+/// Of two senders of a charge sent at once, the second that hangs up while it waits starts
+/// this much later (so that it is the one that waits), and hangs up this long after sending (a
+/// range, in milliseconds: within the instances' processing delay of 10–50 ms).
+const DUPLICATE_LAG: Duration = Duration::from_millis(2);
+const WAIT_HANGUP_AFTER_MS: (u64, u64) = (3, 30);
 /// Of the refunded charges: those refunded twice at once (different keys), those refunded in
 /// full (no `amount`: what is left), and the refunds sent again after their answer.
 const REFUND_PARALLEL_PERCENT: u8 = 30;
@@ -82,6 +96,8 @@ pub(crate) struct Shared {
     pub(crate) deadline: OnceLock<Instant>,
     /// The latest hang-up storm.
     pub(crate) storms: watch::Receiver<Storm>,
+    /// The window in which waiting reads fail.
+    pub(crate) wait_reads: Phase,
 }
 
 /// Counters of what the clients did and met.
@@ -106,11 +122,18 @@ pub(crate) struct Stats {
     pub(crate) storm_hangups: AtomicU64,
     /// Logical charges sent in storms.
     pub(crate) storm_charges: AtomicU64,
+    /// Second senders of a charge sent at once that hung up while waiting, as planned.
+    pub(crate) wait_hangups: AtomicU64,
+    /// Senders of a charge sent at once whose request a storm dropped.
+    pub(crate) storm_pair_hangups: AtomicU64,
+    /// First attempts of a charge sent at once answered `503 StoreUnavailable` while waiting
+    /// reads failed.
+    pub(crate) wait_read_503s: AtomicU64,
     pub(crate) unexpected: AtomicU64,
 }
 
 impl Stats {
-    fn add(counter: &AtomicU64) {
+    pub(crate) fn add(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -151,6 +174,8 @@ impl Plan {
             ],
             caught_error: self.caught_error,
             expected: vec![self.expected_status()],
+            wait_read_503s: AtomicU32::new(0),
+            attempts: AtomicU32::new(0),
         }
     }
 
@@ -199,19 +224,10 @@ impl RefundPlan {
             form,
             caught_error: false,
             expected,
+            wait_read_503s: AtomicU32::new(0),
+            attempts: AtomicU32::new(0),
         }
     }
-}
-
-/// One logical request as [`send`] makes it.
-struct Call<'a> {
-    path: &'static str,
-    api_key: &'a str,
-    key: &'a str,
-    form: Vec<(&'static str, String)>,
-    caught_error: bool,
-    /// The statuses of its correct final answers.
-    expected: Vec<StatusCode>,
 }
 
 /// A final answer, reduced to what the checks compare.
@@ -273,6 +289,9 @@ pub(crate) struct Observed {
     pub(crate) resent: bool,
     /// The refunds made of it afterwards (none, one, or two at once).
     pub(crate) refunds: Vec<ObservedRefund>,
+    /// First attempts of its senders (sent at once) answered `503 StoreUnavailable` while
+    /// waiting reads failed: a failed read while waiting must answer `409`.
+    pub(crate) wait_read_503s: u32,
 }
 
 /// What the senders of one logical refund saw.
@@ -284,45 +303,6 @@ pub(crate) struct ObservedRefund {
     /// Sent at the same time as another refund of the charge, with another key.
     pub(crate) parallel: bool,
     pub(crate) resent: bool,
-}
-
-/// One client's HTTP connections and request timeout, and its index, which storms strike or
-/// spare.
-struct Sender<'a> {
-    shared: &'a Shared,
-    http: reqwest::Client,
-    timeout: Duration,
-    client: usize,
-}
-
-impl<'a> Sender<'a> {
-    /// `None` (and a progress line) when the HTTP client cannot be built.
-    fn new(shared: &'a Shared, client: usize, rng: &mut Rng) -> Option<Self> {
-        let http = reqwest::Client::builder()
-            .no_proxy()
-            .connect_timeout(Duration::from_secs(1))
-            .pool_max_idle_per_host(4)
-            .build()
-            .inspect_err(|error| {
-                crate::progress(format_args!(
-                    "client {client}: cannot build an HTTP client: {error}"
-                ));
-            })
-            .ok()?;
-        let longest =
-            u64::try_from(shared.behaviour.request_timeout.as_millis()).unwrap_or(u64::MAX);
-        let timeout = Duration::from_millis(rng.between(longest / 20, longest).max(1));
-        Some(Self {
-            shared,
-            http,
-            timeout,
-            client,
-        })
-    }
-
-    fn api_key(&self) -> String {
-        format!("sk_test_chaos_{:02}", self.client)
-    }
 }
 
 /// One client: logical charges one after another until the stop, then returns what it saw.
@@ -355,14 +335,24 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
         let call = plan.call();
         if parallel {
             let (mut first, mut second) = (rng.fork(), rng.fork());
-            let (a, b) = tokio::join!(
-                send(&sender, &call, false, &mut first),
-                send(&sender, &call, false, &mut second)
-            );
+            let pair = First {
+                pair: true,
+                ..First::default()
+            };
+            let hang_up = rng.percent(behaviour.wait_hangup_percent).then(|| {
+                let (lo, hi) = WAIT_HANGUP_AFTER_MS;
+                Duration::from_millis(rng.between(lo, hi))
+            });
+            let (a, b) = tokio::join!(send(&sender, &call, pair, &mut first), async {
+                if hang_up.is_some() {
+                    tokio::time::sleep(DUPLICATE_LAG).await;
+                }
+                send(&sender, &call, First { hang_up, ..pair }, &mut second).await
+            });
             record(a);
             record(b);
         } else {
-            record(send(&sender, &call, false, &mut rng).await);
+            record(send(&sender, &call, First::default(), &mut rng).await);
         }
         // A client whose response was lost sends again: a replay of the same bytes, or, for a
         // caught error, whose key must have been released, a fresh answer.
@@ -370,11 +360,12 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             && (plan.caught_error || rng.percent(behaviour.resend_percent));
         if resent {
             let mut again = rng.fork();
-            match send(&sender, &call, false, &mut again).await {
+            match send(&sender, &call, First::default(), &mut again).await {
                 Some(answer) => answers.push(answer),
                 None => unresolved += 1,
             }
         }
+        let wait_read_503s = call.wait_read_503s.load(Ordering::Relaxed);
         drop(call);
         let succeeded = answers
             .first()
@@ -394,6 +385,7 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             parallel,
             resent,
             refunds,
+            wait_read_503s,
         });
     }
     observed
@@ -426,7 +418,11 @@ pub(crate) async fn storm_charges(shared: &Shared, index: usize, mut rng: Rng) -
             caught_error: false,
         };
         Stats::add(&shared.stats.storm_charges);
-        let answer = send(&sender, &plan.call(), true, &mut rng).await;
+        let stormed = First {
+            stormed: true,
+            ..First::default()
+        };
+        let answer = send(&sender, &plan.call(), stormed, &mut rng).await;
         Stats::add(&shared.stats.charges);
         observed.push(Observed {
             plan,
@@ -435,6 +431,7 @@ pub(crate) async fn storm_charges(shared: &Shared, index: usize, mut rng: Rng) -
             parallel: false,
             resent: false,
             refunds: Vec::new(),
+            wait_read_503s: 0,
         });
     }
     observed
@@ -482,7 +479,7 @@ async fn send_refund(
     let mut answers = Vec::new();
     let mut unresolved = 0;
     for _ in 0..=u8::from(resent) {
-        match send(sender, &call, false, &mut rng).await {
+        match send(sender, &call, First::default(), &mut rng).await {
             Some(answer) => answers.push(answer),
             None => unresolved += 1,
         }
@@ -498,210 +495,9 @@ async fn send_refund(
     }
 }
 
-/// What one attempt came to.
-enum Attempt {
-    Response {
-        status: StatusCode,
-        replayed: bool,
-        retry_after: Option<Duration>,
-        body: Bytes,
-    },
-    ConnectionError,
-    Timeout,
-    HungUp,
-}
-
-/// Sends `call` until a final answer, or `None` past the deadline; with `storm`, the first
-/// request is one a storm drops.
-async fn send(sender: &Sender<'_>, call: &Call<'_>, storm: bool, rng: &mut Rng) -> Option<Answer> {
-    let Sender {
-        shared,
-        http,
-        timeout,
-        client,
-    } = sender;
-    let stats = &shared.stats;
-    let mut instance = rng.below(2) as usize;
-    for attempt in 0_u32.. {
-        if shared.deadline.get().is_some_and(|d| Instant::now() >= *d) {
-            return None;
-        }
-        if attempt > 0 {
-            Stats::add(&stats.retries);
-        }
-        Stats::add(&stats.requests);
-        let url = format!("http://{}{}", shared.addrs.get(instance), call.path);
-        let mut request = http
-            .post(url)
-            .bearer_auth(call.api_key)
-            .header("idempotency-key", call.key)
-            .form(&call.form)
-            .timeout(*timeout);
-        if call.caught_error {
-            request = request.header(catch::HEADER, "1");
-        }
-        let exchange = exchange(request);
-        let stormed = storm && attempt == 0;
-        let hangup = (stormed || rng.percent(shared.behaviour.hangup_percent))
-            .then(|| Duration::from_millis(rng.between(HANGUP_AFTER_MS.0, HANGUP_AFTER_MS.1)));
-        // Only storms raised from now on strike this request.
-        let mut storms = shared.storms.clone();
-        storms.mark_unchanged();
-        let (outcome, stormed) = tokio::select! {
-            outcome = hang_up_after(hangup, exchange) => (outcome, stormed),
-            _ = struck(&mut storms, *client) => (Attempt::HungUp, true),
-        };
-        let mut delay = backoff(attempt, rng);
-        match outcome {
-            Attempt::Response {
-                status,
-                replayed,
-                retry_after,
-                body,
-            } => {
-                if replayed {
-                    Stats::add(&stats.replays);
-                }
-                if status == StatusCode::CONFLICT || status.is_server_error() {
-                    if status == StatusCode::CONFLICT {
-                        Stats::add(&stats.conflicts);
-                    } else {
-                        Stats::add(&stats.server_errors);
-                        if status == StatusCode::SERVICE_UNAVAILABLE {
-                            Stats::add(&stats.unavailable);
-                            if problem_is(&body, RejectionKind::Overloaded) {
-                                Stats::add(&stats.overloaded);
-                            }
-                        }
-                        instance = 1 - instance;
-                    }
-                    if let Some(after) = retry_after {
-                        delay = delay.max(after) + Duration::from_millis(rng.below(200));
-                    }
-                } else {
-                    if !call.expected.contains(&status) {
-                        Stats::add(&stats.unexpected);
-                    }
-                    return Some(Answer::new(status, replayed, &body));
-                }
-            }
-            Attempt::ConnectionError => {
-                Stats::add(&stats.connection_errors);
-                instance = 1 - instance;
-            }
-            Attempt::Timeout => {
-                Stats::add(&stats.timeouts);
-                instance = 1 - instance;
-            }
-            Attempt::HungUp => {
-                Stats::add(&stats.hangups);
-                if stormed {
-                    Stats::add(&stats.storm_hangups);
-                }
-            }
-        }
-        let delay = match shared.deadline.get() {
-            Some(deadline) => delay.min(deadline.saturating_duration_since(Instant::now())),
-            None => delay,
-        };
-        tokio::time::sleep(delay).await;
-        if attempt > 0 && rng.percent(50) {
-            // A load balancer spreads retries too.
-            instance = rng.below(2) as usize;
-        }
-    }
-    None
-}
-
-/// `exchange`, dropped (with its connection) `after` it was sent, if given.
-async fn hang_up_after(
-    after: Option<Duration>,
-    exchange: impl Future<Output = Attempt>,
-) -> Attempt {
-    match after {
-        Some(after) => tokio::time::timeout(after, exchange)
-            .await
-            .unwrap_or(Attempt::HungUp),
-        None => exchange.await,
-    }
-}
-
-/// The number of the next storm that strikes `client`; never returns if none does.
-async fn struck(storms: &mut watch::Receiver<Storm>, client: usize) -> u32 {
-    loop {
-        if storms.changed().await.is_err() {
-            return std::future::pending().await;
-        }
-        let storm = storms.borrow_and_update();
-        if storm.strikes(client) {
-            return storm.number;
-        }
-    }
-}
-
-/// Whether `body` is the layer's problem document of `kind`.
-fn problem_is(body: &[u8], kind: RejectionKind) -> bool {
-    let problem: Option<serde_json::Value> = serde_json::from_slice(body).ok();
-    let expected = format!("{PROBLEM_TYPE_BASE}{}", kind.name());
-    problem
-        .as_ref()
-        .and_then(|problem| problem.get("type"))
-        .and_then(|kind| kind.as_str())
-        == Some(expected.as_str())
-}
-
-async fn exchange(request: reqwest::RequestBuilder) -> Attempt {
-    let response = match request.send().await {
-        Ok(response) => response,
-        Err(error) if error.is_timeout() => return Attempt::Timeout,
-        Err(_) => return Attempt::ConnectionError,
-    };
-    let status = response.status();
-    let headers = response.headers();
-    let replayed = headers
-        .get("idempotent-replayed")
-        .is_some_and(|v| v.as_bytes() == b"true");
-    let retry_after = headers
-        .get(http::header::RETRY_AFTER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(Duration::from_secs);
-    match response.bytes().await {
-        Ok(body) => Attempt::Response {
-            status,
-            replayed,
-            retry_after,
-            body,
-        },
-        Err(error) if error.is_timeout() => Attempt::Timeout,
-        Err(_) => Attempt::ConnectionError,
-    }
-}
-
-/// Exponential backoff with "equal jitter": half of the step, plus up to the other half.
-fn backoff(attempt: u32, rng: &mut Rng) -> Duration {
-    let step = BACKOFF_BASE
-        .saturating_mul(1 << attempt.min(6))
-        .min(BACKOFF_CAP);
-    let half = u64::try_from(step.as_millis() / 2).unwrap_or(u64::MAX);
-    Duration::from_millis(half + rng.below(half + 1))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn backoff_grows_and_is_capped() {
-        let mut rng = Rng::new(3);
-        for attempt in 0..20 {
-            let delay = backoff(attempt, &mut rng);
-            let step = BACKOFF_BASE
-                .saturating_mul(1 << attempt.min(6))
-                .min(BACKOFF_CAP);
-            assert!(delay >= step / 2 && delay <= step, "{attempt}: {delay:?}");
-        }
-    }
 
     #[test]
     fn answers_name_their_object() {
@@ -734,53 +530,5 @@ mod tests {
         );
         assert_eq!(refused.code.as_deref(), Some("amount_too_large"));
         assert_eq!(refused.object_id, None);
-    }
-
-    #[test]
-    fn overloaded_503s_are_told_from_other_503s_by_their_problem_type() {
-        let body = |kind: RejectionKind| {
-            tower_idempotency::Rejection::new(kind, "detail")
-                .to_json()
-                .to_vec()
-        };
-        assert!(problem_is(
-            &body(RejectionKind::Overloaded),
-            RejectionKind::Overloaded
-        ));
-        assert!(!problem_is(
-            &body(RejectionKind::StoreUnavailable),
-            RejectionKind::Overloaded
-        ));
-        assert!(!problem_is(b"not json", RejectionKind::Overloaded));
-        assert!(!problem_is(
-            br#"{"type":"Overloaded"}"#,
-            RejectionKind::Overloaded
-        ));
-    }
-
-    /// A storm ends the attempts in flight of the clients it strikes, and only theirs.
-    #[tokio::test]
-    async fn a_storm_strikes_the_clients_it_names() {
-        let (raise, storms) = watch::channel(Storm::default());
-        let waiting = |client| {
-            let mut storms = storms.clone();
-            storms.mark_unchanged();
-            tokio::spawn(async move { struck(&mut storms, client).await })
-        };
-        let (first, second) = (waiting(0), waiting(1));
-        raise.send_replace(Storm {
-            number: 1,
-            clients: vec![false, true].into(),
-            ..Storm::default()
-        });
-        assert_eq!(second.await.expect("client 1 is struck"), 1);
-        tokio::task::yield_now().await;
-        assert!(!first.is_finished(), "client 0 was spared");
-        raise.send_replace(Storm {
-            number: 2,
-            clients: vec![true, false].into(),
-            ..Storm::default()
-        });
-        assert_eq!(first.await.expect("client 0 is struck"), 2);
     }
 }

@@ -340,7 +340,7 @@ pub(crate) async fn hang_up_storms(
 }
 
 /// Waits `wait`; `true` if the stop came first (or was already given).
-async fn stopped_within(stop: &mut watch::Receiver<bool>, wait: Duration) -> bool {
+pub(crate) async fn stopped_within(stop: &mut watch::Receiver<bool>, wait: Duration) -> bool {
     if *stop.borrow() {
         return true;
     }

@@ -26,7 +26,7 @@ use tokio::{
     process::{Child, ChildStdin, ChildStdout, Command},
 };
 
-use crate::{BoxError, rng::Rng, serve::Bug};
+use crate::{BoxError, rng::Rng, serve::Bug, waits::WaitCounts};
 
 /// How many instances run.
 pub(crate) const INSTANCES: usize = 2;
@@ -46,12 +46,13 @@ const START_RETRY: Duration = Duration::from_millis(500);
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The demo's environment variables, removed so that only our flags configure an instance.
-const DEMO_ENV: [&str; 5] = [
+const DEMO_ENV: [&str; 6] = [
     "LISTEN_ADDR",
     "DATABASE_URL",
     "CHARGE_PROCESSING_DELAY_MS",
     "IDEMPOTENCY_KEY_TTL_SECS",
     "IDEMPOTENCY_LEASE_SECS",
+    "IDEMPOTENCY_IN_FLIGHT_WAIT_MS",
 ];
 
 /// How every instance is started.
@@ -62,6 +63,10 @@ pub(crate) struct Spec {
     pub(crate) database_url: String,
     /// The processing delay is drawn from this range at every (re)start.
     pub(crate) delay_ms: (u64, u64),
+    /// `--in-flight-wait-ms`: how long a duplicate of a key in flight waits (0: `409` at once).
+    pub(crate) in_flight_wait_ms: u64,
+    /// The sessions' `search_path`, when not the default (see [`wait_reads`](crate::wait_reads)).
+    pub(crate) search_path: Option<&'static str>,
     pub(crate) inject_bug: Option<Bug>,
 }
 
@@ -122,19 +127,25 @@ impl Instance {
         delay_ms: u64,
         log: Arc<DemoLog>,
     ) -> Result<Self, BoxError> {
+        let mut url = format!(
+            "{}&application_name={}",
+            spec.database_url,
+            application_name(&label)
+        );
+        if let Some(path) = spec.search_path {
+            url.push_str(&format!("&options[search_path]={path}"));
+        }
         let mut command = Command::new(&spec.exe);
         command
             .arg("serve")
             .args(["--listen", "127.0.0.1:0", "--database-url"])
-            .arg(format!(
-                "{}&application_name={}",
-                spec.database_url,
-                application_name(&label)
-            ))
+            .arg(url)
             .arg("--processing-delay-ms")
             .arg(delay_ms.to_string())
             .arg("--lease-secs")
-            .arg(LEASE.as_secs().to_string());
+            .arg(LEASE.as_secs().to_string())
+            .arg("--in-flight-wait-ms")
+            .arg(spec.in_flight_wait_ms.to_string());
         if let Some(bug) = spec.inject_bug {
             command.args(["--inject-bug", bug.name()]);
         }
@@ -379,6 +390,8 @@ pub(crate) struct DemoLog {
     /// handler writes through its transaction: a failed store is then a failed commit).
     pub(crate) background_stores: AtomicU64,
     pub(crate) panics: AtomicU64,
+    /// How the duplicates' waits for their keys ended.
+    pub(crate) waits: WaitCounts,
 }
 
 impl DemoLog {
@@ -400,6 +413,7 @@ impl DemoLog {
             aborted_successes: AtomicU64::new(0),
             background_stores: AtomicU64::new(0),
             panics: AtomicU64::new(0),
+            waits: WaitCounts::default(),
         })
     }
 
@@ -444,6 +458,7 @@ impl DemoLog {
         if line.contains("panicked") {
             count(&self.panics);
         }
+        self.waits.ingest(line);
         let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
         let _ = writeln!(file, "[{label}] {line}");
     }

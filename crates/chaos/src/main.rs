@@ -18,13 +18,15 @@
 //!    processes of this same binary re-executed as `chaos serve` ([`serve`]): the demo through
 //!    its library, in PostgreSQL mode, that is the layer's transactional mode, with a 2 s lease.
 //!    Each listens on `127.0.0.1:0` and takes a random processing delay (10–50 ms), so kills
-//!    land mid-charge. Charges marked so go to a handler that catches a database error
-//!    ([`catch`]).
+//!    land mid-charge. Both make a duplicate of a charge in flight wait up to 1 s for its answer
+//!    (`--in-flight-wait-ms`), and log how each wait ended ([`waits`]). Charges marked so go to a
+//!    handler that catches a database error ([`catch`]).
 //! 3. Runs **64 clients** ([`client`]) that create charges like a payments SDK: a UUID
 //!    `Idempotency-Key` and a unique `metadata[order_id]` per charge, a timeout per request,
 //!    retries with exponential backoff and jitter on connection errors, timeouts, `409` and
 //!    `5xx` (honouring `Retry-After`), both instances behind a simulated load balancer, some
-//!    charges sent twice in parallel, some requests hung up mid-flight, some charges sent again
+//!    charges sent twice in parallel (a quarter of them with the second sender hanging up while
+//!    it waits), some requests hung up mid-flight, some charges sent again
 //!    after their answer, 3 % marked for the catching handler; and **refund** 5 % of the charges
 //!    that succeed (a random part or all; some twice at once with different keys, together often
 //!    more than the charge; some sent again after their answer).
@@ -34,13 +36,16 @@
 //!    5 s** once, clear of the restart (a trigger on `idempotency.records`: longer than the
 //!    lease), and raises **3 hang-up storms**: half the clients drop their requests at once and
 //!    send one more each, dropped too, so the instances' detached handlers pass the layer's
-//!    limit (half the pool, 10) and some requests get `503 Overloaded`.
+//!    limit (half the pool, 10) and some requests get `503 Overloaded`; and **fails waiting
+//!    reads for 5 s** once, clear of the restart and the refusal ([`wait_reads`]): the database
+//!    raises on a waiting duplicate's read of its key in flight, which must answer `409`.
 //! 5. Stops the chaos, lets every client finish the charge it is on (retrying until a final
 //!    answer, up to `--drain-secs`), waits for the database's transactions to end, and
 //!    **checks** ([`verify`]) the database against what every client saw: exactly one charge
 //!    row per logical charge, byte-identical bodies on every answer and replay, the charge id
 //!    in the body matching the row, the stored record matching the answer, no key in flight,
 //!    nothing lost; and for the caught errors, no row, no record and a fresh `402` every time.
+//!    No duplicate sent at once was turned away with a `503` by a failed read while it waited.
 //!    For refunds: no charge refunded past its amount, its `amount_refunded` the sum of its
 //!    refund rows, one row per refund answered `200` and none for one refused, and a refusal only
 //!    where the other refund sent at once left too little.
@@ -56,7 +61,9 @@
 //! 10 s the traffic so far. The report goes
 //! to standard output:
 //!
-//! * **traffic**: logical charges (and how many were sent in parallel, resent, declined), logical
+//! * **traffic**: logical charges (and how many were sent in parallel, resent, declined), the
+//!   duplicates that waited (by how their wait ended: replayed, ran, timed out, hung up, failed
+//!   read, turned away) and the waiting hang-ups the clients made, logical
 //!   refunds (of how many charges, sent at once with another, resent, refused),
 //!   requests, retries, replays (answers marked `Idempotent-Replayed: true`), `409`s (a
 //!   duplicate met the charge in flight), `5xx`, `503`s (the database was away, a kill or
@@ -65,7 +72,8 @@
 //! * **faults**: kills, instance starts (and failed starts: an instance restarted while the
 //!   database was down retries), database restarts; completions refused (counted by the
 //!   trigger); caught database errors (charges, and their answers); storms (charges sent in
-//!   them, requests they hung up, `503 Overloaded` answers);
+//!   them, requests they hung up, `503 Overloaded` answers); waiting reads failed (counted by
+//!   the database);
 //! * **server side**: charges the handlers wrote (`charge created` in the demo's logs) against
 //!   the rows that committed — the difference were rolled back by a kill or the database
 //!   restart, mid-charge; refunds likewise (`refund created`); failed commits; answers over a failed transaction (the caught
@@ -93,11 +101,15 @@ mod client;
 mod cluster;
 mod faults;
 mod instance;
+mod replay;
 mod report;
 mod rng;
 mod run;
+mod send;
 mod serve;
 mod verify;
+mod wait_reads;
+mod waits;
 
 use std::{
     ffi::OsStr,
@@ -119,7 +131,8 @@ pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
     version,
     about = "Chaos run for tower-idempotency: two charges-demo instances on a throwaway \
              PostgreSQL, retrying clients, SIGKILLs, a database restart, refused completions, \
-             handlers that catch a database error and hang-up storms; then checks that every \
+             handlers that catch a database error, hang-up storms and duplicates waiting for \
+             their keys (some hanging up, some whose reads fail); then checks that every \
              charge and refund ran exactly once, and no charge was refunded past its amount"
 )]
 pub(crate) struct RunArgs {
@@ -205,6 +218,23 @@ pub(crate) struct RunArgs {
     #[arg(long, default_value_t = 5, value_name = "P",
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub(crate) refund_percent: u8,
+
+    /// How long a duplicate of a charge in flight waits for its answer in the instances, in
+    /// milliseconds (0: `409` at once).
+    #[arg(long, default_value_t = 1_000, value_name = "MS")]
+    pub(crate) in_flight_wait_ms: u64,
+
+    /// Percentage of the charges sent twice in parallel whose second request, sent just after
+    /// the first so that it waits, hangs up while waiting (after 3–30 ms).
+    #[arg(long, default_value_t = 25, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) wait_hangup_percent: u8,
+
+    /// How long, once, waiting duplicates' reads of their keys in flight fail, in seconds (0:
+    /// never): the database raises on them while the requests holding the keys go on.
+    #[arg(long, default_value_t = 5, value_name = "N",
+          value_parser = clap::value_parser!(u64).range(0..=3_600))]
+    pub(crate) fail_wait_reads_secs: u64,
 
     /// Hang-up storms, spread over the chaos: many clients drop their requests at once (and
     /// send one more, which they drop too).

@@ -15,6 +15,7 @@ use crate::{
     instance::{DemoLog, Fleet, LEASE},
     serve::Bug,
     verify::Verdict,
+    wait_reads::{WaitReadFault, WaitReadFaults},
 };
 
 /// How long each phase took.
@@ -35,6 +36,25 @@ pub(crate) struct Faults<'a> {
     pub(crate) refused: &'a RefusalFaults,
     pub(crate) storms: &'a [Storm],
     pub(crate) stormed: &'a StormFaults,
+    pub(crate) wait_read_fault: Option<WaitReadFault>,
+    pub(crate) wait_reads_failed: &'a WaitReadFaults,
+}
+
+/// How the duplicates' waits ended, as the instances logged them, and the clients' hang-ups of
+/// waiting duplicates.
+#[derive(Debug)]
+struct Waits {
+    wait_ms: u64,
+    ended: u64,
+    replayed: u64,
+    acquired: u64,
+    timed_out: u64,
+    full: u64,
+    hung_up: u64,
+    store_error: u64,
+    other: u64,
+    planned_hangups: u64,
+    storm_pair_hangups: u64,
 }
 
 /// Everything the printout shows.
@@ -74,6 +94,11 @@ pub(crate) struct Report {
     storms: u64,
     storm_hangups: u64,
     storm_charges: u64,
+    waits: Waits,
+    wait_read_fault: Option<WaitReadFault>,
+    wait_read_windows: u64,
+    wait_reads_failed: u64,
+    wait_reads_held: Duration,
     // The demo's logs.
     log_path: String,
     charges_created: u64,
@@ -142,6 +167,23 @@ impl Report {
             storms: get(&faults.stormed.storms),
             storm_hangups: get(&stats.storm_hangups),
             storm_charges: get(&stats.storm_charges),
+            waits: Waits {
+                wait_ms: args.in_flight_wait_ms,
+                ended: log.waits.total(),
+                replayed: get(&log.waits.replayed),
+                acquired: get(&log.waits.acquired),
+                timed_out: get(&log.waits.timed_out),
+                full: get(&log.waits.full),
+                hung_up: get(&log.waits.hung_up),
+                store_error: get(&log.waits.store_error),
+                other: get(&log.waits.other),
+                planned_hangups: get(&stats.wait_hangups),
+                storm_pair_hangups: get(&stats.storm_pair_hangups),
+            },
+            wait_read_fault: faults.wait_read_fault,
+            wait_read_windows: get(&faults.wait_reads_failed.windows),
+            wait_reads_failed: get(&faults.wait_reads_failed.failed),
+            wait_reads_held: Duration::from_millis(get(&faults.wait_reads_failed.held_ms)),
             log_path: log.path().display().to_string(),
             charges_created: get(&log.charges_created),
             refunds_created: get(&log.refunds_created),
@@ -209,6 +251,33 @@ impl Report {
             "answers marked Idempotent-Replayed: true".to_owned(),
         );
         line("409 in flight", self.conflicts, String::new());
+        let w = &self.waits;
+        line(
+            "duplicates that waited",
+            w.ended,
+            format!(
+                "up to {} ms: {} replayed, {} ran (the key was released), {} timed out, {} hung \
+                 up (their clients left), {} failed reads (409), {} turned away (too many \
+                 waiting), {} other",
+                w.wait_ms,
+                w.replayed,
+                w.acquired,
+                w.timed_out,
+                w.hung_up,
+                w.store_error,
+                w.full,
+                w.other
+            ),
+        );
+        line(
+            "waiting hang-ups",
+            w.planned_hangups,
+            format!(
+                "second senders of charges sent at once that hung up 3–30 ms in; {} senders of \
+                 such charges hung up by storms",
+                w.storm_pair_hangups
+            ),
+        );
         line(
             "5xx",
             self.server_errors,
@@ -293,6 +362,21 @@ impl Report {
                 )
             },
         );
+        let failed_reads = match self.wait_read_fault {
+            Some(plan) if self.wait_read_windows > 0 => format!(
+                "by the database (chaos.pg_try_advisory_xact_lock) at {:.1} s for {:.1} s: {} \
+                 waiters' reads answered 409, the others retries' claims (503)",
+                plan.at.as_secs_f64(),
+                self.wait_reads_held.as_secs_f64(),
+                self.waits.store_error
+            ),
+            Some(plan) => format!(
+                "planned at {:.1} s, not reached before the stop",
+                plan.at.as_secs_f64()
+            ),
+            None => "off (--fail-wait-reads-secs 0, or the run is too short)".to_owned(),
+        };
+        line("waiting reads failed", self.wait_reads_failed, failed_reads);
         println!("server side");
         let written = if self.charges_created >= v.rows {
             format!(

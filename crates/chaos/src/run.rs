@@ -8,7 +8,6 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use clap::{Parser, ValueEnum};
 use sqlx::postgres::PgPoolOptions;
 use tokio::{sync::watch, task::JoinSet};
 
@@ -23,6 +22,7 @@ use crate::{
     rng::Rng,
     serve::Bug,
     verify,
+    wait_reads::{self, Phase, WaitReadFaults},
 };
 
 /// How long the database's transactions may take to end once the clients are done.
@@ -40,7 +40,8 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
     eprintln!(
         "chaos run: seed {seed}, {} s, {} clients, 2 charges-demo instances (processing delay \
          {}–{} ms), a SIGKILL every {:.1}–{:.1} s, one PostgreSQL restart, completions refused \
-         for {} s, {} % caught database errors, {} hang-up storms of {} % of the clients",
+         for {} s, {} % caught database errors, {} hang-up storms of {} % of the clients, \
+         duplicates waiting up to {} ms ({} % of them hanging up), waiting reads failing for {} s",
         args.duration_secs,
         args.clients,
         args.delay_min_ms,
@@ -51,10 +52,13 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
         catch_percent(&args),
         args.storms,
         args.storm_percent,
+        args.in_flight_wait_ms,
+        args.wait_hangup_percent,
+        args.fail_wait_reads_secs,
     );
     eprintln!(
         "replay it with: cargo run --release -p chaos -- {}",
-        replay_args(&args, seed)
+        crate::replay::args(&args, seed)
     );
     if let Some(bug) = args.inject_bug {
         eprintln!(
@@ -152,17 +156,24 @@ async fn run(
 ) -> Result<Report, BoxError> {
     let mut rng = Rng::new(seed);
     let log = Arc::new(DemoLog::create(&cluster.dir().join("demo.log"))?);
-    let spec = Spec {
-        exe: own_executable()?,
-        database_url: cluster.url(),
-        delay_ms: (args.delay_min_ms, args.delay_max_ms),
-        inject_bug: args.inject_bug,
-    };
     let pool = PgPoolOptions::new()
         .max_connections(3)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(cluster.connect_options())
         .await?;
+    let fail_wait_reads = Duration::from_secs(args.fail_wait_reads_secs);
+    // Before the instances start: their statements must resolve the shim.
+    if !fail_wait_reads.is_zero() {
+        wait_reads::prepare(&pool).await?;
+    }
+    let spec = Spec {
+        exe: own_executable()?,
+        database_url: cluster.url(),
+        delay_ms: (args.delay_min_ms, args.delay_max_ms),
+        in_flight_wait_ms: args.in_flight_wait_ms,
+        search_path: (!fail_wait_reads.is_zero()).then_some(wait_reads::SEARCH_PATH),
+        inject_bug: args.inject_bug,
+    };
     let fleet = Fleet::start(spec, Arc::clone(&log), pool.clone(), rng.fork()).await?;
     let setup = setup_started.elapsed();
 
@@ -194,6 +205,10 @@ async fn run(
         usize::from(args.clients),
         args.storm_percent,
     );
+    // Drawn last, so that the other faults' plans of a seed stay as they were.
+    let mut avoid = vec![(restart.at, restart.at + restart.down_for)];
+    avoid.extend(refusal.map(|refusal| (refusal.at, refusal.at + refusal.window)));
+    let wait_read_fault = wait_reads::plan(&mut rng, duration, fail_wait_reads, &avoid);
     let (storm_tx, storm_rx) = watch::channel(Storm::default());
     let (stop_tx, stop_rx) = watch::channel(false);
     let shared = Arc::new(Shared {
@@ -207,11 +222,13 @@ async fn run(
             decline_percent: args.decline_percent,
             catch_percent: catch_percent(args),
             refund_percent: args.refund_percent,
+            wait_hangup_percent: args.wait_hangup_percent,
         },
         stats: Stats::default(),
         stop: stop_rx.clone(),
         deadline: OnceLock::new(),
         storms: storm_rx,
+        wait_reads: Phase::default(),
     });
     let stop = || {
         let _ = shared.deadline.set(Instant::now() + drain);
@@ -220,7 +237,7 @@ async fn run(
 
     progress(format_args!(
         "chaos for {} s with {} clients; PostgreSQL restart (stop -m {}) planned at {:.1} s; {}; \
-         hang-up storms at [{}] s",
+         hang-up storms at [{}] s; {}",
         duration.as_secs(),
         args.clients,
         restart.mode.as_str(),
@@ -238,6 +255,14 @@ async fn run(
             .map(|storm| format!("{:.1}", storm.at.as_secs_f64()))
             .collect::<Vec<_>>()
             .join(", "),
+        match wait_read_fault {
+            Some(fault) => format!(
+                "waiting reads fail at {:.1} s for {} s",
+                fault.at.as_secs_f64(),
+                fault.window.as_secs()
+            ),
+            None => "no waiting reads fail".to_owned(),
+        },
     ));
     let chaos_started = Instant::now();
     let mut clients = JoinSet::new();
@@ -256,6 +281,7 @@ async fn run(
     let database_faults = DatabaseFaults::default();
     let refusal_faults = RefusalFaults::default();
     let storm_faults = StormFaults::default();
+    let wait_read_faults = WaitReadFaults::default();
     let faults = async {
         tokio::try_join!(
             faults::kill_instances(
@@ -270,6 +296,13 @@ async fn run(
             faults::restart_database(cluster, &pool, stop_rx.clone(), restart, &database_faults),
             faults::refuse_completions(&pool, stop_rx.clone(), refusal, &refusal_faults),
             faults::hang_up_storms(&storms, &storm_tx, stop_rx.clone(), &storm_faults),
+            wait_reads::fail_wait_reads(
+                &pool,
+                stop_rx.clone(),
+                wait_read_fault,
+                &shared.wait_reads,
+                &wait_read_faults,
+            ),
             tick(&shared, &fleet, stop_rx.clone()),
         )
     };
@@ -340,6 +373,8 @@ async fn run(
             refused: &refusal_faults,
             storms: &storms,
             stormed: &storm_faults,
+            wait_read_fault,
+            wait_reads_failed: &wait_read_faults,
         },
         verdict,
         Phases {
@@ -405,83 +440,6 @@ fn own_executable() -> std::io::Result<PathBuf> {
     }
 }
 
-/// The options that replay this run's plan: its seed, and every option that shapes the plan
-/// and differs from its default (`--keep-logs` does not shape it).
-fn replay_args(args: &RunArgs, seed: u64) -> String {
-    let defaults = RunArgs::parse_from(["chaos"]);
-    let mut line = format!(
-        "--duration-secs {} --clients {} --seed {seed}",
-        args.duration_secs, args.clients
-    );
-    let numbers = [
-        ("kill-min-ms", args.kill_min_ms, defaults.kill_min_ms),
-        ("kill-max-ms", args.kill_max_ms, defaults.kill_max_ms),
-        ("delay-min-ms", args.delay_min_ms, defaults.delay_min_ms),
-        ("delay-max-ms", args.delay_max_ms, defaults.delay_max_ms),
-        (
-            "request-timeout-ms",
-            args.request_timeout_ms,
-            defaults.request_timeout_ms,
-        ),
-        ("drain-secs", args.drain_secs, defaults.drain_secs),
-        (
-            "parallel-percent",
-            args.parallel_percent.into(),
-            defaults.parallel_percent.into(),
-        ),
-        (
-            "hangup-percent",
-            args.hangup_percent.into(),
-            defaults.hangup_percent.into(),
-        ),
-        (
-            "resend-percent",
-            args.resend_percent.into(),
-            defaults.resend_percent.into(),
-        ),
-        (
-            "decline-percent",
-            args.decline_percent.into(),
-            defaults.decline_percent.into(),
-        ),
-        (
-            "refuse-completions-secs",
-            args.refuse_completions_secs,
-            defaults.refuse_completions_secs,
-        ),
-        (
-            "catch-percent",
-            args.catch_percent.into(),
-            defaults.catch_percent.into(),
-        ),
-        (
-            "refund-percent",
-            args.refund_percent.into(),
-            defaults.refund_percent.into(),
-        ),
-        ("storms", args.storms.into(), defaults.storms.into()),
-        (
-            "storm-percent",
-            args.storm_percent.into(),
-            defaults.storm_percent.into(),
-        ),
-    ];
-    for (name, value, default) in numbers {
-        if value != default {
-            line.push_str(&format!(" --{name} {value}"));
-        }
-    }
-    if let Some(mode) = args.pg_stop_mode
-        && let Some(value) = mode.to_possible_value()
-    {
-        line.push_str(&format!(" --pg-stop-mode {}", value.get_name()));
-    }
-    if let Some(bug) = args.inject_bug {
-        line.push_str(&format!(" --inject-bug {}", bug.name()));
-    }
-    line
-}
-
 fn clock_seed() -> u64 {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -517,51 +475,6 @@ impl Signals {
         tokio::select! {
             () = next(self.interrupt.as_mut()) => "SIGINT",
             () = next(self.terminate.as_mut()) => "SIGTERM",
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use clap::Parser;
-
-    use super::replay_args;
-    use crate::RunArgs;
-
-    fn parse(line: &str) -> RunArgs {
-        RunArgs::parse_from(std::iter::once("chaos").chain(line.split_whitespace()))
-    }
-
-    /// The printed command replays the plan: parsed back, it gives the same options, the
-    /// seed included, whichever of them were set.
-    #[test]
-    fn the_replay_command_carries_every_option_that_shapes_the_plan() {
-        for given in [
-            "",
-            "--duration-secs 600 --clients 8",
-            "--kill-min-ms 200 --kill-max-ms 500 --pg-stop-mode immediate",
-            "--delay-min-ms 0 --delay-max-ms 5 --request-timeout-ms 900 --drain-secs 5 \
-             --parallel-percent 0 --hangup-percent 50 --resend-percent 1 --decline-percent 100 \
-             --pg-stop-mode fast --keep-logs",
-            "--refuse-completions-secs 0 --catch-percent 0 --storms 0",
-            "--refuse-completions-secs 9 --catch-percent 100 --storms 7 --storm-percent 100",
-        ] {
-            let args = parse(given);
-            let replayed = parse(&replay_args(&args, 7));
-            let expected = RunArgs {
-                seed: Some(7),
-                keep_logs: false,
-                ..args
-            };
-            let replayed = RunArgs {
-                keep_logs: false,
-                ..replayed
-            };
-            assert_eq!(
-                format!("{replayed:?}"),
-                format!("{expected:?}"),
-                "replaying `{given}`"
-            );
         }
     }
 }

@@ -5,7 +5,8 @@
 //! ([`charges_demo::app`]) on the state [`AppState::postgres`] makes (the layer in
 //! transactional mode) and on a pool sized as [`charges_demo::server::run`] sizes it, which
 //! sets the layer's limit of detached handlers; plus, for the charges marked so, the handler of
-//! [`catch`] under the same layer. It prints `listening on ADDR` on standard
+//! [`catch`] under the same layer. Each end of a duplicate's wait for its key is logged
+//! ([`waits`](crate::waits)). It prints `listening on ADDR` on standard
 //! output and logs to standard error, as the demo does.
 //!
 //! It exits as soon as its standard input closes: the parent keeps the write end open, so an
@@ -114,6 +115,7 @@ pub(crate) fn main(args: ServeArgs) -> ExitCode {
         .with_writer(io::stderr)
         .with_ansi(false)
         .init();
+    crate::waits::install();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

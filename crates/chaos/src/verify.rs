@@ -12,6 +12,7 @@
 //! | nothing else | no charge row and no record belongs to no logical charge |
 //! | never refunded past the charge | no charge's `amount_refunded` exceeds its `amount` (*over-refunded*), and it is the sum of its refund rows (else a *refund sum off*) |
 //! | each refund exactly once | one `refunds` row per logical refund answered `200` (by `metadata->>'refund_id'`; every row beyond it is a *double refund*), of the amount, charge and id the answer names; none for one refused (else a *refund mismatch*); no row of no logical refund (*phantom refund rows*) |
+//! | a failed read while waiting is a `409` | no sender of a charge sent at once (one of them waits for the other's answer) had its first attempt answered `503 StoreUnavailable` while waiting reads failed ([`wait_reads`](crate::wait_reads)); else a *503 for a failed wait read* |
 //! | refused only when it had to be | a refund is refused (`400 amount_too_large` or `charge_already_refunded`) only when sent at once with another refund of the charge that left it too little (else a *refund mismatch*, or an *unexpected answer* for any other refusal) |
 //!
 //! A charge whose handler caught a database error ([`catch`]) must leave nothing:
@@ -103,6 +104,8 @@ pub(crate) struct Verdict {
     pub(crate) unresolved_refunds: u64,
     /// Refund rows of no logical refund.
     pub(crate) phantom_refund_rows: u64,
+    /// First attempts of charges sent at once answered `503` while waiting reads failed.
+    pub(crate) wait_read_503s: u64,
 
     /// Failure examples by kind, in the order the kinds were first met: up to [`EXAMPLES`]
     /// each, and how many more there were.
@@ -111,7 +114,7 @@ pub(crate) struct Verdict {
 
 impl Verdict {
     /// Every invariant, its count, and whether it holds.
-    pub(crate) fn invariants(&self) -> [(&'static str, u64); 20] {
+    pub(crate) fn invariants(&self) -> [(&'static str, u64); 21] {
         [
             ("double executions", self.double_executions),
             ("answered fresh twice", self.fresh_twice),
@@ -133,6 +136,7 @@ impl Verdict {
             ("refund mismatches", self.refund_mismatches),
             ("unresolved refunds", self.unresolved_refunds),
             ("phantom refund rows", self.phantom_refund_rows),
+            ("503s for failed wait reads", self.wait_read_503s),
         ]
     }
 
@@ -377,6 +381,19 @@ fn check_charge(
             ),
         );
     }
+    if charge.wait_read_503s > 0 {
+        verdict.wait_read_503s += u64::from(charge.wait_read_503s);
+        verdict.example(
+            "503 for a failed wait read",
+            format!(
+                "{what}: sent twice at once, {} first attempt(s) answered 503 StoreUnavailable \
+                 while waiting reads failed (a failed read while waiting must answer 409); \
+                 the client saw [{seen}] in the end; the key's lock is {}",
+                charge.wait_read_503s,
+                lock_key(&account, &plan.key).unwrap_or_default()
+            ),
+        );
+    }
     if plan.caught_error {
         check_caught(verdict, charge, &what, &seen, &charge_rows, record.as_ref());
         return;
@@ -481,6 +498,14 @@ fn take_record(
     let scope = ScopeKey::for_principal(&Principal::new(account.as_str()).ok()?, &key);
     // The store keeps the first 128 bits of the scope key (a `uuid`).
     records.remove(&scope.as_bytes()[..16])
+}
+
+/// The advisory lock of `key` sent by `account` in the store's transactional mode (the first
+/// 64 bits of its scope key), which the database's messages about it name.
+fn lock_key(account: &Account, key: &str) -> Option<i64> {
+    let key = IdempotencyKey::new(key.to_owned()).ok()?;
+    let scope = ScopeKey::for_principal(&Principal::new(account.as_str()).ok()?, &key);
+    Some(i64::from_be_bytes(scope.as_bytes()[..8].try_into().ok()?))
 }
 
 /// Answers as the report shows them: status, replay, the object they name.
@@ -775,6 +800,7 @@ mod tests {
             parallel: false,
             resent: true,
             refunds: Vec::new(),
+            wait_read_503s: 0,
         }
     }
 
@@ -887,6 +913,34 @@ mod tests {
                 ("lost charges", 1),
                 ("stored-record mismatches", 1)
             ]
+        );
+    }
+
+    /// A charge sent at once whose waiting sender was turned away with a `503` by a failed read
+    /// fails the run, though it ended well.
+    #[test]
+    fn a_503_after_a_failed_wait_read_fails() {
+        let body = r#"{"id":"ch_1","object":"charge"}"#;
+        let mut charge = observed(
+            plan(false),
+            vec![
+                answer(StatusCode::OK, false, body),
+                answer(StatusCode::OK, true, body),
+            ],
+        );
+        charge.parallel = true;
+        let record = || RecordRow {
+            status: Some(200),
+            body_sha256: Some(Sha256::digest(body).to_vec()),
+        };
+        assert_eq!(
+            failed(&check(&charge, vec![row(&charge)], Some(record()))),
+            []
+        );
+        charge.wait_read_503s = 1;
+        assert_eq!(
+            failed(&check(&charge, vec![row(&charge)], Some(record()))),
+            [("503s for failed wait reads", 1)]
         );
     }
 

@@ -44,7 +44,7 @@ pub(crate) enum Runner {
     Storm(Storm),
     /// Fresh keys at full load while `waiters` duplicates wait for one slow key on a second
     /// server (0: the key sent alone); see `run::waiters`.
-    Waiters { waiters: usize },
+    Waiters { waiters: usize, waits: bool },
 }
 
 /// A storm scenario: for each of `--storm-keys` keys, [`size`](Self::size) requests with that
@@ -341,7 +341,10 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         about: "fresh keys at full load on a waiting lease server, while a second one runs one \
                 key with a 200 ms handler, sent once: the baseline of waiter-storm",
         baseline: None,
-        runner: Runner::Waiters { waiters: 0 },
+        runner: Runner::Waiters {
+            waiters: 0,
+            waits: true,
+        },
         scale: true,
         targets: &[],
     },
@@ -353,9 +356,23 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         baseline: Some("waiter-storm-quiet"),
         runner: Runner::Waiters {
             waiters: crate::run::WAITERS,
+            waits: true,
         },
         scale: true,
         targets: &[Target::Throughput(0.9)],
+    },
+    Scenario {
+        name: "waiter-storm-409",
+        about: "the same 1,000 duplicates on a server that does not wait: each gets 409 after \
+                its one read; the bound of waiter-storm (the holder's answer with 1,000 first \
+                reads and no waiting)",
+        baseline: Some("waiter-storm-quiet"),
+        runner: Runner::Waiters {
+            waiters: crate::run::WAITERS,
+            waits: false,
+        },
+        scale: true,
+        targets: &[],
     },
     Scenario {
         name: "large-bodies",
@@ -562,6 +579,7 @@ const GROUPS: &[(&str, &[&str])] = &[
             "many-instances",
             "waiter-storm-quiet",
             "waiter-storm",
+            "waiter-storm-409",
         ],
     ),
     (

@@ -160,7 +160,9 @@ async fn measure(
     match scenario.runner {
         Runner::Http(http) => measure_http(dbs, scenario, &http, args, round).await,
         Runner::Storm(storm) => storm::measure(dbs.run(), storm, args, round).await,
-        Runner::Waiters { waiters } => waiters::measure(dbs.run(), waiters, args, round).await,
+        Runner::Waiters { waiters, waits } => {
+            waiters::measure(dbs.run(), waiters, waits, args, round).await
+        }
         Runner::Store { op } => {
             let db = dbs.run();
             let warmup = Duration::from_secs(args.warmup_secs);

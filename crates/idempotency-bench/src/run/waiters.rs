@@ -71,12 +71,16 @@ struct KeyAnswers {
     replays: usize,
     conflicts: usize,
     other: usize,
+    /// What the first other answer was (status, or the error).
+    first_other: Option<String>,
 }
 
-/// Measures the load with `waiters` duplicates of one key waiting meanwhile (0: the key alone).
+/// Measures the load with `waiters` duplicates of one key waiting meanwhile (0: the key alone),
+/// or answered `409` at once on a server that does not wait (`waits` false).
 pub(crate) async fn measure(
     db: &BenchDb,
     waiters: usize,
+    waits: bool,
     args: &BenchArgs,
     round: usize,
 ) -> Result<Sample, BoxError> {
@@ -87,7 +91,12 @@ pub(crate) async fn measure(
     backends_gone(db).await?;
     let before = updates(db).await?;
     let loaded = ServerProcess::start(App::LeaseWait, db, args.pool_size.get(), options).await?;
-    let slow = ServerProcess::start(App::SlowLeaseWait, db, args.pool_size.get(), options).await?;
+    let app = if waits {
+        App::SlowLeaseWait
+    } else {
+        App::SlowLease
+    };
+    let slow = ServerProcess::start(app, db, args.pool_size.get(), options).await?;
     let mut senders = Vec::with_capacity(waiters + 1);
     for _ in 0..=waiters {
         senders.push(load::connect(slow.addr()).await?);
@@ -129,7 +138,13 @@ pub(crate) async fn measure(
             1 + UPDATES_ALLOWED_BEYOND_ONE
         ));
     }
-    if answers.holder.is_none() || answers.executed > 0 || answers.replays != waiters {
+    // Without waiting, a duplicate that comes after the holder's answer is a replay.
+    let answered = if waits {
+        answers.replays
+    } else {
+        answers.conflicts + answers.replays
+    };
+    if answers.holder.is_none() || answers.executed > 0 || answered != waiters {
         failures.push(format!("the storm's key came to {answers:?}"));
     }
     let mut sample = Sample::new(round, connections, window.duration(), tally, cpu);
@@ -223,7 +238,13 @@ async fn one_key(
                 }
                 (false, Ok(a), _) if a.status == StatusCode::CREATED => answers.replays += 1,
                 (_, Ok(a), _) if a.status == StatusCode::CONFLICT => answers.conflicts += 1,
-                _ => answers.other += 1,
+                (holder, answer, _) => {
+                    answers.other += 1;
+                    answers.first_other.get_or_insert_with(|| match answer {
+                        Ok(a) => format!("holder {holder}: {} replayed {}", a.status, a.replayed),
+                        Err(error) => format!("holder {holder}: {error}"),
+                    });
+                }
             }
         }
         Ok::<_, BoxError>(())

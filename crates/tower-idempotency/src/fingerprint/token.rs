@@ -227,6 +227,9 @@ impl Number {
     /// exactly, integral doubles below 2^53 as integers, other doubles in their shortest
     /// round-trip form. `None` when it is out of a double's range.
     pub(super) fn write_canonical(&self, token: &[u8], out: &mut Vec<u8>) -> Option<()> {
+        if self.exponent && self.write_small_integral(token, out) {
+            return Some(());
+        }
         let text = std::str::from_utf8(token).ok()?;
         if !self.exponent && self.frac_digits == 0 {
             // serde_json reads `-0` as the double -0.0, written `0` like every integral double.
@@ -242,9 +245,6 @@ impl Number {
                 write_json(out, &n);
                 return Some(());
             }
-        }
-        if self.exponent && self.write_small_integral(token, out) {
-            return Some(());
         }
         let v: f64 = text.parse().ok()?;
         if !v.is_finite() {
@@ -303,8 +303,14 @@ impl Number {
         if self.negative {
             out.push(b'-');
         }
-        let digits = int.iter().chain(frac).skip(leading);
-        out.extend(digits.chain(std::iter::repeat_n(&b'0', zeros)));
+        // Leading zeros are all in `int` unless it is `0`, when they run on into `frac`.
+        let (int, frac) = match int.get(leading..) {
+            Some(rest) => (rest, frac),
+            None => (&[][..], &frac[leading - int.len()..]),
+        };
+        out.extend_from_slice(int);
+        out.extend_from_slice(frac);
+        out.resize(out.len() + zeros, b'0');
         true
     }
 }

@@ -101,11 +101,37 @@ fn hex4(input: &[u8], at: usize) -> Option<u16> {
     })
 }
 
-/// Appends a decoded string quoted and minimally escaped, as serde_json writes it.
+/// Appends a decoded string quoted and minimally escaped, as serde_json writes it: `"` and
+/// `\\` escaped, control characters as `\b \t \n \f \r` or `\u00xx`, nothing else.
 pub(super) fn write_string(out: &mut Vec<u8>, decoded: &[u8]) {
-    // `read_string` checked the UTF-8 of every part, and escapes decode to whole characters.
-    let text = std::str::from_utf8(decoded).expect("decoded JSON strings are UTF-8");
-    write_json(out, text);
+    // Unescaped runs are copied whole: one call per escape, not one per string through serde.
+    out.push(b'"');
+    let mut run = 0;
+    for (at, &b) in decoded.iter().enumerate() {
+        let escape: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0x08 => b"\\b",
+            b'\t' => b"\\t",
+            b'\n' => b"\\n",
+            0x0c => b"\\f",
+            b'\r' => b"\\r",
+            0..=0x1f => {
+                out.extend_from_slice(&decoded[run..at]);
+                let hex = b"0123456789abcdef";
+                out.extend_from_slice(b"\\u00");
+                out.extend_from_slice(&[hex[usize::from(b >> 4)], hex[usize::from(b & 0xf)]]);
+                run = at + 1;
+                continue;
+            }
+            _ => continue,
+        };
+        out.extend_from_slice(&decoded[run..at]);
+        out.extend_from_slice(escape);
+        run = at + 1;
+    }
+    out.extend_from_slice(&decoded[run..]);
+    out.push(b'"');
 }
 
 /// The parts of a number token: `-?int(.frac)?([eE]exp)?`.
@@ -201,6 +227,9 @@ impl Number {
     /// exactly, integral doubles below 2^53 as integers, other doubles in their shortest
     /// round-trip form. `None` when it is out of a double's range.
     pub(super) fn write_canonical(&self, token: &[u8], out: &mut Vec<u8>) -> Option<()> {
+        if self.exponent && self.write_small_integral(token, out) {
+            return Some(());
+        }
         let text = std::str::from_utf8(token).ok()?;
         if !self.exponent && self.frac_digits == 0 {
             // serde_json reads `-0` as the double -0.0, written `0` like every integral double.
@@ -227,6 +256,62 @@ impl Number {
             write_json(out, &v);
         }
         Some(())
+    }
+}
+
+impl Number {
+    /// Appends a token with an exponent whose value is an integer of at most 15 digits
+    /// (`5e3`, `1.25e2`) as that integer, without parsing and formatting a double: such a
+    /// value is exact as one, and written as an integer. `false`: not such a token.
+    fn write_small_integral(&self, token: &[u8], out: &mut Vec<u8>) -> bool {
+        let sign = usize::from(self.negative);
+        let int = &token[sign..sign + self.int_digits];
+        let frac_start = sign + self.int_digits + 1;
+        let frac = token
+            .get(frac_start..frac_start + self.frac_digits)
+            .unwrap_or_default();
+        let exp_start = sign
+            + self.int_digits
+            + if self.frac_digits > 0 {
+                1 + self.frac_digits
+            } else {
+                0
+            }
+            + 1;
+        let exp = &token[exp_start..];
+        let exp = exp.strip_prefix(b"+").unwrap_or(exp);
+        // At most three digits: a larger or negative exponent takes the general path.
+        if exp.len() > 3 || exp.first() == Some(&b'-') {
+            return false;
+        }
+        let exp = exp
+            .iter()
+            .fold(0usize, |n, d| n * 10 + usize::from(d - b'0'));
+        let Some(zeros) = exp.checked_sub(self.frac_digits) else {
+            return false;
+        };
+        let leading = int.iter().chain(frac).take_while(|&&d| d == b'0').count();
+        let significant = self.int_digits + self.frac_digits - leading;
+        if significant == 0 {
+            // Zero, or minus zero, is written `0`.
+            out.push(b'0');
+            return true;
+        }
+        if significant + zeros > 15 {
+            return false;
+        }
+        if self.negative {
+            out.push(b'-');
+        }
+        // Leading zeros are all in `int` unless it is `0`, when they run on into `frac`.
+        let (int, frac) = match int.get(leading..) {
+            Some(rest) => (rest, frac),
+            None => (&[][..], &frac[leading - int.len()..]),
+        };
+        out.extend_from_slice(int);
+        out.extend_from_slice(frac);
+        out.resize(out.len() + zeros, b'0');
+        true
     }
 }
 

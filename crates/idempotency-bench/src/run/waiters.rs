@@ -105,7 +105,7 @@ pub(crate) async fn measure(
     let plan = Arc::new(Plan::new(OTHER_KEYS, &[loaded.addr()], 0));
     let duration = Duration::from_secs(args.duration_secs.max(1));
     let window = Window::after(Duration::from_secs(args.warmup_secs), duration);
-    let key = format!("waiters-{}-{round}-{waiters}", std::process::id());
+    let key = format!("waiters-{}-{round}-{waiters}-{waits}", std::process::id());
     // The key is sent a third into the window, so the load runs before and after it.
     let storm = async {
         tokio::time::sleep_until(window.start + duration / 3).await;

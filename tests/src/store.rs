@@ -31,6 +31,10 @@ struct Shared {
     holding: AtomicBool,
     held_completions: Semaphore,
     completing: Semaphore,
+    /// Calls to `begin` wait for a permit while `holding_begins` is on.
+    holding_begins: AtomicBool,
+    held_begins: Semaphore,
+    beginning: Semaphore,
     begins: AtomicUsize,
     /// Calls to `begin` by waiting duplicates ([`ClaimRequest::waiting`]).
     waiting_begins: AtomicUsize,
@@ -63,6 +67,9 @@ impl<St> ObservedStore<St> {
                 holding: AtomicBool::new(false),
                 held_completions: Semaphore::new(0),
                 completing: Semaphore::new(0),
+                holding_begins: AtomicBool::new(false),
+                held_begins: Semaphore::new(0),
+                beginning: Semaphore::new(0),
                 begins: AtomicUsize::new(0),
                 waiting_begins: AtomicUsize::new(0),
                 found_in_flight: Semaphore::new(0),
@@ -113,6 +120,31 @@ impl<St> ObservedStore<St> {
         self.shared.holding.store(false, Ordering::SeqCst);
         self.shared
             .held_completions
+            .add_permits(Semaphore::MAX_PERMITS / 2);
+    }
+
+    /// Holds every call to `begin` until [`let_begins_go`](Self::let_begins_go).
+    pub fn hold_begins(&self) {
+        self.shared.holding_begins.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits until `n` more calls to `begin` are held.
+    pub async fn beginning(&self, n: u32) {
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            self.shared.beginning.acquire_many(n),
+        )
+        .await
+        .expect("begins held within 30 s")
+        .expect("open")
+        .forget();
+    }
+
+    /// Lets the held calls to `begin` (and every later one) through.
+    pub fn let_begins_go(&self) {
+        self.shared.holding_begins.store(false, Ordering::SeqCst);
+        self.shared
+            .held_begins
             .add_permits(Semaphore::MAX_PERMITS / 2);
     }
 
@@ -237,6 +269,10 @@ impl<St: Store> Store for ObservedStore<St> {
     async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<St::Claim>, Self::Error> {
         let n = self.shared.begins.fetch_add(1, Ordering::SeqCst) + 1;
         self.check().map_err(ObservedError::Down)?;
+        if self.shared.holding_begins.load(Ordering::SeqCst) {
+            self.shared.beginning.add_permits(1);
+            let _ = self.shared.held_begins.acquire().await;
+        }
         if n >= self.shared.failing_begin.load(Ordering::SeqCst) {
             self.shared.begun.add_permits(1);
             return Err(ObservedError::Down(StoreDown));

@@ -242,6 +242,7 @@ macro_rules! store_suite {
                 a_waiting_duplicate_runs_when_the_first_is_released,
                 a_wait_that_runs_out_is_409,
                 waiters_that_hang_up_hold_nothing,
+                a_takeover_by_a_waiter_that_hung_up_stays_a_takeover,
                 a_failed_read_while_waiting_is_409,
                 a_response_being_stored_keeps_its_lease,
                 a_key_in_the_apis_own_header_is_honoured,

@@ -137,3 +137,39 @@ pub async fn a_failed_read_while_waiting_is_409<B: Backend>() {
         assert_eq!(h.probe.executions(), 1, "{failure:?}");
     }
 }
+
+/// A waiter whose read takes over a stopped handler's key just as its client hangs up hands the
+/// key on as a takeover: the next request is still told a handler may have run in part
+/// (transactional mode: the stopped handler was rolled back, so there is nothing to tell).
+pub async fn a_takeover_by_a_waiter_that_hung_up_stays_a_takeover<B: Backend>() {
+    let h = Harness::<B>::with(|layer| {
+        layer
+            .with_in_flight_wait(Duration::from_secs(20))
+            .with_max_handler_time(Duration::from_millis(300))
+            .expect("valid")
+    })
+    .await;
+    let post = || {
+        h.post("/charges", Some("k-taken"))
+            .header("content-type", "application/json")
+            .body(CHARGE)
+    };
+    let hung = tokio::spawn(Reply::of(post().header("x-test-gate", "1")));
+    h.probe.started(1).await;
+    h.store.begun(1).await;
+    let duplicate = send_duplicate(&h, "k-taken").await;
+    // Its first read found the key in flight, its second (once subscribed) too: it waits.
+    h.store.begun(2).await;
+    h.store.hold_begins();
+    hung.await
+        .expect("task")
+        .assert_problem(503, "HandlerTimedOut");
+    // The waiter's next read would take the stopped handler's key over: its client leaves.
+    h.store.beginning(1).await;
+    drop(duplicate);
+    h.probe.abandoned(1).await;
+    h.store.let_begins_go();
+    let retry = Reply::of(post()).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert_eq!(retry.json()["takeover"], !B::TRANSACTIONAL, "{retry:?}");
+}

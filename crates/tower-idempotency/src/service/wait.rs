@@ -159,7 +159,8 @@ impl<St: Store> Shared<St> {
         self.settle_read(read, hang_up).await
     }
 
-    /// The reader's own answer; a claim it took for a client that left meanwhile is given back.
+    /// The reader's own answer; a claim it took for a client that left meanwhile is given back
+    /// (released, or abandoned if it was a takeover).
     async fn settle_read(
         &self,
         read: Result<KeyState<St::Claim>, St::Error>,
@@ -167,8 +168,15 @@ impl<St: Store> Shared<St> {
     ) -> Reread<St::Claim> {
         if hang_up.is_some_and(HangUp::client_left) {
             metrics::waited("hung_up");
-            if let Ok(KeyState::Acquired { claim, .. }) = read {
-                HeldKey::new(Arc::clone(&self.store), claim).release().await;
+            if let Ok(KeyState::Acquired { claim, takeover }) = read {
+                let held = HeldKey::new(Arc::clone(&self.store), claim);
+                // A takeover is handed on as one: the next request must hear that a handler may
+                // have run in part.
+                if takeover {
+                    held.abandon().await;
+                } else {
+                    held.release().await;
+                }
             }
             return Reread::Left;
         }

@@ -243,6 +243,7 @@ macro_rules! store_suite {
                 a_wait_that_runs_out_is_409,
                 waiters_that_hang_up_hold_nothing,
                 a_takeover_by_a_waiter_that_hung_up_stays_a_takeover,
+                a_waiter_takes_a_stopped_handlers_key_over_at_once,
                 a_failed_read_while_waiting_is_409,
                 a_response_being_stored_keeps_its_lease,
                 a_key_in_the_apis_own_header_is_honoured,

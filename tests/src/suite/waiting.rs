@@ -173,3 +173,36 @@ pub async fn a_takeover_by_a_waiter_that_hung_up_stays_a_takeover<B: Backend>() 
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert_eq!(retry.json()["takeover"], !B::TRANSACTIONAL, "{retry:?}");
 }
+
+/// A handler stopped at its maximum time frees its key at once, and that wakes the duplicates
+/// waiting for it: they take it over at once rather than at their next periodic read (1 s).
+pub async fn a_waiter_takes_a_stopped_handlers_key_over_at_once<B: Backend>() {
+    let h = Harness::<B>::with(|layer| {
+        layer
+            .with_in_flight_wait(Duration::from_secs(20))
+            .with_max_handler_time(Duration::from_millis(300))
+            .expect("valid")
+    })
+    .await;
+    let post = || {
+        h.post("/charges", Some("k-stopped"))
+            .header("content-type", "application/json")
+            .body(CHARGE)
+    };
+    let hung = tokio::spawn(Reply::of(post().header("x-test-gate", "1")));
+    h.probe.started(1).await;
+    h.store.begun(1).await;
+    let waiter = tokio::spawn(Reply::of(post()));
+    h.store.found_in_flight(1).await;
+    hung.await
+        .expect("task")
+        .assert_problem(503, "HandlerTimedOut");
+    let stopped = tokio::time::Instant::now();
+    let waiter = waiter.await.expect("task");
+    let after = stopped.elapsed();
+    assert_eq!(waiter.status, StatusCode::CREATED, "{waiter:?}");
+    assert!(
+        after < Duration::from_millis(500),
+        "the waiter answered {after:?} after the handler was stopped"
+    );
+}

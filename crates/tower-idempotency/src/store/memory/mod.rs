@@ -250,11 +250,14 @@ impl Store for MemoryStore {
     }
 
     async fn abandon(&self, claim: &Fence) -> Result<ClaimStatus, MemoryStoreError> {
-        Ok(self.with_held(claim, |mut held| {
+        let status = self.with_held(claim, |mut held| {
             held.get_mut().state = State::InFlight {
                 lease_until: Instant::now(),
             };
-        }))
+        });
+        // Its waiters take it over at once rather than at their next read.
+        self.inner.notifier.notify(&claim.key);
+        Ok(status)
     }
 
     async fn release(&self, claim: &Fence) -> Result<ClaimStatus, MemoryStoreError> {

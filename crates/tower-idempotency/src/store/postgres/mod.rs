@@ -422,7 +422,12 @@ impl Store for PostgresStore {
         if claim.tx.is_some() {
             return self.release(claim).await;
         }
-        let statement = fenced_statement(self.fenced_sql().abandon, &claim.lease);
+        let sql = if self.notifications.emit() {
+            self.fenced_sql().abandon_notify
+        } else {
+            self.fenced_sql().abandon
+        };
+        let statement = fenced_statement(sql, &claim.lease);
         self.fenced("abandon", statement, &self.pool).await
     }
 

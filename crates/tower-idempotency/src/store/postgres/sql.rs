@@ -165,11 +165,12 @@ macro_rules! fenced_statements {
                  AS marked"
             ),
             release: concat!("", release!($table)),
-            abandon: concat!(
-                "UPDATE idempotency.",
-                $table,
-                " SET lease_until = now()
-                 WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+            abandon: concat!("", abandon!($table)),
+            abandon_notify: concat!(
+                "WITH settled AS (",
+                abandon!($table),
+                " RETURNING scope_key, waited) ",
+                NOTIFY_WAITED!()
             ),
             release_notify: concat!(
                 "WITH settled AS (",
@@ -195,6 +196,18 @@ macro_rules! complete {
             "
              SET status = $3, header_names = $4, header_values = $5, body = $6,
                  lease_until = NULL, completed_at = now()
+             WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
+        )
+    };
+}
+
+/// Ends a held claim's lease now: the next request takes the key over.
+macro_rules! abandon {
+    ($table:literal) => {
+        concat!(
+            "UPDATE idempotency.",
+            $table,
+            " SET lease_until = now()
              WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
         )
     };
@@ -275,6 +288,9 @@ pub(super) struct Fenced {
     pub(super) mark_waited: &'static str,
     /// Ends a stopped handler's lease now, so the next request takes the key over at once.
     pub(super) abandon: &'static str,
+    /// [`abandon`](Self::abandon), announcing the key if a waiter marked it: the waiters take
+    /// it over at once rather than at their next read.
+    pub(super) abandon_notify: &'static str,
 }
 
 pub(super) const FENCED: Fenced = fenced_statements!("records");

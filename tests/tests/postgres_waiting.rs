@@ -194,3 +194,47 @@ async fn the_fallback_completion_of_a_transactional_claim_is_announced() {
         "the fallback completion announced nothing"
     );
 }
+
+/// A claim that takes a key over starts unmarked: its predecessor's waiters read the key again
+/// and mark the new claim themselves, and a mark inherited from it would have a settlement
+/// nobody waits for announced, a notifying commit that queues behind every other.
+#[tokio::test]
+async fn a_claim_taken_over_starts_unmarked() {
+    let (db, store) = migrated().await;
+    let waited = || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT coalesce(bool_or(waited), false) FROM idempotency.records",
+        )
+        .fetch_one(db.pool())
+        .await
+        .expect("waited")
+    };
+    // As a layer that waits has it: its statements announce marked keys.
+    let _watch = store.watch_in_flight();
+    let request = claim_request(7, 7);
+    assert!(matches!(
+        store.begin(&request).await,
+        Ok(KeyState::Acquired { .. })
+    ));
+    let waiting = tower_idempotency::store::ClaimRequest {
+        waiting: true,
+        ..request.clone()
+    };
+    assert!(matches!(
+        store.begin(&waiting).await,
+        Ok(KeyState::InFlight { .. })
+    ));
+    assert!(waited().await, "a waiter's read marks the claim");
+    sqlx::query("UPDATE idempotency.records SET lease_until = now() - interval '1 second'")
+        .execute(db.pool())
+        .await
+        .expect("lapse");
+    assert!(matches!(
+        store.begin(&request).await,
+        Ok(KeyState::Acquired { takeover: true, .. })
+    ));
+    assert!(
+        !waited().await,
+        "the claim that took the key over is not marked"
+    );
+}

@@ -56,7 +56,8 @@ macro_rules! begin_statement {
                     header_names  = NULL,
                     header_values = NULL,
                     body          = NULL,
-                    claimant      = $5
+                    claimant      = $5,
+                    waited        = NULL
                 WHERE r.scope_key = $1 AND EXISTS (SELECT FROM existing) ",
             $gate,
             " AND (r.expires_at <= now()

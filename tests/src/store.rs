@@ -27,14 +27,8 @@ struct Shared {
     down: AtomicBool,
     /// The first call to `begin` that fails (counting from 1); `usize::MAX`: none.
     failing_begin: AtomicUsize,
-    /// Completions wait for a permit while `holding` is on.
-    holding: AtomicBool,
-    held_completions: Semaphore,
-    completing: Semaphore,
-    /// Calls to `begin` wait for a permit while `holding_begins` is on.
-    holding_begins: AtomicBool,
-    held_begins: Semaphore,
-    beginning: Semaphore,
+    completions: Gate,
+    begins_gate: Gate,
     begins: AtomicUsize,
     /// Calls to `begin` by waiting duplicates ([`ClaimRequest::waiting`]).
     waiting_begins: AtomicUsize,
@@ -64,12 +58,8 @@ impl<St> ObservedStore<St> {
             shared: Arc::new(Shared {
                 down: AtomicBool::new(false),
                 failing_begin: AtomicUsize::new(usize::MAX),
-                holding: AtomicBool::new(false),
-                held_completions: Semaphore::new(0),
-                completing: Semaphore::new(0),
-                holding_begins: AtomicBool::new(false),
-                held_begins: Semaphore::new(0),
-                beginning: Semaphore::new(0),
+                completions: Gate::default(),
+                begins_gate: Gate::default(),
                 begins: AtomicUsize::new(0),
                 waiting_begins: AtomicUsize::new(0),
                 found_in_flight: Semaphore::new(0),
@@ -100,83 +90,53 @@ impl<St> ObservedStore<St> {
     /// Holds every completion until [`let_completions_go`](Self::let_completions_go): a store
     /// whose completion takes as long as the test says.
     pub fn hold_completions(&self) {
-        self.shared.holding.store(true, Ordering::SeqCst);
+        self.shared.completions.hold();
     }
 
     /// Waits until `n` more completions are held.
     pub async fn completing(&self, n: u32) {
-        tokio::time::timeout(
-            Duration::from_secs(30),
-            self.shared.completing.acquire_many(n),
-        )
-        .await
-        .expect("completions held within 30 s")
-        .expect("open")
-        .forget();
+        waited(&self.shared.completions.reached, n, "completions held").await;
     }
 
     /// Lets the held completions (and every later one) through.
     pub fn let_completions_go(&self) {
-        self.shared.holding.store(false, Ordering::SeqCst);
-        self.shared
-            .held_completions
-            .add_permits(Semaphore::MAX_PERMITS / 2);
+        self.shared.completions.open();
     }
 
     /// Holds every call to `begin` until [`let_begins_go`](Self::let_begins_go).
     pub fn hold_begins(&self) {
-        self.shared.holding_begins.store(true, Ordering::SeqCst);
+        self.shared.begins_gate.hold();
     }
 
     /// Waits until `n` more calls to `begin` are held.
     pub async fn beginning(&self, n: u32) {
-        tokio::time::timeout(
-            Duration::from_secs(30),
-            self.shared.beginning.acquire_many(n),
-        )
-        .await
-        .expect("begins held within 30 s")
-        .expect("open")
-        .forget();
+        waited(&self.shared.begins_gate.reached, n, "begins held").await;
     }
 
     /// Lets the held calls to `begin` (and every later one) through.
     pub fn let_begins_go(&self) {
-        self.shared.holding_begins.store(false, Ordering::SeqCst);
-        self.shared
-            .held_begins
-            .add_permits(Semaphore::MAX_PERMITS / 2);
+        self.shared.begins_gate.open();
     }
 
     /// Waits until `n` more claims were completed or released (held or lost).
     pub async fn settled(&self, n: u32) {
-        tokio::time::timeout(Duration::from_secs(30), self.shared.settled.acquire_many(n))
-            .await
-            .expect("claims settled within 30 s")
-            .expect("open")
-            .forget();
+        waited(&self.shared.settled, n, "claims settled").await;
     }
 
     /// Waits until `n` more calls to `begin` have been answered by the store.
     pub async fn begun(&self, n: u32) {
-        tokio::time::timeout(Duration::from_secs(30), self.shared.begun.acquire_many(n))
-            .await
-            .expect("begins answered within 30 s")
-            .expect("open")
-            .forget();
+        waited(&self.shared.begun, n, "begins answered").await;
     }
 
     /// Waits until `n` more first reads (not a waiter's re-read) found their key in flight: that
     /// many duplicates wait, with waiting on.
     pub async fn found_in_flight(&self, n: u32) {
-        tokio::time::timeout(
-            Duration::from_secs(30),
-            self.shared.found_in_flight.acquire_many(n),
+        waited(
+            &self.shared.found_in_flight,
+            n,
+            "first reads found their keys in flight",
         )
-        .await
-        .expect("first reads found their keys in flight within 30 s")
-        .expect("open")
-        .forget();
+        .await;
     }
 
     /// Calls to `begin` by waiting duplicates.
@@ -220,6 +180,52 @@ impl<St> ObservedStore<St> {
         self.shared.settled.add_permits(1);
         status
     }
+}
+
+/// Holds the calls that reach it while it is held, and tells the test how many have.
+struct Gate {
+    holding: AtomicBool,
+    open: Semaphore,
+    reached: Semaphore,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self {
+            holding: AtomicBool::new(false),
+            open: Semaphore::new(0),
+            reached: Semaphore::new(0),
+        }
+    }
+}
+
+impl Gate {
+    fn hold(&self) {
+        self.holding.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets the held calls (and every later one) through.
+    fn open(&self) {
+        self.holding.store(false, Ordering::SeqCst);
+        self.open.add_permits(Semaphore::MAX_PERMITS / 2);
+    }
+
+    /// Waits here while the gate is held.
+    async fn pass(&self) {
+        if self.holding.load(Ordering::SeqCst) {
+            self.reached.add_permits(1);
+            let _ = self.open.acquire().await;
+        }
+    }
+}
+
+/// Waits for `n` permits of `signal` (then spent), at most 30 s.
+async fn waited(signal: &Semaphore, n: u32, what: &str) {
+    tokio::time::timeout(Duration::from_secs(30), signal.acquire_many(n))
+        .await
+        .unwrap_or_else(|_| panic!("{what} within 30 s"))
+        .expect("open")
+        .forget();
 }
 
 /// The error of a store that is switched off, or of the store it wraps.
@@ -269,10 +275,7 @@ impl<St: Store> Store for ObservedStore<St> {
     async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<St::Claim>, Self::Error> {
         let n = self.shared.begins.fetch_add(1, Ordering::SeqCst) + 1;
         self.check().map_err(ObservedError::Down)?;
-        if self.shared.holding_begins.load(Ordering::SeqCst) {
-            self.shared.beginning.add_permits(1);
-            let _ = self.shared.held_begins.acquire().await;
-        }
+        self.shared.begins_gate.pass().await;
         if n >= self.shared.failing_begin.load(Ordering::SeqCst) {
             self.shared.begun.add_permits(1);
             return Err(ObservedError::Down(StoreDown));
@@ -302,10 +305,7 @@ impl<St: Store> Store for ObservedStore<St> {
         record: &Record,
     ) -> Result<ClaimStatus, Self::Error> {
         self.check().map_err(ObservedError::Down)?;
-        if self.shared.holding.load(Ordering::SeqCst) {
-            self.shared.completing.add_permits(1);
-            let _ = self.shared.held_completions.acquire().await;
-        }
+        self.shared.completions.pass().await;
         let status = self
             .inner
             .complete(claim, record)

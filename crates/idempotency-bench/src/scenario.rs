@@ -149,6 +149,9 @@ pub(crate) enum After {
 pub(crate) enum Target {
     /// req/s at least this multiple of the baseline's.
     Throughput(f64),
+    /// req/s at least `min` times the baseline's, where `bound`, printed beside it, is what
+    /// limits any layer here: the target is anchored to that bound, not to a wish.
+    Bounded { min: f64, bound: &'static str },
     /// p99 latency at most this multiple of the baseline's.
     P99(f64),
     /// The server's peak RSS at most this many bytes.
@@ -164,6 +167,7 @@ impl fmt::Display for Target {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Throughput(ratio) => write!(f, "req/s ≥ {ratio}×"),
+            Self::Bounded { min, bound } => write!(f, "req/s ≥ {min}× ({bound})"),
             Self::P99(ratio) => write!(f, "p99 ≤ {ratio}×"),
             Self::PeakRss(bytes) => write!(f, "RSS ≤ {} MiB", bytes / MIB),
             Self::ExactlyOnce => f.write_str("one execution per key"),
@@ -246,7 +250,10 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         baseline: Some("bare"),
         runner: Runner::Http(Http::new(App::Transactional, NEW_CHARGES)),
         scale: false,
-        targets: &[Target::Throughput(0.8)],
+        targets: &[Target::Bounded {
+            min: 0.28,
+            bound: "PostgreSQL's own bound for its five round trips",
+        }],
     },
     Scenario {
         name: "replay",
@@ -278,7 +285,10 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         baseline: Some("memory-bare"),
         runner: Runner::Http(Http::new(App::Memory, NEW_CHARGES)),
         scale: false,
-        targets: &[Target::Throughput(0.8)],
+        targets: &[Target::Bounded {
+            min: 0.6,
+            bound: "about 2 µs of handler CPU; memory-bare-busy measures 1 µs",
+        }],
     },
     Scenario {
         name: "memory-bare-busy",

@@ -199,7 +199,33 @@ pub(crate) async fn open_transactions(pool: &PgPool) -> Result<u64, sqlx::Error>
 /// Checks `observed` against the database.
 pub(crate) async fn verify(pool: &PgPool, observed: &[Observed]) -> Result<Verdict, sqlx::Error> {
     let mut verdict = Verdict::default();
+    let (mut refund_rows, refunded) = read_refunds(pool, &mut verdict).await?;
+    let mut rows = read_charges(pool, &mut verdict, &refunded).await?;
+    let mut records = read_records(pool, &mut verdict).await?;
+    verdict.open_transactions = open_transactions(pool).await?;
+    if verdict.stuck_keys > 0 {
+        let text = format!(
+            "{} idempotency record(s) still in flight (status IS NULL), {} of them past their \
+             lease",
+            verdict.stuck_keys, verdict.stuck_past_lease
+        );
+        verdict.example("stuck key", text);
+    }
 
+    for charge in observed {
+        check_charge(&mut verdict, charge, &mut rows, &mut records);
+        check_refunds(&mut verdict, charge, &mut refund_rows, &mut records);
+    }
+
+    leftovers(&mut verdict, refund_rows, rows, records);
+    Ok(verdict)
+}
+
+/// The refund rows by logical refund, and the sum refunded of each charge.
+async fn read_refunds(
+    pool: &PgPool,
+    verdict: &mut Verdict,
+) -> Result<(HashMap<String, Vec<RefundRow>>, HashMap<String, i64>), sqlx::Error> {
     let mut refund_rows: HashMap<String, Vec<RefundRow>> = HashMap::new();
     let mut refunded: HashMap<String, i64> = HashMap::new();
     for row in sqlx::query(
@@ -223,7 +249,15 @@ pub(crate) async fn verify(pool: &PgPool, observed: &[Observed]) -> Result<Verdi
             .or_default()
             .push(row_of);
     }
+    Ok((refund_rows, refunded))
+}
 
+/// The charge rows by logical charge, each checked against its refunds' sum.
+async fn read_charges(
+    pool: &PgPool,
+    verdict: &mut Verdict,
+    refunded: &HashMap<String, i64>,
+) -> Result<HashMap<String, Vec<ChargeRow>>, sqlx::Error> {
     let mut rows: HashMap<String, Vec<ChargeRow>> = HashMap::new();
     for row in sqlx::query(
         "SELECT id, account, status, amount, amount_refunded,
@@ -263,7 +297,14 @@ pub(crate) async fn verify(pool: &PgPool, observed: &[Observed]) -> Result<Verdi
                 status: row.try_get("status")?,
             });
     }
+    Ok(rows)
+}
 
+/// The records by the first 16 bytes of their key, counting those in flight.
+async fn read_records(
+    pool: &PgPool,
+    verdict: &mut Verdict,
+) -> Result<HashMap<[u8; 16], RecordRow>, sqlx::Error> {
     let mut records: HashMap<[u8; 16], RecordRow> = HashMap::new();
     // The store's partitioned mode keeps its records in a table of its own: read both.
     let partitioned: bool =
@@ -303,21 +344,16 @@ pub(crate) async fn verify(pool: &PgPool, observed: &[Observed]) -> Result<Verdi
             },
         );
     }
-    verdict.open_transactions = open_transactions(pool).await?;
-    if verdict.stuck_keys > 0 {
-        let text = format!(
-            "{} idempotency record(s) still in flight (status IS NULL), {} of them past their \
-             lease",
-            verdict.stuck_keys, verdict.stuck_past_lease
-        );
-        verdict.example("stuck key", text);
-    }
+    Ok(records)
+}
 
-    for charge in observed {
-        check_charge(&mut verdict, charge, &mut rows, &mut records);
-        check_refunds(&mut verdict, charge, &mut refund_rows, &mut records);
-    }
-
+/// What no logical charge or refund took: phantom rows and orphan records.
+fn leftovers(
+    verdict: &mut Verdict,
+    refund_rows: HashMap<String, Vec<RefundRow>>,
+    rows: HashMap<String, Vec<ChargeRow>>,
+    records: HashMap<[u8; 16], RecordRow>,
+) {
     for (refund_id, phantoms) in refund_rows {
         verdict.phantom_refund_rows += phantoms.len() as u64;
         let ids: Vec<&str> = phantoms.iter().map(|row| row.id.as_str()).collect();
@@ -347,7 +383,6 @@ pub(crate) async fn verify(pool: &PgPool, observed: &[Observed]) -> Result<Verdi
             ),
         );
     }
-    Ok(verdict)
 }
 
 /// The record of `key` sent by `account`, taken out of `records`. Keys reach across endpoints

@@ -50,13 +50,10 @@ pub async fn held_uncommitted(
     blocker
 }
 
-/// `POST /charges` as `acct_a` with `key` and a JSON body.
+/// `POST /charges` as `acct_a` with `key`: [`requests::post`](crate::requests::post) on the
+/// lease app's route.
 pub fn post(client: &reqwest::Client, server: &TestServer, key: &str) -> reqwest::RequestBuilder {
-    client
-        .post(server.url("/charges"))
-        .bearer_auth("acct_a")
-        .header("idempotency-key", key)
-        .body(r#"{"amount":100}"#)
+    crate::requests::post(client, server, "/charges", key)
 }
 
 /// The pool of one app instance of the multi-instance races: ten connections of its own.

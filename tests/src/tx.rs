@@ -8,12 +8,10 @@ use crate::{
     app::{CHARGES_TABLE, Probe, tx_app},
     db::TestDb,
     init_tracing,
+    requests::post,
     server::TestServer,
     store::ObservedStore,
 };
-
-/// The charge every request sends.
-pub const BODY: &str = r#"{"amount":100}"#;
 
 /// A database of its own with the `charges` table, a transactional store on it (observed), and
 /// the transactional app (`tx_app`, every key required) on a real socket.
@@ -80,21 +78,6 @@ impl Tx {
             .await
             .expect("count records")
     }
-}
-
-/// `POST path` as `acct_a` with `key` and the JSON [`BODY`].
-pub fn post(
-    client: &reqwest::Client,
-    server: &TestServer,
-    path: &str,
-    key: &str,
-) -> reqwest::RequestBuilder {
-    client
-        .post(server.url(path))
-        .bearer_auth("acct_a")
-        .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .body(BODY)
 }
 
 /// The handler's `charges` rows in `pool`'s database.

@@ -3,10 +3,11 @@
 //!
 //! Every test is bounded ([`bounded`]); waits are on the server's answers, never on sleeps.
 
-use std::{future::Future, time::Duration};
+use std::time::Duration;
 
 use idempotency_tests::{
     app::{Probe, app},
+    bounded,
     db::TestDb,
     hostile::{
         RawRequest, RawResponse, deep_unordered_json, exchange, is_closed, read_response,
@@ -21,9 +22,6 @@ use tower_idempotency::{
     store::{PostgresStore, Store},
 };
 
-/// No test here may take longer than this, whatever the server does.
-const TEST_BOUND: Duration = Duration::from_secs(60);
-
 /// How long a prompt answer may take.
 const PROMPT: Duration = Duration::from_secs(5);
 
@@ -31,12 +29,6 @@ const CHARGE: &str = r#"{"amount":100,"currency":"usd"}"#;
 
 /// Just under the layer's default body limit (2 MiB), and axum's.
 const NEARLY_2_MIB: usize = 2 * 1024 * 1024 - 1024;
-
-async fn bounded<F: Future>(test: F) -> F::Output {
-    tokio::time::timeout(TEST_BOUND, test)
-        .await
-        .expect("the test did not finish within its bound")
-}
 
 /// The test app on a real socket, and what it ran.
 struct Target {

@@ -9,9 +9,10 @@ use http::StatusCode;
 use idempotency_tests::{
     db::TestDb,
     init_tracing,
+    requests::{BODY, post},
     server::TestServer,
     suite::Reply,
-    tx::{BODY, Tx, post},
+    tx::Tx,
 };
 use sqlx::Executor;
 use tokio::{

@@ -9,9 +9,10 @@ use idempotency_tests::{
     app::{CHARGES_TABLE, Probe, tx_app},
     db::TestDb,
     init_tracing,
+    requests::{BODY, post},
     server::TestServer,
     suite::Reply,
-    tx::{BODY, Tx, post},
+    tx::Tx,
 };
 use sqlx::{Executor, postgres::PgPoolOptions};
 use tokio::{io::AsyncWriteExt, net::TcpStream, task::JoinSet};

@@ -149,9 +149,7 @@ impl Reply {
 
     /// Whether `Idempotent-Replayed: true` is set.
     pub fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
+        crate::requests::replayed(&self.headers)
     }
 
     /// Asserts an RFC 9457 problem of `kind` with `status`.

@@ -17,6 +17,7 @@ use axum::{
 };
 use charges_demo::{AppState, Settings, app, processor::CardProcessor};
 use http_body_util::BodyExt;
+pub use idempotency_tests::bounded;
 use idempotency_tests::db::TestDb;
 use serde_json::Value;
 use tokio::sync::Semaphore;
@@ -125,9 +126,7 @@ impl Reply {
     }
 
     pub fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
+        idempotency_tests::requests::replayed(&self.headers)
     }
 
     pub fn content_type(&self) -> &str {
@@ -307,11 +306,4 @@ impl Gate {
     pub fn entered(&self) -> usize {
         self.entered.load(Ordering::SeqCst)
     }
-}
-
-/// Bounds a test: it fails instead of hanging.
-pub async fn bounded<F: std::future::Future>(future: F) -> F::Output {
-    tokio::time::timeout(Duration::from_secs(60), future)
-        .await
-        .expect("the test did not finish within 60 s")
 }

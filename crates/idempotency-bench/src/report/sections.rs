@@ -62,28 +62,10 @@ impl Results {
              after it: p50 | p99 | max |\n\
              |---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
         );
-        let row = |out: &mut String, name: &str, round: String, report: &[&StormReport]| {
-            let Some(summary) = StormSummary::of(report.iter().copied()) else {
-                return;
-            };
-            let waits = report.first().is_some_and(|r| r.waits);
-            let [p50, p99, max] = summary.after_first().map(|v| v.unwrap_or("—".to_owned()));
-            let _ = writeln!(
-                out,
-                "| {name} | {} | {round} | {} | {} | {} | {} | {} | {} | {p50} | {p99} | {max} |",
-                if waits { "on" } else { "off" },
-                summary.keys,
-                summary.executions,
-                summary.replays,
-                summary.conflicts,
-                summary.other,
-                summary.before_first,
-            );
-        };
         for (scenario, samples) in &storms {
             for sample in samples.iter() {
                 if let Some(report) = &sample.storm {
-                    row(
+                    storm_row(
                         &mut out,
                         scenario.name,
                         (sample.round + 1).to_string(),
@@ -95,7 +77,7 @@ impl Results {
         for (scenario, samples) in &storms {
             let reports: Vec<&StormReport> =
                 samples.iter().filter_map(|s| s.storm.as_ref()).collect();
-            row(&mut out, scenario.name, "all".to_owned(), &reports);
+            storm_row(&mut out, scenario.name, "all".to_owned(), &reports);
         }
         out.push('\n');
         for (scenario, samples) in &storms {
@@ -221,4 +203,24 @@ impl Results {
         }
         out
     }
+}
+
+/// One row of the storms' table: `report`'s keys, over one round or all.
+fn storm_row(out: &mut String, name: &str, round: String, report: &[&StormReport]) {
+    let Some(summary) = StormSummary::of(report.iter().copied()) else {
+        return;
+    };
+    let waits = report.first().is_some_and(|r| r.waits);
+    let [p50, p99, max] = summary.after_first().map(|v| v.unwrap_or("—".to_owned()));
+    let _ = writeln!(
+        out,
+        "| {name} | {} | {round} | {} | {} | {} | {} | {} | {} | {p50} | {p99} | {max} |",
+        if waits { "on" } else { "off" },
+        summary.keys,
+        summary.executions,
+        summary.replays,
+        summary.conflicts,
+        summary.other,
+        summary.before_first,
+    );
 }

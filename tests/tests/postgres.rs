@@ -238,7 +238,7 @@ mod postgres_only {
 
         let store = PostgresStore::new(db.pool().clone());
         store.migrate().await.expect("the uuid key migration");
-        match store.begin(&completed).await.expect("begin") {
+        match store.claim(&completed).await.expect("claim") {
             KeyState::Completed { record, .. } => {
                 assert_eq!(record.status(), StatusCode::CREATED);
                 assert_eq!(record.headers()["content-type"], "application/json");
@@ -248,13 +248,13 @@ mod postgres_only {
         }
         assert!(
             matches!(
-                store.begin(&in_flight).await.expect("begin"),
+                store.claim(&in_flight).await.expect("claim"),
                 KeyState::InFlight { .. }
             ),
             "the claim in flight is still held"
         );
         assert!(matches!(
-            store.begin(&request(3)).await.expect("begin"),
+            store.claim(&request(3)).await.expect("claim"),
             KeyState::Acquired {
                 takeover: false,
                 ..
@@ -478,7 +478,7 @@ async fn an_unmigrated_database_says_so() {
         ttl: Duration::from_secs(60),
         waiting: false,
     };
-    let error = store.begin(&request).await.expect_err("no schema");
+    let error = store.claim(&request).await.expect_err("no schema");
     assert!(
         matches!(error, PostgresStoreError::NotMigrated(_)),
         "{error:?}"
@@ -555,7 +555,7 @@ mod announcements {
     }
 
     async fn claim(store: &PostgresStore, key: u8) -> PgClaim {
-        match store.begin(&claim_request(key, 1)).await.expect("begin") {
+        match store.claim(&claim_request(key, 1)).await.expect("claim") {
             KeyState::Acquired { claim, .. } => claim,
             other => panic!("key {key}: {other:?}"),
         }
@@ -621,7 +621,7 @@ mod announcements {
             waiting: true,
             ..claim_request(key, 1)
         };
-        store.begin(&request).await.expect("begin")
+        store.claim(&request).await.expect("claim")
     }
 
     #[tokio::test]

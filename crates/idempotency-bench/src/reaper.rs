@@ -199,11 +199,11 @@ impl<S: Store> Store for TimedReaper<S> {
     type Claim = S::Claim;
     type Error = S::Error;
 
-    fn begin(
+    fn claim(
         &self,
         request: &ClaimRequest,
     ) -> impl Future<Output = Result<KeyState<Self::Claim>, Self::Error>> + Send {
-        self.inner.begin(request)
+        self.inner.claim(request)
     }
 
     fn renew(

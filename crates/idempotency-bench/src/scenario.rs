@@ -291,7 +291,7 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "store-ceiling",
-        about: "the PostgreSQL store's begin + complete for a new key, through sqlx, no HTTP",
+        about: "the PostgreSQL store's claim + complete for a new key, through sqlx, no HTTP",
         baseline: Some("bare"),
         runner: Runner::Store {
             op: StoreOp::ClaimComplete,
@@ -301,7 +301,7 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "store-lookup",
-        about: "the PostgreSQL store's begin on a completed key (a replay's lookup), no HTTP",
+        about: "the PostgreSQL store's claim on a completed key (a replay's lookup), no HTTP",
         baseline: Some("bare"),
         runner: Runner::Store {
             op: StoreOp::Lookup { per_client: 16 },

@@ -52,7 +52,7 @@ use tower_idempotency::{
 /// Claims a key, or says why not. `KEYS`: the record, the token counter. `ARGV`: fingerprint,
 /// lease and TTL in milliseconds. Answers `{0, token, takeover}` (acquired), `{1, lease left}`
 /// (in flight), `{2, expires in, record}` (completed) or `{3}` (another fingerprint).
-const BEGIN: &str = r"
+const CLAIM: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local held = redis.call('HMGET', KEYS[1], 'fingerprint', 'state', 'lease_until', 'expires_at', 'record')
@@ -130,7 +130,7 @@ pub struct RedisStore {
 
 #[derive(Clone)]
 struct Scripts {
-    begin: Script,
+    claim: Script,
     renew: Script,
     complete: Script,
     release: Script,
@@ -153,7 +153,7 @@ impl RedisStore {
             connection,
             prefix: prefix.to_owned(),
             scripts: Scripts {
-                begin: Script::new(BEGIN),
+                claim: Script::new(CLAIM),
                 renew: Script::new(RENEW),
                 complete: Script::new(COMPLETE),
                 release: Script::new(RELEASE),
@@ -196,10 +196,10 @@ impl Store for RedisStore {
     type Claim = Fence;
     type Error = RedisStoreError;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, RedisStoreError> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, RedisStoreError> {
         let answer: Vec<Value> = self
             .scripts
-            .begin
+            .claim
             .key(self.record_key(&request.key))
             .key(format!("{}:tokens", self.prefix))
             .arg(&request.fingerprint.as_bytes()[..])

@@ -94,7 +94,7 @@ pub async fn concurrent_duplicates_execute_once<B: Backend>() {
 }
 
 /// After the store answered one retry, later retries to this instance are answered from the
-/// process (the store sees no further `begin`), mismatches included; verbatim all the same.
+/// process (the store sees no further `claim`), mismatches included; verbatim all the same.
 pub async fn repeated_replays_skip_the_store<B: Backend>() {
     let h = Harness::<B>::start().await;
     let first = Reply::of(h.post("/binary", Some("k-cache")).body("payload")).await;

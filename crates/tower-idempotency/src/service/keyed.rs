@@ -252,7 +252,7 @@ impl<St: Store> Shared<St> {
             ttl: self.config.ttl,
             waiting,
         };
-        let begin = metrics::timed("begin", self.store.begin(&request)).await?;
+        let begin = metrics::timed("claim", self.store.claim(&request)).await?;
         if let KeyState::Completed {
             record,
             expires_in: Some(expires_in),

@@ -17,21 +17,21 @@
 //! };
 //!
 //! // The first request acquires the key and runs the handler...
-//! let Ok(KeyState::Acquired { claim, .. }) = store.begin(&request).await else { panic!() };
+//! let Ok(KeyState::Acquired { claim, .. }) = store.claim(&request).await else { panic!() };
 //! // ...a duplicate meanwhile learns it is in flight...
-//! assert!(matches!(store.begin(&request).await, Ok(KeyState::InFlight { .. })));
+//! assert!(matches!(store.claim(&request).await, Ok(KeyState::InFlight { .. })));
 //! // ...the holder stores the response...
 //! let record = Record::from_parts(http::StatusCode::OK, Default::default(), Some("ok".into()));
 //! assert_eq!(store.complete(&claim, &record).await, Ok(ClaimStatus::Held));
 //! // ...and every retry gets it.
-//! let Ok(KeyState::Completed { record: replayed, .. }) = store.begin(&request).await else { panic!() };
+//! let Ok(KeyState::Completed { record: replayed, .. }) = store.claim(&request).await else { panic!() };
 //! assert_eq!(replayed, record);
 //! # }
 //! ```
 //!
 //! # The protocol
 //!
-//! [`Store::begin`] is one atomic step that answers, for a scoped key and the request's
+//! [`Store::claim`] is one atomic step that answers, for a scoped key and the request's
 //! fingerprint:
 //!
 //! | stored state | same fingerprint | other fingerprint |
@@ -91,7 +91,7 @@ pub struct ClaimRequest {
     pub waiting: bool,
 }
 
-/// What [`Store::begin`] found the key in: free, and now the caller's (`Acquired`); in flight
+/// What [`Store::claim`] found the key in: free, and now the caller's (`Acquired`); in flight
 /// under another request; completed; or another request's (`Mismatch`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum KeyState<C> {
@@ -167,13 +167,13 @@ pub struct Fence {
 ///
 /// See the [module documentation](self) for the protocol every implementation follows.
 pub trait Store: Send + Sync + 'static {
-    /// What [`begin`](Self::begin) hands to the holder of a key.
+    /// What [`claim`](Self::claim) hands to the holder of a key.
     type Claim: Send + Sync + 'static;
     /// The error of every operation: the store could not be reached or answered nonsense.
     type Error: std::error::Error + Send + Sync + 'static;
 
     /// Atomically claims `request.key`, or says why not.
-    fn begin(
+    fn claim(
         &self,
         request: &ClaimRequest,
     ) -> impl Future<Output = Result<KeyState<Self::Claim>, Self::Error>> + Send;
@@ -368,8 +368,8 @@ mod tests {
         type Claim = Fence;
         type Error = Down;
 
-        async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, Down> {
-            infallible(self.inner.begin(request).await)
+        async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, Down> {
+            infallible(self.inner.claim(request).await)
         }
 
         async fn renew(&self, claim: &Fence, lease: Duration) -> Result<ClaimStatus, Down> {
@@ -415,7 +415,7 @@ mod tests {
                 waiting: false,
             };
             assert!(matches!(
-                store.begin(&request).await,
+                store.claim(&request).await,
                 Ok(KeyState::Acquired { .. })
             ));
         }
@@ -459,8 +459,8 @@ mod tests {
         type Claim = Fence;
         type Error = MemoryStoreError;
 
-        async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, Self::Error> {
-            self.inner.begin(request).await
+        async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, Self::Error> {
+            self.inner.claim(request).await
         }
 
         async fn renew(&self, claim: &Fence, lease: Duration) -> Result<ClaimStatus, Self::Error> {

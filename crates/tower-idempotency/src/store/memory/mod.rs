@@ -214,7 +214,7 @@ impl Store for MemoryStore {
     type Claim = Fence;
     type Error = MemoryStoreError;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, MemoryStoreError> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, MemoryStoreError> {
         let now = Instant::now();
         match self.try_begin(request, now) {
             // Full: make room from the expired records, if that was not just tried, and again.
@@ -283,7 +283,7 @@ impl Store for MemoryStore {
 }
 
 impl MemoryStore {
-    /// [`Store::begin`] at `now`, with one probe of the map whatever the outcome.
+    /// [`Store::claim`] at `now`, with one probe of the map whatever the outcome.
     fn try_begin(
         &self,
         request: &ClaimRequest,

@@ -2,7 +2,7 @@
 
 use super::*;
 
-/// How many times `begin` runs its statement when a racing commit hides the conflicting row.
+/// How many times `claim` runs its statement when a racing commit hides the conflicting row.
 pub(super) const BEGIN_ATTEMPTS: usize = 5;
 
 impl PostgresStore {
@@ -72,7 +72,7 @@ impl PostgresStore {
                         takeover: false,
                     });
                 }
-                Ok(Some(Batched::TimedOut)) | Err(_) => return Err(self.timeout_error("begin")),
+                Ok(Some(Batched::TimedOut)) | Err(_) => return Err(self.timeout_error("claim")),
                 // The key has a row (or the batch could not say whether it wrote ours): the
                 // one-key statement decides, and finds our row if the batch did write it.
                 Ok(Some(Batched::Done(None) | Batched::Alone) | None) => {}
@@ -132,14 +132,14 @@ impl PostgresStore {
     ) -> Result<KeyState<PgClaim>, PostgresStoreError> {
         let mut tx = self
             .timed(
-                "begin",
+                "claim",
                 self.pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED"),
             )
             .await?;
         for _ in 0..BEGIN_ATTEMPTS {
             let row = self
                 .timed(
-                    "begin",
+                    "claim",
                     self.claim_statement(request, new_claimant())
                         .fetch_optional(self.prepared, &mut *tx),
                 )
@@ -163,7 +163,7 @@ impl PostgresStore {
                 other => {
                     let other = other.map_claim(|lease| PgClaim { lease, tx: None });
                     // Nothing was written; end the transaction (and its lock attempt) now.
-                    self.timed("begin", tx.rollback()).await?;
+                    self.timed("claim", tx.rollback()).await?;
                     Ok(other)
                 }
             };

@@ -331,7 +331,7 @@ impl Store for PostgresStore {
     type Claim = PgClaim;
     type Error = PostgresStoreError;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<PgClaim>, PostgresStoreError> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<PgClaim>, PostgresStoreError> {
         if self.transactional {
             // Boxed: opening a transaction is a large future, which would otherwise make every
             // lease-mode request's future as large.

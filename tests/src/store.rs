@@ -12,7 +12,7 @@ use std::{
 use tokio::sync::Semaphore;
 use tower_idempotency::{
     Record,
-    store::{ClaimRequest, ClaimStatus, KeyState, Store},
+    store::{Capabilities, ClaimRequest, ClaimStatus, KeyState, Store},
 };
 
 /// Wraps a store: counts settled claims, signals them, and fails every call while [`down`].
@@ -332,19 +332,7 @@ impl<St: Store> Store for ObservedStore<St> {
             .map_err(ObservedError::Inner)
     }
 
-    fn attach(&self, claim: &St::Claim, extensions: &mut http::Extensions) {
-        self.inner.attach(claim, extensions);
-    }
-
-    fn commits_effects(&self, claim: &St::Claim) -> bool {
-        self.inner.commits_effects(claim)
-    }
-
-    fn detached_limit(&self) -> Option<usize> {
-        self.inner.detached_limit()
-    }
-
-    fn watch_in_flight(&self) -> tower_idempotency::store::InFlightWatch {
-        self.inner.watch_in_flight()
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 }

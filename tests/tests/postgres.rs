@@ -566,7 +566,9 @@ mod announcements {
     }
 
     async fn only_marked_keys_are_announced(store: PostgresStore, db: &TestDb) {
-        let _watch = store.watch_in_flight();
+        // A layer that waits has the store announce settled keys.
+        let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
+            .with_in_flight_wait(std::time::Duration::from_secs(1));
         let mut listener = listener(db).await;
 
         let unmarked = claim(&store, 1).await;
@@ -657,7 +659,9 @@ mod announcements {
             .await
             .expect("pool");
         let store = PostgresStore::new(pool.clone());
-        let _watch = store.watch_in_flight();
+        // A layer that waits has the store announce settled keys.
+        let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
+            .with_in_flight_wait(std::time::Duration::from_secs(1));
         wait_until(
             &db,
             "SELECT count(*) = 1 FROM pg_stat_activity
@@ -672,7 +676,9 @@ mod announcements {
     async fn in_transactional_mode_every_key_is_announced() {
         let (db, store) = migrated().await;
         let store = store.transactional();
-        let _watch = store.watch_in_flight();
+        // A layer that waits has the store announce settled keys.
+        let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
+            .with_in_flight_wait(std::time::Duration::from_secs(1));
         let mut listener = listener(&db).await;
         let claimed = claim(&store, 5).await;
         assert_eq!(

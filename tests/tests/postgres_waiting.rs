@@ -153,7 +153,9 @@ fn a_layer_built_outside_a_runtime_still_wakes_its_waiters() {
 async fn the_fallback_completion_of_a_transactional_claim_is_announced() {
     let (db, store) = migrated().await;
     let store = store.transactional();
-    let _watch = store.watch_in_flight();
+    // A layer that waits has the store announce settled keys.
+    let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
+        .with_in_flight_wait(std::time::Duration::from_secs(1));
     let mut listener = PgListener::connect_with(db.pool()).await.expect("listener");
     listener
         .listen("idempotency_settled")
@@ -210,7 +212,9 @@ async fn a_claim_taken_over_starts_unmarked() {
         .expect("waited")
     };
     // As a layer that waits has it: its statements announce marked keys.
-    let _watch = store.watch_in_flight();
+    // A layer that waits has the store announce settled keys.
+    let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
+        .with_in_flight_wait(std::time::Duration::from_secs(1));
     let request = claim_request(7, 7);
     assert!(matches!(
         store.claim(&request).await,

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tower_idempotency::{
     Record,
-    store::{ClaimRequest, ClaimStatus, ExpiredDeletion, KeyState, Store},
+    store::{Capabilities, ClaimRequest, ClaimStatus, ExpiredDeletion, KeyState, Store},
 };
 
 /// The prefix of the line a server prints when the backlog is gone.
@@ -227,6 +227,17 @@ impl<S: Store> Store for TimedReaper<S> {
         claim: &Self::Claim,
     ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send {
         self.inner.release(claim)
+    }
+
+    fn abandon(
+        &self,
+        claim: &Self::Claim,
+    ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send {
+        self.inner.abandon(claim)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 }
 

@@ -22,7 +22,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             let takeover = context.takeover;
             let (store, config) = (shared.store, shared.config);
             let config = &*config;
-            store.attach(&claim, &mut parts.extensions);
+            claim.attach(&mut parts.extensions);
             let guard = HeldKey::new(Arc::clone(&store), claim);
             parts.extensions.insert(context);
             let request = Request::from_parts(parts, RequestBody::buffered(body));

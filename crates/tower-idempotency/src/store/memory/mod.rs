@@ -11,7 +11,8 @@ use std::{
 use tokio::time::Instant;
 
 use super::{
-    ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch, KeyState, Notifier, Store,
+    Capabilities, ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch, KeyState,
+    Notifier, Store,
 };
 use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
@@ -269,16 +270,13 @@ impl Store for MemoryStore {
         Ok(status)
     }
 
-    /// `true`: a replay is read from this process's memory, so the layer's replay cache would
-    /// only hold a second copy (and, for a [bounded](MemoryStore::with_max_bytes) store, memory
-    /// beyond its limit).
-    fn in_process(&self) -> bool {
-        true
-    }
-
-    /// Waiters are woken in process, as keys are completed or released.
-    fn watch_in_flight(&self) -> InFlightWatch {
-        InFlightWatch::Notified(self.inner.notifier.clone())
+    /// In process: a replay is read from this process's memory, so the layer's replay cache
+    /// would only hold a second copy (and, for a [bounded](MemoryStore::with_max_bytes) store,
+    /// memory beyond its limit). Waiters are woken in process, as keys settle.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new()
+            .in_process()
+            .with_in_flight_watch(InFlightWatch::Notified(self.inner.notifier.clone()))
     }
 }
 

@@ -19,8 +19,8 @@ use sqlx::{
 };
 
 use super::{
-    ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch, KeyState, Notifier, Store,
-    batch::Batcher,
+    Capabilities, ClaimHandle, ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch,
+    KeyState, Notifier, Store, batch::Batcher,
 };
 use crate::{record::Record, scope::ScopeKey, transaction::TxSlot};
 
@@ -125,7 +125,7 @@ pub struct PostgresStore {
     /// [`MAX_UNSETTLED`].
     unsettled: Arc<AtomicUsize>,
     /// How duplicates waiting for a key in flight are woken (see
-    /// [`watch_in_flight`](Store::watch_in_flight)).
+    /// [`capabilities`](Store::capabilities)).
     notifications: Arc<Notifications>,
     /// Waiters poll every so often instead ([`with_in_flight_polling`](Self::with_in_flight_polling)).
     in_flight_polling: Option<Duration>,
@@ -159,6 +159,15 @@ static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
 impl PostgresStore {
     /// A store on `pool`, in lease mode. Call [`migrate`](Self::migrate) once before use.
     pub fn new(pool: PgPool) -> Self {
+        let notifications = Arc::new(Notifications::default());
+        // A layer that waits, built outside a runtime, has its first waiter start the listener.
+        let (weak, listen_on) = (Arc::downgrade(&notifications), pool.clone());
+        notifications.notifier.start_on_wait(move || {
+            if let Some(notifications) = weak.upgrade() {
+                notifications.emit.store(true, Ordering::Relaxed);
+                notifications.listen(&listen_on);
+            }
+        });
         Self {
             pool,
             timeout: Duration::from_secs(5),
@@ -171,7 +180,7 @@ impl PostgresStore {
             new_claims: Arc::new(Batcher::new(MAX_BATCH).skipping_abandoned()),
             completions: Arc::new(Batcher::new(MAX_BATCH)),
             unsettled: Arc::default(),
-            notifications: Arc::default(),
+            notifications,
             in_flight_polling: None,
         }
     }
@@ -453,43 +462,39 @@ impl Store for PostgresStore {
         Ok(ClaimStatus::Held)
     }
 
-    fn attach(&self, claim: &PgClaim, extensions: &mut http::Extensions) {
-        if let Some(tx_claim) = &claim.tx {
+    /// In transactional mode each claim holds a pooled connection: half the pool may be
+    /// detached. Waiters are woken through `LISTEN`/`NOTIFY`: once a layer that waits is built
+    /// on the store, each completion and release of this store (and of every other instance
+    /// whose layer waits) of a key a waiter marked ([`ClaimRequest::waiting`]), and each of
+    /// transactional mode, announces its key on the channel `idempotency_settled`. One
+    /// connection listens to it for all the waiters of this process, opened beside the pool
+    /// (with its options) so as not to take one of the requests'. With
+    /// [`with_in_flight_polling`](PostgresStore::with_in_flight_polling), waiters poll instead.
+    fn capabilities(&self) -> Capabilities {
+        let watch = match self.in_flight_polling {
+            Some(interval) => InFlightWatch::Polled(interval),
+            None => InFlightWatch::Notified(self.notifications.notifier.clone()),
+        };
+        let capabilities = Capabilities::new().with_in_flight_watch(watch);
+        if self.transactional {
+            let pool = self.pool.options().get_max_connections() as usize;
+            return capabilities.with_detached_limit((pool / 2).max(1));
+        }
+        capabilities
+    }
+}
+
+impl ClaimHandle for PgClaim {
+    /// In transactional mode, hands the handler the claim's transaction.
+    fn attach(&self, extensions: &mut http::Extensions) {
+        if let Some(tx_claim) = &self.tx {
             extensions.insert(Arc::clone(&tx_claim.slot));
         }
     }
 
-    /// `LISTEN`/`NOTIFY`: from now on, each completion and release of this store (and of every
-    /// other instance whose layer waits) of a key a waiter marked ([`ClaimRequest::waiting`]), and
-    /// each of transactional mode, announces its key on the channel `idempotency_settled`. One
-    /// connection listens to it for all the waiters of this process, opened beside the pool
-    /// (with its options) so as not to take one of the requests'. With
-    /// [`with_in_flight_polling`](PostgresStore::with_in_flight_polling), waiters poll instead.
-    fn watch_in_flight(&self) -> InFlightWatch {
-        if let Some(interval) = self.in_flight_polling {
-            return InFlightWatch::Polled(interval);
-        }
-        self.notifications.emit.store(true, Ordering::Relaxed);
-        self.notifications.listen(&self.pool);
-        // Built outside a runtime, the listener is started by the first request that waits.
-        let (notifications, pool) = (Arc::downgrade(&self.notifications), self.pool.clone());
-        self.notifications.notifier.start_on_wait(move || {
-            if let Some(notifications) = notifications.upgrade() {
-                notifications.listen(&pool);
-            }
-        });
-        InFlightWatch::Notified(self.notifications.notifier.clone())
-    }
-
-    /// Half the pool in transactional mode, where each claim holds a pooled connection.
-    fn detached_limit(&self) -> Option<usize> {
-        let pool = self.pool.options().get_max_connections() as usize;
-        self.transactional.then_some((pool / 2).max(1))
-    }
-
-    fn commits_effects(&self, claim: &PgClaim) -> bool {
-        claim
-            .tx
+    /// In transactional mode, once the handler used the claim's transaction.
+    fn commits_effects(&self) -> bool {
+        self.tx
             .as_ref()
             .is_some_and(|tx_claim| tx_claim.slot.was_used())
     }

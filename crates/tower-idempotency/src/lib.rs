@@ -95,7 +95,7 @@ pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyRule, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
 pub use policy::{Disconnect, Retention, RetentionPolicy, StoreFailure};
 pub use problem::{PROBLEM_JSON, PROBLEM_TYPE_BASE, Rejection, RejectionKind};
-pub use record::{IDEMPOTENT_REPLAYED, Record};
+pub use record::{IDEMPOTENT_REPLAYED, Record, RecordBytesError};
 pub use replay::BODY_NOT_STORED_TYPE;
 pub use scope::{EmptyPrincipal, Principal, Scope, ScopeKey};
 pub use service::Idempotency;

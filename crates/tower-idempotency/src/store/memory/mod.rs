@@ -21,7 +21,7 @@ mod records;
 #[cfg(test)]
 mod tests;
 
-use packed::*;
+use packed::Packed;
 use records::*;
 
 /// An in-process [`Store`]: for single-process applications, development and unit tests.

@@ -238,10 +238,7 @@ impl Heartbeat {
     }
 }
 
-/// `at + span`, or far in the future where that would overflow.
-pub(super) fn later(at: tokio::time::Instant, span: Duration) -> tokio::time::Instant {
-    at.checked_add(span).unwrap_or_else(|| at + MAX_DURATION)
-}
+pub(super) use crate::config::later;
 
 /// How soon a store that failed is tried again while a claim must be kept alive: an outage
 /// shorter than the lease never lets the lease lapse.

@@ -188,16 +188,16 @@ impl MemoryStore {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Runs `f` on the entry still held by `lease`, if any, found with one probe of the map.
+    /// Runs `f` on the entry still held by `fence`, if any, found with one probe of the map.
     fn with_held(
         &self,
-        lease: &Fence,
+        fence: &Fence,
         f: impl FnOnce(hash_map::OccupiedEntry<'_, ScopeKey, Entry>),
     ) -> ClaimStatus {
-        let mut records = self.records(&lease.key);
-        let status = match records.map.entry(lease.key) {
+        let mut records = self.records(&fence.key);
+        let status = match records.map.entry(fence.key) {
             hash_map::Entry::Occupied(entry)
-                if entry.get().token == lease.token
+                if entry.get().token == fence.token
                     && matches!(entry.get().state, State::InFlight { .. }) =>
             {
                 f(entry);
@@ -217,10 +217,10 @@ impl Store for MemoryStore {
 
     async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, MemoryStoreError> {
         let now = Instant::now();
-        match self.try_begin(request, now) {
+        match self.try_claim(request, now) {
             // Full: make room from the expired records, if that was not just tried, and again.
             Err(MemoryStoreError::Full { .. }) if self.delete_expired_when_full(now) => {
-                self.try_begin(request, now)
+                self.try_claim(request, now)
             }
             outcome => outcome,
         }
@@ -282,7 +282,7 @@ impl Store for MemoryStore {
 
 impl MemoryStore {
     /// [`Store::claim`] at `now`, with one probe of the map whatever the outcome.
-    fn try_begin(
+    fn try_claim(
         &self,
         request: &ClaimRequest,
         now: Instant,

@@ -34,7 +34,7 @@ impl PostgresStore {
     /// A claim that commits on its own (lease mode, and partitioned lease mode). Its caller may
     /// never read the answer (a timeout, a lost connection, a cancelled request); the attempt's
     /// [`ClaimAttempt`] then releases whatever it claimed.
-    pub(super) async fn begin_lease(
+    pub(super) async fn claim_lease(
         &self,
         request: &ClaimRequest,
     ) -> Result<KeyState<PgClaim>, PostgresStoreError> {
@@ -51,10 +51,10 @@ impl PostgresStore {
                     // Claimed for a request that stopped waiting (it timed out, or was
                     // cancelled): free the key now rather than when its lease lapses.
                     move |claimed| {
-                        if let Batched::Done(Some(lease)) = claimed {
+                        if let Batched::Done(Some(fence)) = claimed {
                             let store = store.clone();
                             tokio::spawn(async move {
-                                let claim = PgClaim { lease, tx: None };
+                                let claim = PgClaim { fence, tx: None };
                                 if let Err(error) = store.release(&claim).await {
                                     tracing::warn!(%error, "releasing an abandoned claim failed; it frees itself when its lease lapses");
                                 }
@@ -65,10 +65,10 @@ impl PostgresStore {
             )
             .await;
             match claimed {
-                Ok(Some(Batched::Done(Some(lease)))) => {
+                Ok(Some(Batched::Done(Some(fence)))) => {
                     attempt.settle();
                     return Ok(KeyState::Acquired {
-                        claim: PgClaim { lease, tx: None },
+                        claim: PgClaim { fence, tx: None },
                         takeover: false,
                     });
                 }
@@ -87,7 +87,7 @@ impl PostgresStore {
                     continue;
                 }
                 attempt.settle();
-                return Ok(begin.map_claim(|lease| PgClaim { lease, tx: None }));
+                return Ok(begin.map_claim(|fence| PgClaim { fence, tx: None }));
             }
         }
         // No row in any try: nothing was claimed.
@@ -147,11 +147,11 @@ impl PostgresStore {
             let Some(row) = row else { continue };
             return match decode_begin(request, &row)? {
                 KeyState::Acquired {
-                    claim: lease,
+                    claim: fence,
                     takeover,
                 } => Ok(KeyState::Acquired {
                     claim: PgClaim {
-                        lease,
+                        fence,
                         tx: Some(Box::new(TxClaim {
                             slot: Arc::new(TxSlot::new(tx)),
                             request: request.clone(),
@@ -161,7 +161,7 @@ impl PostgresStore {
                     takeover,
                 }),
                 other => {
-                    let other = other.map_claim(|lease| PgClaim { lease, tx: None });
+                    let other = other.map_claim(|fence| PgClaim { fence, tx: None });
                     // Nothing was written; end the transaction (and its lock attempt) now.
                     self.timed("claim", tx.rollback()).await?;
                     Ok(other)

@@ -137,14 +137,14 @@ pub struct PostgresStore {
 /// transaction.
 #[derive(Debug)]
 pub struct PgClaim {
-    lease: Fence,
+    fence: Fence,
     tx: Option<Box<TxClaim>>,
 }
 
 impl PgClaim {
     /// The claimed key and its fencing token.
     pub fn fence(&self) -> &Fence {
-        &self.lease
+        &self.fence
     }
 }
 
@@ -346,7 +346,7 @@ impl Store for PostgresStore {
             // lease-mode request's future as large.
             Box::pin(self.begin_transactional(request)).await
         } else {
-            self.begin_lease(request).await
+            self.claim_lease(request).await
         }
     }
 
@@ -356,7 +356,7 @@ impl Store for PostgresStore {
         lease: Duration,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         let Some(tx_claim) = &claim.tx else {
-            return self.renew_lease(&claim.lease, lease).await;
+            return self.renew_lease(&claim.fence, lease).await;
         };
         match tx_claim.fallback() {
             // The open transaction is the lease: it ends when the holder's connection does.
@@ -373,7 +373,7 @@ impl Store for PostgresStore {
         record: &Record,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         let Some(tx_claim) = &claim.tx else {
-            return self.complete_lease(&claim.lease, record).await;
+            return self.complete_lease(&claim.fence, record).await;
         };
         match tx_claim.fallback() {
             Fallback::None => {}
@@ -398,7 +398,7 @@ impl Store for PostgresStore {
         let stored = self
             .fenced(
                 "complete",
-                complete_statement(self.complete_sql(true), &claim.lease, record),
+                complete_statement(self.complete_sql(true), &claim.fence, record),
                 &mut *tx,
             )
             .await;
@@ -410,7 +410,7 @@ impl Store for PostgresStore {
                 if let Err(error) = self.timed("complete", tx.rollback()).await {
                     tracing::debug!(%error, "rolling back an aborted transaction failed");
                 }
-                self.notify_released(&claim.lease.key).await;
+                self.notify_released(&claim.fence.key).await;
                 return Ok(ClaimStatus::RolledBack);
             }
             Err(error) => return self.failed_commit(tx_claim, record, error).await,
@@ -436,13 +436,13 @@ impl Store for PostgresStore {
         } else {
             self.fenced_sql().abandon
         };
-        let statement = fenced_statement(sql, &claim.lease);
+        let statement = fenced_statement(sql, &claim.fence);
         self.fenced("abandon", statement, &self.pool).await
     }
 
     async fn release(&self, claim: &PgClaim) -> Result<ClaimStatus, PostgresStoreError> {
         let Some(tx_claim) = &claim.tx else {
-            return self.release_lease(&claim.lease).await;
+            return self.release_lease(&claim.fence).await;
         };
         match tx_claim.fallback() {
             Fallback::None => {}
@@ -458,7 +458,7 @@ impl Store for PostgresStore {
             return Ok(ClaimStatus::Lost);
         };
         self.timed("release", tx.rollback()).await?;
-        self.notify_released(&claim.lease.key).await;
+        self.notify_released(&claim.fence.key).await;
         Ok(ClaimStatus::Held)
     }
 

@@ -242,7 +242,7 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "transactional",
         about: "the handler's INSERT, the claim and the record in one transaction \
-                (IdempotencyLayer::postgres(pool).transactional()), a new key per request",
+                (IdempotencyLayer::new(PostgresStore::new(pool).transactional())), a new key per request",
         baseline: Some("bare"),
         runner: Runner::Http(Http::new(App::Transactional, NEW_CHARGES)),
         scale: false,

@@ -484,14 +484,6 @@ impl IdempotencyLayer<crate::store::PostgresStore> {
     pub fn postgres(pool: sqlx::PgPool) -> Self {
         Self::new(crate::store::PostgresStore::new(pool))
     }
-
-    /// Switches the store to [transactional mode](crate::guide::modes): the handler's writes
-    /// through [`IdempotentTx`](crate::IdempotentTx) and the stored response commit together.
-    pub fn transactional(mut self) -> Self {
-        let store = Arc::make_mut(&mut self.shared.store);
-        *store = store.clone().transactional();
-        self
-    }
 }
 
 impl<St> Clone for IdempotencyLayer<St> {

@@ -104,7 +104,7 @@ pub async fn claim_released_after(
     )
     .await;
     wait_until(db, "SELECT count(*) = 0 FROM idempotency.records").await;
-    let begin = store.begin(next).await.expect("begin");
+    let begin = store.claim(next).await.expect("claim");
     assert!(
         matches!(
             begin,

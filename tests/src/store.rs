@@ -12,7 +12,7 @@ use std::{
 use tokio::sync::Semaphore;
 use tower_idempotency::{
     Record,
-    store::{ClaimRequest, ClaimStatus, KeyState, Store},
+    store::{Capabilities, ClaimRequest, ClaimStatus, KeyState, Store},
 };
 
 /// Wraps a store: counts settled claims, signals them, and fails every call while [`down`].
@@ -25,12 +25,12 @@ pub struct ObservedStore<St> {
 
 struct Shared {
     down: AtomicBool,
-    /// The first call to `begin` that fails (counting from 1); `usize::MAX`: none.
+    /// The first call to `claim` that fails (counting from 1); `usize::MAX`: none.
     failing_begin: AtomicUsize,
     completions: Gate,
     begins_gate: Gate,
     begins: AtomicUsize,
-    /// Calls to `begin` by waiting duplicates ([`ClaimRequest::waiting`]).
+    /// Calls to `claim` by waiting duplicates ([`ClaimRequest::waiting`]).
     waiting_begins: AtomicUsize,
     /// First reads (not a waiter's) that found their key in flight.
     found_in_flight: Semaphore,
@@ -82,7 +82,7 @@ impl<St> ObservedStore<St> {
         self.shared.down.store(down, Ordering::SeqCst);
     }
 
-    /// Makes the `n`th call to `begin` (counting from 1) and every later one fail.
+    /// Makes the `n`th call to `claim` (counting from 1) and every later one fail.
     pub fn fail_begins_from(&self, n: usize) {
         self.shared.failing_begin.store(n, Ordering::SeqCst);
     }
@@ -103,17 +103,17 @@ impl<St> ObservedStore<St> {
         self.shared.completions.open();
     }
 
-    /// Holds every call to `begin` until [`let_begins_go`](Self::let_begins_go).
+    /// Holds every call to `claim` until [`let_begins_go`](Self::let_begins_go).
     pub fn hold_begins(&self) {
         self.shared.begins_gate.hold();
     }
 
-    /// Waits until `n` more calls to `begin` are held.
+    /// Waits until `n` more calls to `claim` are held.
     pub async fn beginning(&self, n: u32) {
         waited(&self.shared.begins_gate.reached, n, "begins held").await;
     }
 
-    /// Lets the held calls to `begin` (and every later one) through.
+    /// Lets the held calls to `claim` (and every later one) through.
     pub fn let_begins_go(&self) {
         self.shared.begins_gate.open();
     }
@@ -123,7 +123,7 @@ impl<St> ObservedStore<St> {
         waited(&self.shared.settled, n, "claims settled").await;
     }
 
-    /// Waits until `n` more calls to `begin` have been answered by the store.
+    /// Waits until `n` more calls to `claim` have been answered by the store.
     pub async fn begun(&self, n: u32) {
         waited(&self.shared.begun, n, "begins answered").await;
     }
@@ -139,12 +139,12 @@ impl<St> ObservedStore<St> {
         .await;
     }
 
-    /// Calls to `begin` by waiting duplicates.
+    /// Calls to `claim` by waiting duplicates.
     pub fn waiting_begins(&self) -> usize {
         self.shared.waiting_begins.load(Ordering::SeqCst)
     }
 
-    /// Calls to `begin` that reached the store.
+    /// Calls to `claim` that reached the store.
     pub fn begins(&self) -> usize {
         self.shared.begins.load(Ordering::SeqCst)
     }
@@ -272,7 +272,7 @@ impl<St: Store> Store for ObservedStore<St> {
     type Claim = St::Claim;
     type Error = ObservedError<St::Error>;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<St::Claim>, Self::Error> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<St::Claim>, Self::Error> {
         let n = self.shared.begins.fetch_add(1, Ordering::SeqCst) + 1;
         self.check().map_err(ObservedError::Down)?;
         self.shared.begins_gate.pass().await;
@@ -283,7 +283,7 @@ impl<St: Store> Store for ObservedStore<St> {
         if request.waiting {
             self.shared.waiting_begins.fetch_add(1, Ordering::SeqCst);
         }
-        let begun = self.inner.begin(request).await;
+        let begun = self.inner.claim(request).await;
         if !request.waiting && matches!(begun, Ok(KeyState::InFlight { .. })) {
             self.shared.found_in_flight.add_permits(1);
         }
@@ -332,19 +332,7 @@ impl<St: Store> Store for ObservedStore<St> {
             .map_err(ObservedError::Inner)
     }
 
-    fn attach(&self, claim: &St::Claim, extensions: &mut http::Extensions) {
-        self.inner.attach(claim, extensions);
-    }
-
-    fn commits_effects(&self, claim: &St::Claim) -> bool {
-        self.inner.commits_effects(claim)
-    }
-
-    fn detached_limit(&self) -> Option<usize> {
-        self.inner.detached_limit()
-    }
-
-    fn watch_in_flight(&self) -> tower_idempotency::store::InFlightWatch {
-        self.inner.watch_in_flight()
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 }

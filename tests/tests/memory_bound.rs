@@ -46,7 +46,7 @@ async fn a_million_released_claims_leave_the_store_no_bigger() {
         let store = MemoryStore::new();
         let before = HEAP.allocated();
         for request in requests.iter().cycle().take(CLAIMS) {
-            let Ok(KeyState::Acquired { claim, takeover }) = store.begin(request).await else {
+            let Ok(KeyState::Acquired { claim, takeover }) = store.claim(request).await else {
                 panic!("a released key must be acquired again");
             };
             assert!(!takeover);

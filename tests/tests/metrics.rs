@@ -146,7 +146,7 @@ async fn outcomes_rejections_and_store_latency_are_recorded() {
     assert_eq!(counter(&m, names::REQUESTS, ("outcome", "released")), 1);
     assert_eq!(counter(&m, names::REJECTIONS, ("kind", "mismatch")), 1);
     assert_eq!(counter(&m, names::REJECTIONS, ("kind", "key_invalid")), 1);
-    // A begin for each of the four keyed requests (a memory store has no replay cache in front
+    // A claim for each of the four keyed requests (a memory store has no replay cache in front
     // of it), one complete, one release.
     assert_eq!(histogram_samples(&m, names::STORE_SECONDS), 4 + 1 + 1);
     assert_eq!(histogram_samples(&m, names::STORED_BODY_BYTES), 1);
@@ -191,7 +191,7 @@ async fn outcomes_rejections_and_store_latency_are_recorded() {
     };
 
     // A holder that stopped (claimed directly, its lease then lapsed): the retry takes over.
-    let Ok(KeyState::Acquired { .. }) = store.begin(&claim_request("t1", CHARGE)).await else {
+    let Ok(KeyState::Acquired { .. }) = store.claim(&claim_request("t1", CHARGE)).await else {
         panic!("the stopped holder claims first");
     };
     db.pool()

@@ -127,7 +127,7 @@ async fn prepared_statements_break_through_pgbouncer_before_1_21() {
             waiting: false,
         };
         store
-            .begin(&request)
+            .claim(&request)
             .await
             .expect("claim through pgbouncer");
         pool.close().await;

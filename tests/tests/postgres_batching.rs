@@ -53,7 +53,7 @@ async fn batched_claims_and_completions_keep_every_key_apart() {
     let mut claims = JoinSet::new();
     for i in (0..64u8).chain(0..8) {
         let store = store.clone();
-        claims.spawn(async move { (i, store.begin(&request(i)).await.expect("begin")) });
+        claims.spawn(async move { (i, store.claim(&request(i)).await.expect("claim")) });
     }
     let mut held = std::collections::HashMap::new();
     let mut in_flight = vec![0; 64];
@@ -91,7 +91,7 @@ async fn batched_claims_and_completions_keep_every_key_apart() {
     }
 
     for i in 0..64u8 {
-        match store.begin(&request(i)).await.expect("replay") {
+        match store.claim(&request(i)).await.expect("replay") {
             KeyState::Completed { record: stored, .. } => {
                 assert_eq!(stored, record(i), "key {i}")
             }
@@ -127,7 +127,7 @@ async fn claims_and_completions_batched_together_stay_apart() {
     };
     let mut held = Vec::new();
     for i in 0..32u8 {
-        match store.begin(&request(i)).await.expect("begin") {
+        match store.claim(&request(i)).await.expect("claim") {
             KeyState::Acquired { claim, .. } => held.push((i, claim)),
             other => panic!("key {i}: {other:?}"),
         }
@@ -146,7 +146,7 @@ async fn claims_and_completions_batched_together_stay_apart() {
     for i in (0..32u8).chain(100..132) {
         let store = store.clone();
         tasks
-            .spawn(async move { Done::Claimed(i, store.begin(&request(i)).await.expect("begin")) });
+            .spawn(async move { Done::Claimed(i, store.claim(&request(i)).await.expect("claim")) });
     }
     let mut acquired = Vec::new();
     while let Some(done) = tasks.join_next().await {
@@ -163,7 +163,7 @@ async fn claims_and_completions_batched_together_stay_apart() {
     acquired.sort_unstable();
     assert_eq!(acquired, (100..132).collect::<Vec<_>>());
     for i in 0..32u8 {
-        match store.begin(&request(i)).await.expect("replay") {
+        match store.claim(&request(i)).await.expect("replay") {
             KeyState::Completed { record: stored, .. } => {
                 assert_eq!(stored, record(i), "key {i}")
             }
@@ -296,7 +296,7 @@ async fn claim_plans_made_when_autovacuum_first_looks_find_keys_by_index() {
     let mut claims = JoinSet::new();
     for i in 0..1_000 {
         let store = store.clone();
-        claims.spawn(async move { store.begin(&request(i)).await.expect("claim") });
+        claims.spawn(async move { store.claim(&request(i)).await.expect("claim") });
     }
     while let Some(claim) = claims.join_next().await {
         assert!(matches!(claim.expect("task"), KeyState::Acquired { .. }));
@@ -315,7 +315,7 @@ async fn claim_plans_made_when_autovacuum_first_looks_find_keys_by_index() {
     let session = PostgresStore::new(single.clone());
     for i in 0..7 {
         assert!(matches!(
-            session.begin(&request(i)).await.expect("retry"),
+            session.claim(&request(i)).await.expect("retry"),
             KeyState::InFlight { .. }
         ));
     }
@@ -344,7 +344,7 @@ async fn claim_plans_made_when_autovacuum_first_looks_find_keys_by_index() {
     };
     let before = scans().await;
     assert!(matches!(
-        session.begin(&request(500)).await.expect("retry"),
+        session.claim(&request(500)).await.expect("retry"),
         KeyState::InFlight { .. }
     ));
     let after = scans().await;

@@ -103,7 +103,7 @@ async fn expiry_never_deletes_a_record_taken_over_while_it_runs() {
     for round in 0..4u16 {
         let keys = round * 600..(round + 1) * 600;
         for i in keys.clone() {
-            let KeyState::Acquired { .. } = store.begin(&request(i)).await.expect("begin") else {
+            let KeyState::Acquired { .. } = store.claim(&request(i)).await.expect("claim") else {
                 panic!("key {i} not acquired");
             };
         }
@@ -121,7 +121,7 @@ async fn expiry_never_deletes_a_record_taken_over_while_it_runs() {
             let store = store.clone();
             tasks.spawn(async move {
                 let KeyState::Acquired { claim, .. } =
-                    store.begin(&request(i)).await.expect("begin")
+                    store.claim(&request(i)).await.expect("claim")
                 else {
                     panic!("expired key {i} not taken over");
                 };
@@ -165,7 +165,7 @@ async fn expiry_never_deletes_a_record_taken_over_while_it_runs() {
         .expect("count");
         assert_eq!(expired, 0, "no expired record left");
         for i in keys {
-            match store.begin(&request(i)).await.expect("begin") {
+            match store.claim(&request(i)).await.expect("claim") {
                 KeyState::Completed { record: stored, .. } if i % 2 == 0 => {
                     assert_eq!(stored, record(i), "key {i}");
                 }

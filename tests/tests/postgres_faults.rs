@@ -46,7 +46,7 @@ async fn a_claim_batched_for_a_request_that_is_gone_is_released() {
     let blocker = held_uncommitted(&db, &request).await;
     let claiming = tokio::spawn({
         let (store, request) = (store.clone(), request.clone());
-        async move { store.begin(&request).await }
+        async move { store.claim(&request).await }
     });
     statement_waits_on_a_lock(&db, "%unnest%").await;
     // The request goes away; then the batch gets through and claims the key for no one.
@@ -67,7 +67,7 @@ async fn a_batch_whose_connection_dies_is_claimed_alone_and_batching_goes_on() {
     let request = |i: u8| claim_request(i, i);
     let claim = |i: u8| {
         let store = store.clone();
-        tokio::spawn(async move { (i, store.begin(&request(i)).await) })
+        tokio::spawn(async move { (i, store.claim(&request(i)).await) })
     };
     // Another transaction holds key 0's row uncommitted: the first batch waits on it.
     let blocker = held_uncommitted(&db, &request(0)).await;
@@ -133,7 +133,7 @@ async fn a_batched_claim_that_committed_then_failed_is_held_by_its_request() {
     let store = PostgresStore::new(pool);
     let request = claim_request(11, 1);
     proxy.cut_after("INSERT");
-    let begin = store.begin(&request).await.expect("begin");
+    let begin = store.claim(&request).await.expect("claim");
     assert!(proxy.has_cut(), "the batch's answer was cut");
     assert!(
         matches!(
@@ -155,7 +155,7 @@ async fn a_batched_claim_that_committed_then_failed_is_held_by_its_request() {
         tower_idempotency::store::ClaimStatus::Held
     );
     assert!(matches!(
-        store.begin(&request).await.expect("begin"),
+        store.claim(&request).await.expect("claim"),
         KeyState::Completed { .. }
     ));
 }
@@ -172,7 +172,7 @@ async fn a_batched_claim_that_timed_out_is_released_when_it_commits() {
     let blocker = held_uncommitted(&db, &request).await;
     let claiming = tokio::spawn({
         let (store, request) = (store.clone(), request.clone());
-        async move { store.begin(&request).await }
+        async move { store.claim(&request).await }
     });
     statement_waits_on_a_lock(&db, "%unnest%").await;
     assert!(
@@ -198,7 +198,7 @@ async fn a_cancelled_single_key_claim_is_released_when_it_commits() {
     let (db, store) = migrated().await;
     let request = claim_request(13, 1);
     assert!(matches!(
-        store.begin(&request).await.expect("begin"),
+        store.claim(&request).await.expect("claim"),
         KeyState::Acquired { .. }
     ));
     db.pool()
@@ -213,7 +213,7 @@ async fn a_cancelled_single_key_claim_is_released_when_it_commits() {
         .expect("lock the row");
     let claiming = tokio::spawn({
         let (store, request) = (store.clone(), request.clone());
-        async move { store.begin(&request).await }
+        async move { store.claim(&request).await }
     });
     statement_waits_on_a_lock(&db, "%taken AS%").await;
     claiming.abort();

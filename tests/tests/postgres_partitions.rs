@@ -217,7 +217,7 @@ async fn claim_expiring_at(
     // Whole seconds: sqlx refuses a `Duration` finer than an `interval`'s microseconds.
     let ttl = (expiry - db_now(db).await).round() as u64;
     store
-        .begin(&ClaimRequest {
+        .claim(&ClaimRequest {
             key: ScopeKey::from_bytes([key; 32]),
             fingerprint: Fingerprint::from_bytes([key; 32]),
             lease: Duration::from_secs(1),

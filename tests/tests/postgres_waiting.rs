@@ -153,13 +153,15 @@ fn a_layer_built_outside_a_runtime_still_wakes_its_waiters() {
 async fn the_fallback_completion_of_a_transactional_claim_is_announced() {
     let (db, store) = migrated().await;
     let store = store.transactional();
-    let _watch = store.watch_in_flight();
+    // A layer that waits has the store announce settled keys.
+    let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
+        .with_in_flight_wait(std::time::Duration::from_secs(1));
     let mut listener = PgListener::connect_with(db.pool()).await.expect("listener");
     listener
         .listen("idempotency_settled")
         .await
         .expect("listen");
-    let KeyState::Acquired { claim, .. } = store.begin(&claim_request(7, 1)).await.expect("begin")
+    let KeyState::Acquired { claim, .. } = store.claim(&claim_request(7, 1)).await.expect("claim")
     else {
         panic!("a free key is acquired");
     };
@@ -177,7 +179,7 @@ async fn the_fallback_completion_of_a_transactional_claim_is_announced() {
         store.complete(&claim, &record).await.expect("complete"),
         ClaimStatus::Held
     );
-    let replay = store.begin(&claim_request(7, 1)).await.expect("begin");
+    let replay = store.claim(&claim_request(7, 1)).await.expect("claim");
     assert!(matches!(replay, KeyState::Completed { .. }), "{replay:?}");
     // Announcements arrive in commit order: the sentinel comes after the key's, if any.
     sqlx::query("SELECT pg_notify('idempotency_settled', 'sentinel')")
@@ -210,10 +212,12 @@ async fn a_claim_taken_over_starts_unmarked() {
         .expect("waited")
     };
     // As a layer that waits has it: its statements announce marked keys.
-    let _watch = store.watch_in_flight();
+    // A layer that waits has the store announce settled keys.
+    let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
+        .with_in_flight_wait(std::time::Duration::from_secs(1));
     let request = claim_request(7, 7);
     assert!(matches!(
-        store.begin(&request).await,
+        store.claim(&request).await,
         Ok(KeyState::Acquired { .. })
     ));
     let waiting = tower_idempotency::store::ClaimRequest {
@@ -221,7 +225,7 @@ async fn a_claim_taken_over_starts_unmarked() {
         ..request.clone()
     };
     assert!(matches!(
-        store.begin(&waiting).await,
+        store.claim(&waiting).await,
         Ok(KeyState::InFlight { .. })
     ));
     assert!(waited().await, "a waiter's read marks the claim");
@@ -230,7 +234,7 @@ async fn a_claim_taken_over_starts_unmarked() {
         .await
         .expect("lapse");
     assert!(matches!(
-        store.begin(&request).await,
+        store.claim(&request).await,
         Ok(KeyState::Acquired { takeover: true, .. })
     ));
     assert!(

@@ -296,7 +296,7 @@ async fn the_extractor_refuses_clearly_outside_transactional_mode() {
     assert_eq!(refused.status, StatusCode::INTERNAL_SERVER_ERROR);
     let body = String::from_utf8_lossy(&refused.body);
     assert!(
-        body.contains("IdempotencyLayer::postgres(pool).transactional()"),
+        body.contains("PostgresStore::new(pool).transactional()"),
         "says how to fix it: {body}"
     );
 

@@ -139,9 +139,8 @@ async fn racing_instances_write_one_row() {
         .connect_with(t.db.options().clone())
         .await
         .expect("second pool");
-    let other_layer = IdempotencyLayer::postgres(other_pool.clone())
-        .transactional()
-        .required();
+    let other_layer =
+        IdempotencyLayer::new(PostgresStore::new(other_pool.clone()).transactional()).required();
     let other = TestServer::start(tx_app(other_layer, Probe::default(), other_pool)).await;
     let mut requests = JoinSet::new();
     for i in 0..50 {

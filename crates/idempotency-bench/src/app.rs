@@ -72,7 +72,7 @@ pub(crate) enum App {
     /// (`PostgresStore::partitioned(PARTITION_WIDTH)`).
     LeasePartitioned,
     /// The charge handler writing its `INSERT` through the [`IdempotentTx`] of
-    /// `IdempotencyLayer::postgres(pool).transactional()`: the claim, the charge and the record
+    /// `IdempotencyLayer::new(PostgresStore::new(pool).transactional())`: the claim, the charge and the record
     /// commit together.
     Transactional,
     /// A handler that does no I/O, no idempotency layer.
@@ -177,7 +177,9 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
         }
         (App::Transactional, Some(pool)) => Router::new()
             .route(CHARGES_PATH, post(create_charge_in_transaction))
-            .layer(IdempotencyLayer::postgres(pool).transactional()),
+            .layer(IdempotencyLayer::new(
+                PostgresStore::new(pool).transactional(),
+            )),
         (App::MemoryBare, _) => no_io(),
         (App::Memory, _) => no_io().layer(IdempotencyLayer::memory()),
         (App::MemoryBareBusy, _) => no_io().layer(middleware::from_fn(busy)),

@@ -28,9 +28,9 @@ use crate::{
 /// Which store operations one "request" of the ceiling is.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum StoreOp {
-    /// What a new key costs the store: `begin` (acquires) then `complete`.
+    /// What a new key costs the store: `claim` (acquires) then `complete`.
     ClaimComplete,
-    /// What a retry costs the store: `begin` on a completed key (answers `Completed`). Each
+    /// What a retry costs the store: `claim` on a completed key (answers `Completed`). Each
     /// client completes `per_client` keys before the measurement and cycles through them.
     Lookup { per_client: usize },
 }
@@ -125,22 +125,22 @@ pub(crate) async fn run<St: Store>(
 }
 
 async fn claim_complete<St: Store>(store: &St, request: &ClaimRequest) -> Result<(), String> {
-    match store.begin(request).await {
+    match store.claim(request).await {
         Ok(KeyState::Acquired { claim, .. }) => match store.complete(&claim, &record()).await {
             Ok(ClaimStatus::Held) => Ok(()),
             Ok(status) => Err(format!("complete: {status:?}")),
             Err(error) => Err(format!("complete: {error}")),
         },
-        Ok(_) => Err("begin on a new key did not acquire it".to_owned()),
-        Err(error) => Err(format!("begin: {error}")),
+        Ok(_) => Err("claim on a new key did not acquire it".to_owned()),
+        Err(error) => Err(format!("claim: {error}")),
     }
 }
 
 async fn lookup<St: Store>(store: &St, request: &ClaimRequest) -> Result<(), String> {
-    match store.begin(request).await {
+    match store.claim(request).await {
         Ok(KeyState::Completed { .. }) => Ok(()),
-        Ok(_) => Err("begin on a completed key did not answer Completed".to_owned()),
-        Err(error) => Err(format!("begin: {error}")),
+        Ok(_) => Err("claim on a completed key did not answer Completed".to_owned()),
+        Err(error) => Err(format!("claim: {error}")),
     }
 }
 

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tower_idempotency::{
     Record,
-    store::{ClaimRequest, ClaimStatus, ExpiredDeletion, KeyState, Store},
+    store::{Capabilities, ClaimRequest, ClaimStatus, ExpiredDeletion, KeyState, Store},
 };
 
 /// The prefix of the line a server prints when the backlog is gone.
@@ -199,11 +199,11 @@ impl<S: Store> Store for TimedReaper<S> {
     type Claim = S::Claim;
     type Error = S::Error;
 
-    fn begin(
+    fn claim(
         &self,
         request: &ClaimRequest,
     ) -> impl Future<Output = Result<KeyState<Self::Claim>, Self::Error>> + Send {
-        self.inner.begin(request)
+        self.inner.claim(request)
     }
 
     fn renew(
@@ -227,6 +227,17 @@ impl<S: Store> Store for TimedReaper<S> {
         claim: &Self::Claim,
     ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send {
         self.inner.release(claim)
+    }
+
+    fn abandon(
+        &self,
+        claim: &Self::Claim,
+    ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send {
+        self.inner.abandon(claim)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 }
 

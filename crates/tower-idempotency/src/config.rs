@@ -68,6 +68,15 @@ impl fmt::Debug for KeySource {
 /// every purpose here and keeps clock arithmetic and database intervals far from overflow.
 pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// `at + span`, or [`MAX_DURATION`] after `at` when that is past what an `Instant` holds: a
+/// TTL or lease of `Duration::MAX` means never, and no request panics on it. (`at` itself only
+/// if that overflows too, which a monotonic clock never comes near.)
+pub(crate) fn later(at: tokio::time::Instant, span: Duration) -> tokio::time::Instant {
+    at.checked_add(span)
+        .or_else(|| at.checked_add(MAX_DURATION))
+        .unwrap_or(at)
+}
+
 /// The shortest lease: it is renewed every third of itself, and a store needs some time to
 /// answer a renewal.
 pub const MIN_LEASE: Duration = Duration::from_millis(10);

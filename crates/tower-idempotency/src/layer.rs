@@ -94,15 +94,15 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_store_failure`](Self::with_store_failure) | fail closed: `503`, `Retry-After: 1` |
     /// | [`with_retention`](Self::with_retention) | [`RetentionPolicy::final_outcomes`] |
     /// | [`with_disconnect`](Self::with_disconnect) | [`Disconnect::RunToCompletion`] |
-    /// | [`with_max_detached`](Self::with_max_detached) | 1,024 handlers finishing for clients that hung up (fewer if the store says so: [`Store::detached_limit`]); past it keyed requests get `503` |
+    /// | [`with_max_detached`](Self::with_max_detached) | 1,024 handlers finishing for clients that hung up (fewer if the store says so: [`Capabilities::detached_limit`](crate::store::Capabilities::detached_limit)); past it keyed requests get `503` |
     /// | [`with_max_handler_time`](Self::with_max_handler_time) | 10 minutes, then the handler is cancelled and its key free at once for the retry (a takeover) |
     /// | [`with_unstored_headers`](Self::with_unstored_headers) | none besides those [`Record::capture`](crate::Record::capture) always drops |
     /// | [`with_rejection_response`](Self::with_rejection_response), [`with_problem_type_base`](Self::with_problem_type_base) | RFC 9457 problem documents whose `type` is this crate's documentation of the refusal |
     /// | [`with_in_flight_wait`](Self::with_in_flight_wait) | none: a duplicate of a key in flight gets `409` at once |
     /// | [`with_max_waiting`](Self::with_max_waiting) | 1,024 requests waiting at once |
-    /// | [`with_replay_cache`](Self::with_replay_cache) | 16 MiB of replayed records kept in process; none for a store that is itself in process ([`Store::in_process`]) |
+    /// | [`with_replay_cache`](Self::with_replay_cache) | 16 MiB of replayed records kept in process; none for a store that is itself in process ([`Capabilities::in_process`](crate::store::Capabilities::in_process)) |
     pub fn new(store: St) -> Self {
-        let cache = if store.in_process() {
+        let cache = if store.capabilities().is_in_process() {
             0
         } else {
             DEFAULT_REPLAY_CACHE_BYTES
@@ -329,7 +329,7 @@ impl<St: Store> IdempotencyLayer<St> {
     }
 
     /// How many bytes of completed records to keep in this process for replays (default 16 MiB,
-    /// or none when the store [keeps its records in process](Store::in_process), as
+    /// or none when the store [keeps its records in process](crate::store::Capabilities::in_process), as
     /// [`MemoryStore`] does; `0` turns the cache off). A record is copied the first time the
     /// store answers a retry with it, and answers further retries reaching this instance without
     /// a store round trip. Completed records never change, and each copy expires with its
@@ -352,7 +352,7 @@ impl<St: Store> IdempotencyLayer<St> {
     /// none is cancelled to make room.
     ///
     /// The limit is the smaller of this and what the store can carry
-    /// ([`Store::detached_limit`]): in transactional mode each detached handler holds a pooled
+    /// ([`Capabilities::detached_limit`](crate::store::Capabilities::detached_limit)): in transactional mode each detached handler holds a pooled
     /// connection, and the store keeps half its pool for everyone else.
     pub fn with_max_detached(mut self, max: usize) -> Self {
         self.config_mut().max_detached = max;
@@ -432,13 +432,15 @@ impl<St: Store> IdempotencyLayer<St> {
     /// without it. Zero, the default, is the IETF draft's behaviour: `409` at once.
     ///
     /// A waiting request holds no database connection: the store wakes it when the key settles
-    /// ([`Store::watch_in_flight`]; the PostgreSQL store through `LISTEN`/`NOTIFY`, across
+    /// ([`Store::capabilities`]; the PostgreSQL store through `LISTEN`/`NOTIFY`, across
     /// instances), or it reads the key again every so often. At most
     /// [`with_max_waiting`](Self::with_max_waiting) requests wait at once; past that, `409`.
     pub fn with_in_flight_wait(mut self, wait: Duration) -> Self {
         let wait = wait.min(MAX_DURATION);
         if !wait.is_zero() {
-            self.shared.waiting = Arc::new(Waiting::new(self.shared.store.watch_in_flight()));
+            let watch = self.shared.store.capabilities().in_flight_watch().clone();
+            watch.start();
+            self.shared.waiting = Arc::new(Waiting::new(watch));
         }
         self.config_mut().in_flight_wait = wait;
         self
@@ -481,14 +483,6 @@ impl IdempotencyLayer<crate::store::PostgresStore> {
     /// [`PostgresStore::migrate`](crate::store::PostgresStore::migrate).
     pub fn postgres(pool: sqlx::PgPool) -> Self {
         Self::new(crate::store::PostgresStore::new(pool))
-    }
-
-    /// Switches the store to [transactional mode](crate::guide::modes): the handler's writes
-    /// through [`IdempotentTx`](crate::IdempotentTx) and the stored response commit together.
-    pub fn transactional(mut self) -> Self {
-        let store = Arc::make_mut(&mut self.shared.store);
-        *store = store.clone().transactional();
-        self
     }
 }
 

@@ -30,7 +30,7 @@
 //! 1. [`IdempotencyKey`]: the `Idempotency-Key` header is parsed (sf-string or bare token).
 //! 2. [`Scope`]: the key is scoped to the authenticated [`Principal`], method and path, and hashed.
 //! 3. [`Fingerprint`]: the body is buffered (bounded) and fingerprinted.
-//! 4. [`store`]: the key is claimed in one atomic step ([`Store::begin`](store::Store::begin)).
+//! 4. [`store`]: the key is claimed in one atomic step ([`Store::claim`](store::Store::claim)).
 //! 5. The handler runs under a lease renewed by a heartbeat, to completion even if the client
 //!    hangs up.
 //! 6. [`Record`]: its response is captured and stored, or the key released ([`RetentionPolicy`]).
@@ -95,7 +95,7 @@ pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyRule, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
 pub use policy::{Disconnect, Retention, RetentionPolicy, StoreFailure};
 pub use problem::{PROBLEM_JSON, PROBLEM_TYPE_BASE, Rejection, RejectionKind};
-pub use record::{IDEMPOTENT_REPLAYED, Record};
+pub use record::{IDEMPOTENT_REPLAYED, Record, RecordBytesError};
 pub use replay::BODY_NOT_STORED_TYPE;
 pub use scope::{EmptyPrincipal, Principal, Scope, ScopeKey};
 pub use service::Idempotency;

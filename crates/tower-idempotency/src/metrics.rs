@@ -38,7 +38,7 @@
 //! |---|---|---|---|
 //! | `idempotency_requests_total` | counter | `outcome`: `acquired`, `takeover`, `replayed`, `conflict`, `mismatch`, `released`, `abandoned`, `overloaded`, `store_error` | a rising `replayed` share: clients time out before the server answers (raise their timeout); `takeover`: handlers outlive their lease or processes crash; `mismatch`: a client reuses keys for new requests; `abandoned`: handlers hang past their maximum time; `overloaded`: too many handlers run on for clients that hung up; `store_error`: the store is failing |
 //! | `idempotency_rejections_total` | counter | `kind`: the [`RejectionKind`](crate::RejectionKind) in snake case | `key_missing`/`key_invalid`: a client integration is broken; `body_too_large`/`body_timeout`: limits too tight or abuse; `principal_missing`: the auth layer is misplaced |
-//! | `idempotency_store_seconds` | histogram | `operation`: `begin`, `complete`, `release`, `renew` | the store is slow: every keyed request pays `begin` |
+//! | `idempotency_store_seconds` | histogram | `operation`: `claim`, `complete`, `release`, `renew` | the store is slow: every keyed request pays `claim` |
 //! | `idempotency_lease_renewals_total` | counter | `result`: `held`, `lost`, `error` | `lost`: a holder kept running after another took its key over |
 //! | `idempotency_stored_body_bytes` | histogram | | storage growth; responses near `max_response_bytes` |
 //! | `idempotency_store_batch_size` | histogram | `operation`: `claim`, `complete` | [`PostgresStore`](crate::store::PostgresStore)'s group commit: requests sharing each statement; about 1 under load means requests are spread too thin to share (many instances, little concurrency each) |

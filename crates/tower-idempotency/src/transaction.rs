@@ -107,7 +107,7 @@ impl fmt::Debug for IdempotentTx {
 #[non_exhaustive]
 pub enum TxUnavailable {
     /// The request is not running under a transactional claim: the route is not behind
-    /// `IdempotencyLayer::postgres(pool).transactional()`, the layer does not cover the
+    /// a layer on `PostgresStore::new(pool).transactional()`, the layer does not cover the
     /// request's method, or the request had no key.
     NotTransactional,
     /// The handler already took the transaction (extract it once per request).
@@ -119,7 +119,7 @@ impl fmt::Display for TxUnavailable {
         f.write_str(match self {
             Self::NotTransactional => {
                 "this handler needs an idempotent transaction, but the request is not running \
-                 under one: put the route behind IdempotencyLayer::postgres(pool).transactional(), \
+                 under one: put the route behind a layer on PostgresStore::new(pool).transactional(), \
                  make sure it covers this method (with_methods; POST and PATCH by default) and \
                  make the key required"
             }

@@ -27,7 +27,7 @@
 //! | `token` | the fencing token of the current claim, from the `{prefix}:tokens` counter |
 //! | `state` | `flight` or `done` |
 //! | `lease_until`, `expires_at` | Redis time in milliseconds |
-//! | `record` | the completed response ([`encode`]) |
+//! | `record` | the completed response ([`Record::to_bytes`]) |
 //!
 //! It is an example, not a product: it runs against one Redis server (the two keys a claim
 //! touches are not in one hash slot, so Redis Cluster would refuse the scripts), and Redis only
@@ -42,17 +42,16 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use redis::{Script, Value, aio::ConnectionManager};
 use tower_idempotency::{
-    Record,
+    Record, RecordBytesError,
     store::{ClaimRequest, ClaimStatus, Fence, KeyState, Store},
 };
 
 /// Claims a key, or says why not. `KEYS`: the record, the token counter. `ARGV`: fingerprint,
 /// lease and TTL in milliseconds. Answers `{0, token, takeover}` (acquired), `{1, lease left}`
 /// (in flight), `{2, expires in, record}` (completed) or `{3}` (another fingerprint).
-const BEGIN: &str = r"
+const CLAIM: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local held = redis.call('HMGET', KEYS[1], 'fingerprint', 'state', 'lease_until', 'expires_at', 'record')
@@ -130,7 +129,7 @@ pub struct RedisStore {
 
 #[derive(Clone)]
 struct Scripts {
-    begin: Script,
+    claim: Script,
     renew: Script,
     complete: Script,
     release: Script,
@@ -153,7 +152,7 @@ impl RedisStore {
             connection,
             prefix: prefix.to_owned(),
             scripts: Scripts {
-                begin: Script::new(BEGIN),
+                claim: Script::new(CLAIM),
                 renew: Script::new(RENEW),
                 complete: Script::new(COMPLETE),
                 release: Script::new(RELEASE),
@@ -196,10 +195,10 @@ impl Store for RedisStore {
     type Claim = Fence;
     type Error = RedisStoreError;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, RedisStoreError> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, RedisStoreError> {
         let answer: Vec<Value> = self
             .scripts
-            .begin
+            .claim
             .key(self.record_key(&request.key))
             .key(format!("{}:tokens", self.prefix))
             .arg(&request.fingerprint.as_bytes()[..])
@@ -232,7 +231,7 @@ impl Store for RedisStore {
                     ));
                 };
                 KeyState::Completed {
-                    record: decode(bytes)?,
+                    record: Record::from_bytes(Bytes::copy_from_slice(bytes))?,
                     expires_in: Some(remaining(1)?),
                 }
             }
@@ -254,7 +253,7 @@ impl Store for RedisStore {
         claim: &Fence,
         record: &Record,
     ) -> Result<ClaimStatus, RedisStoreError> {
-        self.fenced(&self.scripts.complete, claim, encode(record))
+        self.fenced(&self.scripts.complete, claim, &record.to_bytes()[..])
             .await
     }
 
@@ -268,8 +267,10 @@ impl Store for RedisStore {
 pub enum RedisStoreError {
     /// Redis could not be reached, or answered with an error.
     Redis(redis::RedisError),
-    /// A record or an answer that this store did not write.
+    /// An answer that this store did not write.
     Corrupt(String),
+    /// A stored record that is not in [`Record::to_bytes`]'s format.
+    Record(RecordBytesError),
 }
 
 impl fmt::Display for RedisStoreError {
@@ -277,6 +278,7 @@ impl fmt::Display for RedisStoreError {
         match self {
             Self::Redis(_) => f.write_str("Redis failed"),
             Self::Corrupt(what) => write!(f, "unreadable idempotency record in Redis: {what}"),
+            Self::Record(_) => f.write_str("unreadable idempotency record in Redis"),
         }
     }
 }
@@ -286,7 +288,14 @@ impl std::error::Error for RedisStoreError {
         match self {
             Self::Redis(error) => Some(error),
             Self::Corrupt(_) => None,
+            Self::Record(error) => Some(error),
         }
+    }
+}
+
+impl From<RecordBytesError> for RedisStoreError {
+    fn from(error: RecordBytesError) -> Self {
+        Self::Record(error)
     }
 }
 
@@ -298,58 +307,4 @@ impl From<redis::RedisError> for RedisStoreError {
 
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// A record as bytes: status (2 bytes), whether the body was kept (1), the header count (4),
-/// each header as name length (4), name, value length (4), value; then the body. Lengths are
-/// big-endian.
-pub fn encode(record: &Record) -> Vec<u8> {
-    let body = record.body();
-    let mut bytes = Vec::with_capacity(7 + record.size() + 8 * record.headers().len());
-    bytes.extend_from_slice(&record.status().as_u16().to_be_bytes());
-    bytes.push(u8::from(body.is_some()));
-    bytes.extend_from_slice(&len(record.headers().len()).to_be_bytes());
-    for (name, value) in record.headers() {
-        for field in [name.as_str().as_bytes(), value.as_bytes()] {
-            bytes.extend_from_slice(&len(field.len()).to_be_bytes());
-            bytes.extend_from_slice(field);
-        }
-    }
-    if let Some(body) = body {
-        bytes.extend_from_slice(body);
-    }
-    bytes
-}
-
-/// Reads back what [`encode`] wrote.
-pub fn decode(bytes: &[u8]) -> Result<Record, RedisStoreError> {
-    let corrupt = |what: &str| RedisStoreError::Corrupt(what.to_owned());
-    let mut rest = bytes;
-    let mut take = |n: usize| -> Result<&[u8], RedisStoreError> {
-        if rest.len() < n {
-            return Err(corrupt("record cut short"));
-        }
-        let (head, tail) = rest.split_at(n);
-        rest = tail;
-        Ok(head)
-    };
-    let status = u16::from_be_bytes(take(2)?.try_into().expect("2 bytes"));
-    let status = StatusCode::from_u16(status).map_err(|_| corrupt("invalid status"))?;
-    let kept = take(1)?[0] == 1;
-    let count = u32::from_be_bytes(take(4)?.try_into().expect("4 bytes"));
-    let mut headers = HeaderMap::new();
-    for _ in 0..count {
-        let n = u32::from_be_bytes(take(4)?.try_into().expect("4 bytes")) as usize;
-        let name = HeaderName::from_bytes(take(n)?).map_err(|_| corrupt("invalid header name"))?;
-        let n = u32::from_be_bytes(take(4)?.try_into().expect("4 bytes")) as usize;
-        let value =
-            HeaderValue::from_bytes(take(n)?).map_err(|_| corrupt("invalid header value"))?;
-        headers.append(name, value);
-    }
-    let body = kept.then(|| Bytes::copy_from_slice(rest));
-    Ok(Record::from_parts(status, headers, body))
-}
-
-fn len(n: usize) -> u32 {
-    u32::try_from(n).expect("a header or header count under 4 GiB")
 }

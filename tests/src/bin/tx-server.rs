@@ -7,7 +7,7 @@ use std::io::Write;
 
 use idempotency_tests::app::{CHARGES_TABLE, Probe, tx_app};
 use sqlx::Executor;
-use tower_idempotency::IdempotencyLayer;
+use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
 
 #[tokio::main]
 async fn main() {
@@ -16,7 +16,7 @@ async fn main() {
         .expect("usage: tx-server <database-url>");
     let pool = sqlx::PgPool::connect(&url).await.expect("connect");
     pool.execute(CHARGES_TABLE).await.expect("charges table");
-    let layer = IdempotencyLayer::postgres(pool.clone()).transactional();
+    let layer = IdempotencyLayer::new(PostgresStore::new(pool.clone()).transactional());
     layer.store().migrate().await.expect("migrate");
     let app = tx_app(layer.required(), Probe::default(), pool);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

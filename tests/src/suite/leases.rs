@@ -15,7 +15,7 @@ pub async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out<B: Bac
     let Ok(KeyState::Acquired { claim: stale, .. }) = h
         .store
         .inner()
-        .begin(&claim_request("k-crash", CHARGE))
+        .claim(&claim_request("k-crash", CHARGE))
         .await
     else {
         panic!("the crashed holder acquires the key first");

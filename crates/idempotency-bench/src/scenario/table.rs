@@ -73,7 +73,7 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "transactional",
         about: "the handler's INSERT, the claim and the record in one transaction \
-                (IdempotencyLayer::postgres(pool).transactional()), a new key per request",
+                (IdempotencyLayer::new(PostgresStore::new(pool).transactional())), a new key per request",
         baseline: Some("bare"),
         runner: Runner::Http(Http::new(App::Transactional, NEW_CHARGES)),
         scale: false,
@@ -128,7 +128,7 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "store-ceiling",
-        about: "the PostgreSQL store's begin + complete for a new key, through sqlx, no HTTP",
+        about: "the PostgreSQL store's claim + complete for a new key, through sqlx, no HTTP",
         baseline: Some("bare"),
         runner: Runner::Store {
             op: StoreOp::ClaimComplete,
@@ -138,7 +138,7 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "store-lookup",
-        about: "the PostgreSQL store's begin on a completed key (a replay's lookup), no HTTP",
+        about: "the PostgreSQL store's claim on a completed key (a replay's lookup), no HTTP",
         baseline: Some("bare"),
         runner: Runner::Store {
             op: StoreOp::Lookup { per_client: 16 },

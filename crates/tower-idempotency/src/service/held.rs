@@ -35,7 +35,7 @@ impl<St: Store> HeldKey<St> {
 
     /// Stores the record.
     ///
-    /// When the handler's effects are bound to the claim ([`Store::commits_effects`]), a failure
+    /// When the handler's effects are bound to the claim ([`ClaimHandle::commits_effects`](crate::store::ClaimHandle::commits_effects)), a failure
     /// means they did not commit. Otherwise a store failure does not undo what the handler did:
     /// the response is delivered, and storing goes on in the background ([`keep_storing`])
     /// with the claim kept alive meanwhile, so no retry runs the handler again.
@@ -48,7 +48,7 @@ impl<St: Store> HeldKey<St> {
         let Some(claim) = self.claim.take() else {
             return Completion::Stored;
         };
-        let atomic = self.store.commits_effects(&claim);
+        let atomic = claim.commits_effects();
         if let Some(body) = record.body() {
             metrics::stored_body(body.len());
         }

@@ -202,11 +202,12 @@ fn in_flight_rejection() -> Rejection {
 impl<St: Store> Shared<St> {
     /// Whether as many handlers run for clients that hung up as the layer allows: the smaller
     /// of [`with_max_detached`](crate::IdempotencyLayer::with_max_detached) and the store's
-    /// [`detached_limit`](Store::detached_limit).
+    /// [`detached_limit`](crate::store::Capabilities::detached_limit).
     pub(super) fn overloaded(&self) -> bool {
         let configured = self.config.max_detached;
         let limit = self
             .store
+            .capabilities()
             .detached_limit()
             .map_or(configured, |store| store.min(configured));
         self.detached.count() >= limit
@@ -252,7 +253,7 @@ impl<St: Store> Shared<St> {
             ttl: self.config.ttl,
             waiting,
         };
-        let begin = metrics::timed("begin", self.store.begin(&request)).await?;
+        let begin = metrics::timed("claim", self.store.claim(&request)).await?;
         if let KeyState::Completed {
             record,
             expires_in: Some(expires_in),

@@ -43,7 +43,7 @@ use crate::{
     record::Record,
     replay,
     scope::{Principal, ScopeKey},
-    store::{ClaimRequest, ClaimStatus, InFlightWatch, KeyState, Store},
+    store::{ClaimHandle, ClaimRequest, ClaimStatus, InFlightWatch, KeyState, Store},
 };
 
 mod held;

@@ -22,7 +22,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             let takeover = context.takeover;
             let (store, config) = (shared.store, shared.config);
             let config = &*config;
-            store.attach(&claim, &mut parts.extensions);
+            claim.attach(&mut parts.extensions);
             let guard = HeldKey::new(Arc::clone(&store), claim);
             parts.extensions.insert(context);
             let request = Request::from_parts(parts, RequestBody::buffered(body));
@@ -238,10 +238,7 @@ impl Heartbeat {
     }
 }
 
-/// `at + span`, or far in the future where that would overflow.
-pub(super) fn later(at: tokio::time::Instant, span: Duration) -> tokio::time::Instant {
-    at.checked_add(span).unwrap_or_else(|| at + MAX_DURATION)
-}
+pub(super) use crate::config::later;
 
 /// How soon a store that failed is tried again while a claim must be kept alive: an outage
 /// shorter than the lease never lets the lease lapse.

@@ -17,21 +17,21 @@
 //! };
 //!
 //! // The first request acquires the key and runs the handler...
-//! let Ok(KeyState::Acquired { claim, .. }) = store.begin(&request).await else { panic!() };
+//! let Ok(KeyState::Acquired { claim, .. }) = store.claim(&request).await else { panic!() };
 //! // ...a duplicate meanwhile learns it is in flight...
-//! assert!(matches!(store.begin(&request).await, Ok(KeyState::InFlight { .. })));
+//! assert!(matches!(store.claim(&request).await, Ok(KeyState::InFlight { .. })));
 //! // ...the holder stores the response...
 //! let record = Record::from_parts(http::StatusCode::OK, Default::default(), Some("ok".into()));
 //! assert_eq!(store.complete(&claim, &record).await, Ok(ClaimStatus::Held));
 //! // ...and every retry gets it.
-//! let Ok(KeyState::Completed { record: replayed, .. }) = store.begin(&request).await else { panic!() };
+//! let Ok(KeyState::Completed { record: replayed, .. }) = store.claim(&request).await else { panic!() };
 //! assert_eq!(replayed, record);
 //! # }
 //! ```
 //!
 //! # The protocol
 //!
-//! [`Store::begin`] is one atomic step that answers, for a scoped key and the request's
+//! [`Store::claim`] is one atomic step that answers, for a scoped key and the request's
 //! fingerprint:
 //!
 //! | stored state | same fingerprint | other fingerprint |
@@ -56,6 +56,7 @@ use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
 #[cfg(feature = "postgres")]
 mod batch;
+mod capabilities;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod memory;
@@ -63,6 +64,7 @@ mod notify;
 #[cfg(feature = "postgres")]
 mod postgres;
 
+pub use capabilities::{Capabilities, ClaimHandle};
 pub use memory::{MemoryStore, MemoryStoreError};
 pub use notify::{InFlightWatch, Notifier, POLL_WHILE_NOT_LIVE};
 #[cfg(feature = "postgres")]
@@ -91,7 +93,7 @@ pub struct ClaimRequest {
     pub waiting: bool,
 }
 
-/// What [`Store::begin`] found the key in: free, and now the caller's (`Acquired`); in flight
+/// What [`Store::claim`] found the key in: free, and now the caller's (`Acquired`); in flight
 /// under another request; completed; or another request's (`Mismatch`).
 #[derive(Debug, Clone, PartialEq)]
 pub enum KeyState<C> {
@@ -146,7 +148,7 @@ pub enum ClaimStatus {
     /// The claim had been taken over (or had expired and been deleted): nothing was written.
     Lost,
     /// [`complete`](Store::complete) only, from a store whose claims carry the handler's
-    /// effects ([`Store::commits_effects`]): the handler's own work had already failed inside
+    /// effects ([`ClaimHandle::commits_effects`]): the handler's own work had already failed inside
     /// the claim's transaction (it caught a database error and answered anyway), so nothing it
     /// wrote was kept, no record was stored, and the key is free again.
     RolledBack,
@@ -163,17 +165,20 @@ pub struct Fence {
     pub token: i64,
 }
 
+/// A fence carries nothing of the handler's.
+impl ClaimHandle for Fence {}
+
 /// A backend that claims keys atomically and keeps completed responses.
 ///
 /// See the [module documentation](self) for the protocol every implementation follows.
 pub trait Store: Send + Sync + 'static {
-    /// What [`begin`](Self::begin) hands to the holder of a key.
-    type Claim: Send + Sync + 'static;
+    /// What [`claim`](Self::claim) hands to the holder of a key.
+    type Claim: ClaimHandle;
     /// The error of every operation: the store could not be reached or answered nonsense.
     type Error: std::error::Error + Send + Sync + 'static;
 
     /// Atomically claims `request.key`, or says why not.
-    fn begin(
+    fn claim(
         &self,
         request: &ClaimRequest,
     ) -> impl Future<Output = Result<KeyState<Self::Claim>, Self::Error>> + Send;
@@ -210,48 +215,11 @@ pub trait Store: Send + Sync + 'static {
         self.renew(claim, Duration::ZERO)
     }
 
-    /// Called once a key is acquired, before the handler runs, to hand the handler what the
-    /// claim holds through the request extensions (PostgreSQL's transactional mode hands it the
-    /// transaction). The default adds nothing.
-    fn attach(&self, claim: &Self::Claim, extensions: &mut http::Extensions) {
-        let _ = (claim, extensions);
-    }
-
-    /// Whether the handler's effects commit or roll back together with this claim: then a
-    /// failed [`complete`](Self::complete) means nothing happened, and the layer answers `503`
-    /// instead of the handler's response. The default, `false`, is right for every store whose
-    /// claims do not carry the handler's writes.
-    fn commits_effects(&self, claim: &Self::Claim) -> bool {
-        let _ = claim;
-        false
-    }
-
-    /// Whether the store keeps its records in this process, so that answering a retry from it
-    /// costs no more than the layer's replay cache would: the layer then keeps no second copy of
-    /// replayed records unless the app asks for one
-    /// ([`with_replay_cache`](crate::IdempotencyLayer::with_replay_cache)). The default,
-    /// `false`, is right for every store behind a network round trip.
-    fn in_process(&self) -> bool {
-        false
-    }
-
-    /// How many handlers this store can carry for clients that hung up before new requests
-    /// would starve, if it holds something scarce per claim: PostgreSQL's transactional mode,
-    /// where each claim holds a pooled connection, answers half its pool. The layer refuses new
-    /// keys past the smaller of this and
-    /// [`with_max_detached`](crate::IdempotencyLayer::with_max_detached). The default, `None`,
-    /// is right for every store whose claims hold nothing of the store's.
-    fn detached_limit(&self) -> Option<usize> {
-        None
-    }
-
-    /// How a request that waits for a key in flight
-    /// ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)) learns that the
-    /// key may have settled. Called once, when a layer that waits is built on the store: a store
-    /// that can wake waiters starts doing so and returns the [`Notifier`] it wakes whenever it
-    /// completes or releases a key. The default has waiters read the key again every 100 ms.
-    fn watch_in_flight(&self) -> InFlightWatch {
-        InFlightWatch::Polled(std::time::Duration::from_millis(100))
+    /// What the store can do besides the protocol: how many handlers it carries for clients
+    /// that hung up, whether it keeps its records in process, how waiters learn that a key
+    /// settled. The default, [`Capabilities::new`], declares nothing.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new()
     }
 }
 
@@ -368,8 +336,8 @@ mod tests {
         type Claim = Fence;
         type Error = Down;
 
-        async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, Down> {
-            infallible(self.inner.begin(request).await)
+        async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, Down> {
+            infallible(self.inner.claim(request).await)
         }
 
         async fn renew(&self, claim: &Fence, lease: Duration) -> Result<ClaimStatus, Down> {
@@ -415,7 +383,7 @@ mod tests {
                 waiting: false,
             };
             assert!(matches!(
-                store.begin(&request).await,
+                store.claim(&request).await,
                 Ok(KeyState::Acquired { .. })
             ));
         }
@@ -459,8 +427,8 @@ mod tests {
         type Claim = Fence;
         type Error = MemoryStoreError;
 
-        async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, Self::Error> {
-            self.inner.begin(request).await
+        async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, Self::Error> {
+            self.inner.claim(request).await
         }
 
         async fn renew(&self, claim: &Fence, lease: Duration) -> Result<ClaimStatus, Self::Error> {

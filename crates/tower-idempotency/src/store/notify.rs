@@ -16,13 +16,23 @@ use tokio::sync::watch;
 use crate::scope::ScopeKey;
 
 /// How a store tells waiting requests that a key in flight may have settled; see
-/// [`Store::watch_in_flight`](super::Store::watch_in_flight).
+/// [`Capabilities::with_in_flight_watch`](super::Capabilities::with_in_flight_watch).
 #[derive(Debug, Clone)]
 pub enum InFlightWatch {
     /// The store wakes waiters through this notifier when a key is completed or released.
     Notified(Notifier),
     /// Waiters read the key again every so often.
     Polled(Duration),
+}
+
+impl InFlightWatch {
+    /// Called once a layer that waits is built on the store: a store that wakes waiters from a
+    /// task of its own gets ready to (see [`Notifier::start_on_wait`]).
+    pub(crate) fn start(&self) {
+        if let Self::Notified(notifier) = self {
+            notifier.start();
+        }
+    }
 }
 
 /// The requests of this process waiting for keys to settle, woken by the store.
@@ -102,19 +112,25 @@ impl Notifier {
         self.0.waiting.load(Ordering::Relaxed) > 0
     }
 
-    /// Has `start` called as each request starts waiting, for a store that wakes waiters from a
-    /// task of its own: the layer may be built outside a runtime, where none can be spawned, so
-    /// the first waiter starts it. `start` returns at once once it has started.
+    /// Has `start` called when a layer that waits is built on the store and as each request
+    /// starts waiting, for a store that wakes waiters from a task of its own: the layer may be
+    /// built outside a runtime, where none can be spawned, so the first waiter starts it.
+    /// `start` returns at once once it has started.
     pub(crate) fn start_on_wait(&self, start: impl Fn() + Send + Sync + 'static) {
         // Set once, by the store that owns this notifier.
         let _ = self.0.on_wait.set(Box::new(start));
     }
 
-    /// Starts waiting for `key`: every notification from now on wakes the subscription.
-    pub(crate) fn subscribe(&self, key: &ScopeKey) -> Subscription {
+    /// Runs the store's `start` hook, if it set one ([`start_on_wait`](Self::start_on_wait)).
+    fn start(&self) {
         if let Some(start) = self.0.on_wait.get() {
             start();
         }
+    }
+
+    /// Starts waiting for `key`: every notification from now on wakes the subscription.
+    pub(crate) fn subscribe(&self, key: &ScopeKey) -> Subscription {
+        self.start();
         let prefix = prefix(key);
         let receiver = self
             .keys()

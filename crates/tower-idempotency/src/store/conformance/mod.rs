@@ -27,7 +27,7 @@
 //!   once, without waiting for its lease;
 //! * a completed claim cannot be completed again, released or renewed: the record stays;
 //! * a record past its TTL is new, whatever its payload;
-//! * 64 concurrent [`begin`](Store::begin)s of one key acquire it exactly once, whether they
+//! * 64 concurrent [`claim`](Store::claim)s of one key acquire it exactly once, whether they
 //!   carry the same payload or not, and never disturb other keys.
 //!
 //! [`check_expired_deletion`] adds the rules of [`ExpiredDeletion`]: batches are bounded,
@@ -152,19 +152,19 @@ pub async fn check_expired_deletion<St: ExpiredDeletion>(store: &St, short: Dura
     );
     assert!(
         matches!(
-            ok(RULE, "begin", store.begin(&live).await),
+            ok(RULE, "claim", store.claim(&live).await),
             KeyState::Completed { .. }
         ),
         "{RULE}: a record within its TTL was deleted"
     );
-    let answer = ok(RULE, "begin", store.begin(&outliving).await);
+    let answer = ok(RULE, "claim", store.claim(&outliving).await);
     assert!(
         matches!(answer, KeyState::InFlight { .. }),
         "{RULE}: a claim whose lease outlives its TTL must stay in flight, got {}",
         describe(&answer)
     );
     for request in &expiring {
-        let answer = ok(RULE, "begin", store.begin(request).await);
+        let answer = ok(RULE, "claim", store.claim(request).await);
         assert!(
             matches!(
                 answer,
@@ -294,7 +294,7 @@ pub(super) async fn acquire<St: Store>(
     store: &St,
     request: &ClaimRequest,
 ) -> St::Claim {
-    match ok(rule, "begin", store.begin(request).await) {
+    match ok(rule, "claim", store.claim(request).await) {
         KeyState::Acquired { claim, .. } => claim,
         other => panic!(
             "{rule}: a new key must be acquired, got {}",

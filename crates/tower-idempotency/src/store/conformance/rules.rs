@@ -9,7 +9,7 @@ pub(super) async fn a_new_key_is_acquired_and_its_duplicates_refused<St: Store>(
     const RULE: &str =
         "a new key is acquired, its duplicate is in flight, another payload a mismatch";
     let request = keys.request(LONG, LONG);
-    let answer = ok(RULE, "begin", store.begin(&request).await);
+    let answer = ok(RULE, "claim", store.claim(&request).await);
     assert!(
         matches!(
             answer,
@@ -21,7 +21,7 @@ pub(super) async fn a_new_key_is_acquired_and_its_duplicates_refused<St: Store>(
         "{RULE}: a new key must be acquired without takeover, got {}",
         describe(&answer)
     );
-    let answer = ok(RULE, "begin", store.begin(&request).await);
+    let answer = ok(RULE, "claim", store.claim(&request).await);
     match answer {
         KeyState::InFlight {
             lease_remaining: Some(remaining),
@@ -48,7 +48,7 @@ pub(super) async fn a_completed_key_replays_its_record_exactly<St: Store>(store:
         let claim = acquire(RULE, store, &request).await;
         held(RULE, "complete", store.complete(&claim, &kept).await);
         for _ in 0..2 {
-            match ok(RULE, "begin", store.begin(&request).await) {
+            match ok(RULE, "claim", store.claim(&request).await) {
                 KeyState::Completed { record, expires_in } => {
                     assert_eq!(record, kept, "{RULE}: record {i} came back changed");
                     let order = |r: &Record| {
@@ -89,7 +89,7 @@ pub(super) async fn a_released_key_is_free_and_its_claim_fenced_out<St: Store>(
     let released = acquire(RULE, store, &request).await;
     held(RULE, "release", store.release(&released).await);
     let other = other_payload(&request);
-    let answer = ok(RULE, "begin", store.begin(&other).await);
+    let answer = ok(RULE, "claim", store.claim(&other).await);
     let KeyState::Acquired {
         claim: next,
         takeover: false,
@@ -116,7 +116,7 @@ pub(super) async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out
     tokio::time::sleep(short).await;
     // Until the store sees the lease as lapsed, a duplicate is in flight.
     let (fresh, takeover) = poll(RULE, short, || async {
-        match ok(RULE, "begin", store.begin(&request).await) {
+        match ok(RULE, "claim", store.claim(&request).await) {
             KeyState::Acquired { claim, takeover } => Some((claim, takeover)),
             KeyState::InFlight { .. } => None,
             other => panic!(
@@ -148,7 +148,7 @@ pub(super) async fn an_abandoned_claim_is_taken_over_at_once<St: Store>(store: &
     let stopped = acquire(RULE, store, &request).await;
     held(RULE, "abandon", store.abandon(&stopped).await);
     // Its lease was long: only the abandonment frees the key now.
-    match ok(RULE, "begin", store.begin(&request).await) {
+    match ok(RULE, "claim", store.claim(&request).await) {
         KeyState::Acquired {
             claim,
             takeover: true,
@@ -175,7 +175,7 @@ pub(super) async fn a_renewed_lease_does_not_lapse<St: Store>(
     let claim = acquire(RULE, store, &request).await;
     held(RULE, "renew", store.renew(&claim, LONG).await);
     tokio::time::sleep(short * 2).await;
-    let answer = ok(RULE, "begin", store.begin(&request).await);
+    let answer = ok(RULE, "claim", store.claim(&request).await);
     assert!(
         matches!(answer, KeyState::InFlight { .. }),
         "{RULE}: a claim renewed for {LONG:?} must be in flight after its first lease, got {}",
@@ -206,7 +206,7 @@ pub(super) async fn an_expired_record_is_new<St: Store>(store: &St, keys: &Keys,
     tokio::time::sleep(ttl).await;
     let other = other_payload(&request);
     let takeover = poll(RULE, short, || async {
-        match ok(RULE, "begin", store.begin(&other).await) {
+        match ok(RULE, "claim", store.claim(&other).await) {
             KeyState::Acquired { takeover, .. } => Some(takeover),
             KeyState::Mismatch => None,
             answer => panic!(
@@ -238,7 +238,7 @@ pub(super) async fn racing_requests_acquire_a_key_once<St: Store + Clone>(store:
                 };
                 let store = store.clone();
                 tokio::spawn(async move {
-                    let answer = store.begin(&request).await;
+                    let answer = store.claim(&request).await;
                     (request.fingerprint, answer)
                 })
             })
@@ -246,8 +246,8 @@ pub(super) async fn racing_requests_acquire_a_key_once<St: Store + Clone>(store:
         let mut winner = None;
         let mut answers = Vec::new();
         for racer in racers {
-            let (fingerprint, answer) = racer.await.expect("a racing begin panicked");
-            let answer = ok(RULE, "begin", answer);
+            let (fingerprint, answer) = racer.await.expect("a racing claim panicked");
+            let answer = ok(RULE, "claim", answer);
             if let KeyState::Acquired { .. } = answer {
                 assert!(
                     winner.is_none(),
@@ -286,7 +286,7 @@ pub(super) async fn another_payload_is_a_mismatch<St: Store>(
     request: &ClaimRequest,
     state: &str,
 ) {
-    let answer = ok(rule, "begin", store.begin(&other_payload(request)).await);
+    let answer = ok(rule, "claim", store.claim(&other_payload(request)).await);
     assert!(
         matches!(answer, KeyState::Mismatch),
         "{rule}: another payload for a key {state} must be a mismatch, got {}",
@@ -296,7 +296,7 @@ pub(super) async fn another_payload_is_a_mismatch<St: Store>(
 
 /// Checks that `request`'s key replays [`record`].
 pub(super) async fn replays_the_record<St: Store>(rule: &str, store: &St, request: &ClaimRequest) {
-    let answer = ok(rule, "begin", store.begin(request).await);
+    let answer = ok(rule, "claim", store.claim(request).await);
     assert!(
         matches!(&answer, KeyState::Completed { record: r, .. } if *r == record()),
         "{rule}: the record completed last must replay, got {}",

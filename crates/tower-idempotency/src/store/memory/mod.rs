@@ -11,7 +11,8 @@ use std::{
 use tokio::time::Instant;
 
 use super::{
-    ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch, KeyState, Notifier, Store,
+    Capabilities, ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch, KeyState,
+    Notifier, Store,
 };
 use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
@@ -20,7 +21,7 @@ mod records;
 #[cfg(test)]
 mod tests;
 
-use packed::*;
+use packed::Packed;
 use records::*;
 
 /// An in-process [`Store`]: for single-process applications, development and unit tests.
@@ -187,16 +188,16 @@ impl MemoryStore {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Runs `f` on the entry still held by `lease`, if any, found with one probe of the map.
+    /// Runs `f` on the entry still held by `fence`, if any, found with one probe of the map.
     fn with_held(
         &self,
-        lease: &Fence,
+        fence: &Fence,
         f: impl FnOnce(hash_map::OccupiedEntry<'_, ScopeKey, Entry>),
     ) -> ClaimStatus {
-        let mut records = self.records(&lease.key);
-        let status = match records.map.entry(lease.key) {
+        let mut records = self.records(&fence.key);
+        let status = match records.map.entry(fence.key) {
             hash_map::Entry::Occupied(entry)
-                if entry.get().token == lease.token
+                if entry.get().token == fence.token
                     && matches!(entry.get().state, State::InFlight { .. }) =>
             {
                 f(entry);
@@ -214,12 +215,12 @@ impl Store for MemoryStore {
     type Claim = Fence;
     type Error = MemoryStoreError;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, MemoryStoreError> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, MemoryStoreError> {
         let now = Instant::now();
-        match self.try_begin(request, now) {
+        match self.try_claim(request, now) {
             // Full: make room from the expired records, if that was not just tried, and again.
             Err(MemoryStoreError::Full { .. }) if self.delete_expired_when_full(now) => {
-                self.try_begin(request, now)
+                self.try_claim(request, now)
             }
             outcome => outcome,
         }
@@ -269,22 +270,19 @@ impl Store for MemoryStore {
         Ok(status)
     }
 
-    /// `true`: a replay is read from this process's memory, so the layer's replay cache would
-    /// only hold a second copy (and, for a [bounded](MemoryStore::with_max_bytes) store, memory
-    /// beyond its limit).
-    fn in_process(&self) -> bool {
-        true
-    }
-
-    /// Waiters are woken in process, as keys are completed or released.
-    fn watch_in_flight(&self) -> InFlightWatch {
-        InFlightWatch::Notified(self.inner.notifier.clone())
+    /// In process: a replay is read from this process's memory, so the layer's replay cache
+    /// would only hold a second copy (and, for a [bounded](MemoryStore::with_max_bytes) store,
+    /// memory beyond its limit). Waiters are woken in process, as keys settle.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new()
+            .in_process()
+            .with_in_flight_watch(InFlightWatch::Notified(self.inner.notifier.clone()))
     }
 }
 
 impl MemoryStore {
-    /// [`Store::begin`] at `now`, with one probe of the map whatever the outcome.
-    fn try_begin(
+    /// [`Store::claim`] at `now`, with one probe of the map whatever the outcome.
+    fn try_claim(
         &self,
         request: &ClaimRequest,
         now: Instant,

@@ -89,16 +89,7 @@ impl Records {
     }
 }
 
-/// `at + span`, or a century after `at` when that is past what an [`Instant`] holds: a TTL or
-/// lease of `Duration::MAX` means never, and no request panics on it. (`at` itself only if a
-/// century overflows too, which a monotonic clock never comes near.)
-pub(super) fn later(at: Instant, span: Duration) -> Instant {
-    at.checked_add(span)
-        .or_else(|| at.checked_add(CENTURY))
-        .unwrap_or(at)
-}
-
-pub(super) const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+pub(super) use crate::config::later;
 
 #[derive(Debug)]
 pub(super) struct Entry {

@@ -17,7 +17,7 @@ fn record() -> Record {
 }
 
 async fn acquire(store: &MemoryStore, request: &ClaimRequest) -> (Fence, bool) {
-    match store.begin(request).await.unwrap() {
+    match store.claim(request).await.unwrap() {
         KeyState::Acquired { claim, takeover } => (claim, takeover),
         other => panic!("expected to acquire, got {other:?}"),
     }
@@ -54,7 +54,7 @@ async fn lapsed_lease_is_taken_over_and_the_stale_holder_is_fenced_out() {
     assert!(!takeover);
     tokio::time::advance(Duration::from_secs(29)).await;
     assert!(matches!(
-        store.begin(&request(1)).await,
+        store.claim(&request(1)).await,
         Ok(KeyState::InFlight { .. })
     ));
     tokio::time::advance(Duration::from_secs(2)).await;
@@ -75,7 +75,7 @@ async fn lapsed_lease_is_taken_over_and_the_stale_holder_is_fenced_out() {
         Ok(ClaimStatus::Held)
     );
     assert_eq!(
-        store.begin(&request(1)).await,
+        store.claim(&request(1)).await,
         Ok(KeyState::Completed {
             record: record(),
             expires_in: Some(Duration::from_secs(3600))
@@ -92,7 +92,7 @@ async fn a_lease_longer_than_the_ttl_keeps_the_record() {
     acquire(&store, &long_lease).await;
     tokio::time::advance(Duration::from_secs(30)).await;
     assert!(matches!(
-        store.begin(&long_lease).await,
+        store.claim(&long_lease).await,
         Ok(KeyState::InFlight { .. })
     ));
 }
@@ -116,7 +116,7 @@ async fn a_completed_record_expires_at_its_ttl_though_the_lease_is_longer() {
         Ok(ClaimStatus::Held)
     );
     assert_eq!(
-        store.begin(&short_ttl(1)).await,
+        store.claim(&short_ttl(1)).await,
         Ok(KeyState::Completed {
             record: record(),
             expires_in: Some(Duration::from_secs(1))
@@ -135,12 +135,12 @@ async fn a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses() {
     let (claim, _) = acquire(&store, &short_ttl(1)).await;
     tokio::time::advance(Duration::from_secs(29)).await;
     assert_eq!(
-        store.begin(&short_ttl(1)).await,
+        store.claim(&short_ttl(1)).await,
         Ok(KeyState::InFlight {
             lease_remaining: Some(Duration::from_secs(1))
         })
     );
-    assert_eq!(store.begin(&short_ttl(2)).await, Ok(KeyState::Mismatch));
+    assert_eq!(store.claim(&short_ttl(2)).await, Ok(KeyState::Mismatch));
     assert_eq!(store.delete_expired(10).await, Ok(0));
     assert_eq!(
         store.renew(&claim, Duration::from_secs(30)).await,
@@ -148,7 +148,7 @@ async fn a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses() {
     );
     tokio::time::advance(Duration::from_secs(29)).await;
     assert!(matches!(
-        store.begin(&short_ttl(2)).await,
+        store.claim(&short_ttl(2)).await,
         Ok(KeyState::Mismatch)
     ));
     // Lapsed, and past its TTL: dead, so the next claim is new.
@@ -173,7 +173,7 @@ async fn renewal_keeps_the_lease_alive() {
         );
     }
     assert!(matches!(
-        store.begin(&request(1)).await,
+        store.claim(&request(1)).await,
         Ok(KeyState::InFlight { .. })
     ));
 }
@@ -182,12 +182,12 @@ async fn renewal_keeps_the_lease_alive() {
 async fn a_different_fingerprint_is_a_mismatch_until_expiry() {
     let store = MemoryStore::new();
     let (claim, _) = acquire(&store, &request(1)).await;
-    assert_eq!(store.begin(&request(2)).await, Ok(KeyState::Mismatch));
+    assert_eq!(store.claim(&request(2)).await, Ok(KeyState::Mismatch));
     assert_eq!(
         store.complete(&claim, &record()).await,
         Ok(ClaimStatus::Held)
     );
-    assert_eq!(store.begin(&request(2)).await, Ok(KeyState::Mismatch));
+    assert_eq!(store.claim(&request(2)).await, Ok(KeyState::Mismatch));
     tokio::time::advance(Duration::from_secs(3600)).await;
     let (_, takeover) = acquire(&store, &request(2)).await;
     assert!(!takeover, "an expired record is new, not a takeover");
@@ -219,23 +219,23 @@ async fn a_bounded_store_refuses_new_keys_when_full_and_drops_nothing_it_holds()
     let (a, _) = acquire(&store, &keyed(1)).await;
     let (b, _) = acquire(&store, &keyed(2)).await;
     let (c, _) = acquire(&store, &keyed(3)).await;
-    assert_eq!(store.begin(&keyed(4)).await, full);
+    assert_eq!(store.claim(&keyed(4)).await, full);
 
     // What it holds goes on as before: a held claim completes (past the limit), its record
     // replays, a claim in flight is a conflict, another payload a mismatch, and a lapsed
     // claim is taken over in place.
     assert_eq!(store.complete(&a, &record()).await, Ok(ClaimStatus::Held));
     assert!(matches!(
-        store.begin(&keyed(1)).await,
+        store.claim(&keyed(1)).await,
         Ok(KeyState::Completed { .. })
     ));
     assert!(matches!(
-        store.begin(&keyed(2)).await,
+        store.claim(&keyed(2)).await,
         Ok(KeyState::InFlight { .. })
     ));
     assert_eq!(
         store
-            .begin(&ClaimRequest {
+            .claim(&ClaimRequest {
                 fingerprint: Fingerprint::from_bytes([9; 32]),
                 ..keyed(2)
             })
@@ -249,10 +249,10 @@ async fn a_bounded_store_refuses_new_keys_when_full_and_drops_nothing_it_holds()
 
     // A released claim gives its room back, but the kept response ("done") still counts.
     assert_eq!(store.release(&c).await, Ok(ClaimStatus::Held));
-    assert_eq!(store.begin(&keyed(4)).await, full);
+    assert_eq!(store.claim(&keyed(4)).await, full);
     assert_eq!(store.release(&b2).await, Ok(ClaimStatus::Held));
     let (d, _) = acquire(&store, &keyed(4)).await;
-    assert_eq!(store.begin(&keyed(5)).await, full);
+    assert_eq!(store.claim(&keyed(5)).await, full);
 
     // Once records expire, a full store deletes them itself to make room (at most once a
     // second, so a flood of new keys does not walk the store on every request).
@@ -265,7 +265,7 @@ async fn a_bounded_store_refuses_new_keys_when_full_and_drops_nothing_it_holds()
     );
     acquire(&store, &keyed(6)).await;
     acquire(&store, &keyed(7)).await;
-    assert_eq!(store.begin(&keyed(8)).await, full);
+    assert_eq!(store.claim(&keyed(8)).await, full);
     assert_eq!(store.complete(&d, &record()).await, Ok(ClaimStatus::Lost));
 
     // Everything counted is given back: drained, the store takes three claims again.
@@ -274,7 +274,7 @@ async fn a_bounded_store_refuses_new_keys_when_full_and_drops_nothing_it_holds()
     for key in 10..13 {
         acquire(&store, &keyed(key)).await;
     }
-    assert_eq!(store.begin(&keyed(13)).await, full);
+    assert_eq!(store.claim(&keyed(13)).await, full);
 }
 
 /// A claim of key `n` of period `period`, in shard `n` (0..64: one key per shard).
@@ -317,7 +317,7 @@ async fn an_unbounded_store_holds_about_one_ttl_of_keys_without_a_reaper() {
     }
     // Within their TTL, records are kept as before.
     assert!(matches!(
-        store.begin(&periodic(0, 19, ttl)).await,
+        store.claim(&periodic(0, 19, ttl)).await,
         Ok(KeyState::Completed { .. })
     ));
 }
@@ -341,7 +341,7 @@ async fn a_claim_renewed_past_its_ttl_is_kept_until_its_new_expiry() {
     tokio::time::advance(Duration::from_secs(5)).await;
     acquire(&store, &periodic(5, 1, ttl)).await;
     assert!(matches!(
-        store.begin(&renewed).await,
+        store.claim(&renewed).await,
         Ok(KeyState::InFlight { .. })
     ));
     assert_eq!(
@@ -411,13 +411,13 @@ mod properties {
             ..request.clone()
         };
         for _ in 0..3 {
-            if let Ok(KeyState::Acquired { claim, .. }) = store.begin(&released).await {
+            if let Ok(KeyState::Acquired { claim, .. }) = store.claim(&released).await {
                 let _ = store.renew(&claim, renewal).await;
                 let _ = store.release(&claim).await;
             }
-            match store.begin(&request).await {
+            match store.claim(&request).await {
                 Ok(KeyState::Acquired { claim, .. }) => {
-                    let _ = store.begin(&request).await;
+                    let _ = store.claim(&request).await;
                     let _ = store.renew(&claim, renewal).await;
                     tokio::time::advance(step).await;
                     let _ = store.complete(&claim, &record()).await;

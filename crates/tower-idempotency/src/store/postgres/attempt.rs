@@ -69,7 +69,7 @@ impl ClaimAttempt {
                 self.pending = None;
                 Ok(result?)
             }
-            Err(_) => Err(store.timeout_error("begin")),
+            Err(_) => Err(store.timeout_error("claim")),
         }
     }
 

@@ -2,7 +2,7 @@
 
 use super::*;
 
-/// How many times `begin` runs its statement when a racing commit hides the conflicting row.
+/// How many times `claim` runs its statement when a racing commit hides the conflicting row.
 pub(super) const BEGIN_ATTEMPTS: usize = 5;
 
 impl PostgresStore {
@@ -34,7 +34,7 @@ impl PostgresStore {
     /// A claim that commits on its own (lease mode, and partitioned lease mode). Its caller may
     /// never read the answer (a timeout, a lost connection, a cancelled request); the attempt's
     /// [`ClaimAttempt`] then releases whatever it claimed.
-    pub(super) async fn begin_lease(
+    pub(super) async fn claim_lease(
         &self,
         request: &ClaimRequest,
     ) -> Result<KeyState<PgClaim>, PostgresStoreError> {
@@ -51,10 +51,10 @@ impl PostgresStore {
                     // Claimed for a request that stopped waiting (it timed out, or was
                     // cancelled): free the key now rather than when its lease lapses.
                     move |claimed| {
-                        if let Batched::Done(Some(lease)) = claimed {
+                        if let Batched::Done(Some(fence)) = claimed {
                             let store = store.clone();
                             tokio::spawn(async move {
-                                let claim = PgClaim { lease, tx: None };
+                                let claim = PgClaim { fence, tx: None };
                                 if let Err(error) = store.release(&claim).await {
                                     tracing::warn!(%error, "releasing an abandoned claim failed; it frees itself when its lease lapses");
                                 }
@@ -65,14 +65,14 @@ impl PostgresStore {
             )
             .await;
             match claimed {
-                Ok(Some(Batched::Done(Some(lease)))) => {
+                Ok(Some(Batched::Done(Some(fence)))) => {
                     attempt.settle();
                     return Ok(KeyState::Acquired {
-                        claim: PgClaim { lease, tx: None },
+                        claim: PgClaim { fence, tx: None },
                         takeover: false,
                     });
                 }
-                Ok(Some(Batched::TimedOut)) | Err(_) => return Err(self.timeout_error("begin")),
+                Ok(Some(Batched::TimedOut)) | Err(_) => return Err(self.timeout_error("claim")),
                 // The key has a row (or the batch could not say whether it wrote ours): the
                 // one-key statement decides, and finds our row if the batch did write it.
                 Ok(Some(Batched::Done(None) | Batched::Alone) | None) => {}
@@ -87,7 +87,7 @@ impl PostgresStore {
                     continue;
                 }
                 attempt.settle();
-                return Ok(begin.map_claim(|lease| PgClaim { lease, tx: None }));
+                return Ok(begin.map_claim(|fence| PgClaim { fence, tx: None }));
             }
         }
         // No row in any try: nothing was claimed.
@@ -132,14 +132,14 @@ impl PostgresStore {
     ) -> Result<KeyState<PgClaim>, PostgresStoreError> {
         let mut tx = self
             .timed(
-                "begin",
+                "claim",
                 self.pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED"),
             )
             .await?;
         for _ in 0..BEGIN_ATTEMPTS {
             let row = self
                 .timed(
-                    "begin",
+                    "claim",
                     self.claim_statement(request, new_claimant())
                         .fetch_optional(self.prepared, &mut *tx),
                 )
@@ -147,11 +147,11 @@ impl PostgresStore {
             let Some(row) = row else { continue };
             return match decode_begin(request, &row)? {
                 KeyState::Acquired {
-                    claim: lease,
+                    claim: fence,
                     takeover,
                 } => Ok(KeyState::Acquired {
                     claim: PgClaim {
-                        lease,
+                        fence,
                         tx: Some(Box::new(TxClaim {
                             slot: Arc::new(TxSlot::new(tx)),
                             request: request.clone(),
@@ -161,9 +161,9 @@ impl PostgresStore {
                     takeover,
                 }),
                 other => {
-                    let other = other.map_claim(|lease| PgClaim { lease, tx: None });
+                    let other = other.map_claim(|fence| PgClaim { fence, tx: None });
                     // Nothing was written; end the transaction (and its lock attempt) now.
-                    self.timed("begin", tx.rollback()).await?;
+                    self.timed("claim", tx.rollback()).await?;
                     Ok(other)
                 }
             };

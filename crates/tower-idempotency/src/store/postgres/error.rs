@@ -16,7 +16,7 @@ pub enum PostgresStoreError {
     /// The operation did not finish within the store's timeout (see
     /// [`PostgresStore::with_timeout`]), waiting for a pooled connection included.
     Timeout {
-        /// Which operation: `begin`, `renew`, `complete`, `release` or `delete_expired`.
+        /// Which operation: `claim`, `renew`, `complete`, `release` or `delete_expired`.
         operation: &'static str,
         /// The timeout.
         after: Duration,

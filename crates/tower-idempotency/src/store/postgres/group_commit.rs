@@ -27,7 +27,7 @@ pub(super) enum Batched<T> {
 
 /// Writes a batch of [`CLAIM_NEW_KEYS`]: for each request its new claim, `None` when its key
 /// has a row already. Bounded by [`FLUSH_BOUND`], not by the store's timeout: a caller that
-/// stops waiting has its claim released when the batch's answer comes (see `begin_lease`).
+/// stops waiting has its claim released when the batch's answer comes (see `claim_lease`).
 pub(super) async fn claim_new_keys(
     pool: PgPool,
     timeout: Duration,

@@ -19,8 +19,8 @@ use sqlx::{
 };
 
 use super::{
-    ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch, KeyState, Notifier, Store,
-    batch::Batcher,
+    Capabilities, ClaimHandle, ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch,
+    KeyState, Notifier, Store, batch::Batcher,
 };
 use crate::{record::Record, scope::ScopeKey, transaction::TxSlot};
 
@@ -125,7 +125,7 @@ pub struct PostgresStore {
     /// [`MAX_UNSETTLED`].
     unsettled: Arc<AtomicUsize>,
     /// How duplicates waiting for a key in flight are woken (see
-    /// [`watch_in_flight`](Store::watch_in_flight)).
+    /// [`capabilities`](Store::capabilities)).
     notifications: Arc<Notifications>,
     /// Waiters poll every so often instead ([`with_in_flight_polling`](Self::with_in_flight_polling)).
     in_flight_polling: Option<Duration>,
@@ -137,14 +137,14 @@ pub struct PostgresStore {
 /// transaction.
 #[derive(Debug)]
 pub struct PgClaim {
-    lease: Fence,
+    fence: Fence,
     tx: Option<Box<TxClaim>>,
 }
 
 impl PgClaim {
     /// The claimed key and its fencing token.
     pub fn fence(&self) -> &Fence {
-        &self.lease
+        &self.fence
     }
 }
 
@@ -159,6 +159,15 @@ static MIGRATOR: LazyLock<Migrator> = LazyLock::new(|| {
 impl PostgresStore {
     /// A store on `pool`, in lease mode. Call [`migrate`](Self::migrate) once before use.
     pub fn new(pool: PgPool) -> Self {
+        let notifications = Arc::new(Notifications::default());
+        // A layer that waits, built outside a runtime, has its first waiter start the listener.
+        let (weak, listen_on) = (Arc::downgrade(&notifications), pool.clone());
+        notifications.notifier.start_on_wait(move || {
+            if let Some(notifications) = weak.upgrade() {
+                notifications.emit.store(true, Ordering::Relaxed);
+                notifications.listen(&listen_on);
+            }
+        });
         Self {
             pool,
             timeout: Duration::from_secs(5),
@@ -171,7 +180,7 @@ impl PostgresStore {
             new_claims: Arc::new(Batcher::new(MAX_BATCH).skipping_abandoned()),
             completions: Arc::new(Batcher::new(MAX_BATCH)),
             unsettled: Arc::default(),
-            notifications: Arc::default(),
+            notifications,
             in_flight_polling: None,
         }
     }
@@ -331,13 +340,13 @@ impl Store for PostgresStore {
     type Claim = PgClaim;
     type Error = PostgresStoreError;
 
-    async fn begin(&self, request: &ClaimRequest) -> Result<KeyState<PgClaim>, PostgresStoreError> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<PgClaim>, PostgresStoreError> {
         if self.transactional {
             // Boxed: opening a transaction is a large future, which would otherwise make every
             // lease-mode request's future as large.
             Box::pin(self.begin_transactional(request)).await
         } else {
-            self.begin_lease(request).await
+            self.claim_lease(request).await
         }
     }
 
@@ -347,7 +356,7 @@ impl Store for PostgresStore {
         lease: Duration,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         let Some(tx_claim) = &claim.tx else {
-            return self.renew_lease(&claim.lease, lease).await;
+            return self.renew_lease(&claim.fence, lease).await;
         };
         match tx_claim.fallback() {
             // The open transaction is the lease: it ends when the holder's connection does.
@@ -364,7 +373,7 @@ impl Store for PostgresStore {
         record: &Record,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         let Some(tx_claim) = &claim.tx else {
-            return self.complete_lease(&claim.lease, record).await;
+            return self.complete_lease(&claim.fence, record).await;
         };
         match tx_claim.fallback() {
             Fallback::None => {}
@@ -389,7 +398,7 @@ impl Store for PostgresStore {
         let stored = self
             .fenced(
                 "complete",
-                complete_statement(self.complete_sql(true), &claim.lease, record),
+                complete_statement(self.complete_sql(true), &claim.fence, record),
                 &mut *tx,
             )
             .await;
@@ -401,7 +410,7 @@ impl Store for PostgresStore {
                 if let Err(error) = self.timed("complete", tx.rollback()).await {
                     tracing::debug!(%error, "rolling back an aborted transaction failed");
                 }
-                self.notify_released(&claim.lease.key).await;
+                self.notify_released(&claim.fence.key).await;
                 return Ok(ClaimStatus::RolledBack);
             }
             Err(error) => return self.failed_commit(tx_claim, record, error).await,
@@ -427,13 +436,13 @@ impl Store for PostgresStore {
         } else {
             self.fenced_sql().abandon
         };
-        let statement = fenced_statement(sql, &claim.lease);
+        let statement = fenced_statement(sql, &claim.fence);
         self.fenced("abandon", statement, &self.pool).await
     }
 
     async fn release(&self, claim: &PgClaim) -> Result<ClaimStatus, PostgresStoreError> {
         let Some(tx_claim) = &claim.tx else {
-            return self.release_lease(&claim.lease).await;
+            return self.release_lease(&claim.fence).await;
         };
         match tx_claim.fallback() {
             Fallback::None => {}
@@ -449,47 +458,43 @@ impl Store for PostgresStore {
             return Ok(ClaimStatus::Lost);
         };
         self.timed("release", tx.rollback()).await?;
-        self.notify_released(&claim.lease.key).await;
+        self.notify_released(&claim.fence.key).await;
         Ok(ClaimStatus::Held)
     }
 
-    fn attach(&self, claim: &PgClaim, extensions: &mut http::Extensions) {
-        if let Some(tx_claim) = &claim.tx {
+    /// In transactional mode each claim holds a pooled connection: half the pool may be
+    /// detached. Waiters are woken through `LISTEN`/`NOTIFY`: once a layer that waits is built
+    /// on the store, each completion and release of this store (and of every other instance
+    /// whose layer waits) of a key a waiter marked ([`ClaimRequest::waiting`]), and each of
+    /// transactional mode, announces its key on the channel `idempotency_settled`. One
+    /// connection listens to it for all the waiters of this process, opened beside the pool
+    /// (with its options) so as not to take one of the requests'. With
+    /// [`with_in_flight_polling`](PostgresStore::with_in_flight_polling), waiters poll instead.
+    fn capabilities(&self) -> Capabilities {
+        let watch = match self.in_flight_polling {
+            Some(interval) => InFlightWatch::Polled(interval),
+            None => InFlightWatch::Notified(self.notifications.notifier.clone()),
+        };
+        let capabilities = Capabilities::new().with_in_flight_watch(watch);
+        if self.transactional {
+            let pool = self.pool.options().get_max_connections() as usize;
+            return capabilities.with_detached_limit((pool / 2).max(1));
+        }
+        capabilities
+    }
+}
+
+impl ClaimHandle for PgClaim {
+    /// In transactional mode, hands the handler the claim's transaction.
+    fn attach(&self, extensions: &mut http::Extensions) {
+        if let Some(tx_claim) = &self.tx {
             extensions.insert(Arc::clone(&tx_claim.slot));
         }
     }
 
-    /// `LISTEN`/`NOTIFY`: from now on, each completion and release of this store (and of every
-    /// other instance whose layer waits) of a key a waiter marked ([`ClaimRequest::waiting`]), and
-    /// each of transactional mode, announces its key on the channel `idempotency_settled`. One
-    /// connection listens to it for all the waiters of this process, opened beside the pool
-    /// (with its options) so as not to take one of the requests'. With
-    /// [`with_in_flight_polling`](PostgresStore::with_in_flight_polling), waiters poll instead.
-    fn watch_in_flight(&self) -> InFlightWatch {
-        if let Some(interval) = self.in_flight_polling {
-            return InFlightWatch::Polled(interval);
-        }
-        self.notifications.emit.store(true, Ordering::Relaxed);
-        self.notifications.listen(&self.pool);
-        // Built outside a runtime, the listener is started by the first request that waits.
-        let (notifications, pool) = (Arc::downgrade(&self.notifications), self.pool.clone());
-        self.notifications.notifier.start_on_wait(move || {
-            if let Some(notifications) = notifications.upgrade() {
-                notifications.listen(&pool);
-            }
-        });
-        InFlightWatch::Notified(self.notifications.notifier.clone())
-    }
-
-    /// Half the pool in transactional mode, where each claim holds a pooled connection.
-    fn detached_limit(&self) -> Option<usize> {
-        let pool = self.pool.options().get_max_connections() as usize;
-        self.transactional.then_some((pool / 2).max(1))
-    }
-
-    fn commits_effects(&self, claim: &PgClaim) -> bool {
-        claim
-            .tx
+    /// In transactional mode, once the handler used the claim's transaction.
+    fn commits_effects(&self) -> bool {
+        self.tx
             .as_ref()
             .is_some_and(|tx_claim| tx_claim.slot.was_used())
     }

@@ -1,5 +1,5 @@
 //! Waking duplicates that wait for a key in flight: the announcements of settled keys, and the
-//! listener that hears other instances' (see [`Store::watch_in_flight`]).
+//! listener that hears other instances' (see [`Store::capabilities`]).
 
 use super::*;
 
@@ -18,7 +18,7 @@ impl Notifications {
     }
 
     /// Starts the listener, once, if there is a runtime to run it on (else at the next call:
-    /// the next request that waits, see [`PostgresStore::watch_in_flight`]).
+    /// the next request that waits, see [`Store::capabilities`]).
     pub(super) fn listen(self: &Arc<Self>, pool: &PgPool) {
         // Called as each request starts waiting: the common case reads one flag.
         if self.listening.load(Ordering::Acquire) {

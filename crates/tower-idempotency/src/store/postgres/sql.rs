@@ -226,7 +226,7 @@ macro_rules! release {
 }
 
 /// Tells the listeners of every instance that the keys of `settled` settled, when the
-/// statement's transaction commits (see [`PostgresStore::watch_in_flight`]).
+/// statement's transaction commits (see [`PostgresStore::capabilities`](crate::store::Store::capabilities)).
 macro_rules! NOTIFY_SETTLED {
     () => {
         "SELECT pg_notify('idempotency_settled', scope_key::text) FROM settled"

@@ -73,9 +73,9 @@ impl PostgresStore {
         &self,
         tx_claim: &TxClaim,
     ) -> Result<ClaimStatus, PostgresStoreError> {
-        match self.begin_lease(&tx_claim.request).await? {
+        match self.claim_lease(&tx_claim.request).await? {
             KeyState::Acquired { claim, .. } => {
-                tx_claim.set_fallback(Fallback::Fence(claim.lease));
+                tx_claim.set_fallback(Fallback::Fence(claim.fence));
                 Ok(ClaimStatus::Held)
             }
             KeyState::Completed { .. } => {

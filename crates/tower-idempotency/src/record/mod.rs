@@ -5,6 +5,10 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, StatusCode, header, response};
 
+mod encoding;
+
+pub use encoding::RecordBytesError;
+
 /// The `Idempotent-Replayed` response header marking a replay.
 pub static IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 

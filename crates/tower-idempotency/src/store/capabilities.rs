@@ -1,0 +1,104 @@
+//! What a store's claims carry ([`ClaimHandle`]) and what the store itself can do
+//! ([`Capabilities`]): the facts the layer asks of a store besides the protocol.
+
+use std::time::Duration;
+
+use super::notify::InFlightWatch;
+
+/// How often waiters read a key again when the store cannot wake them.
+const DEFAULT_POLLING: Duration = Duration::from_millis(100);
+
+/// What the layer may ask of a claim handed out by [`Store::claim`](super::Store::claim).
+///
+/// The defaults are right for every claim that carries nothing of the handler's: a key and
+/// its fencing token ([`Fence`](super::Fence)).
+pub trait ClaimHandle: Send + Sync + 'static {
+    /// Called once the key is acquired, before the handler runs, to hand the handler what the
+    /// claim holds through the request extensions (PostgreSQL's transactional mode hands it the
+    /// transaction). The default adds nothing.
+    fn attach(&self, extensions: &mut http::Extensions) {
+        let _ = extensions;
+    }
+
+    /// Whether the handler's effects commit or roll back together with this claim: then a
+    /// failed [`complete`](super::Store::complete) means nothing happened, and the layer
+    /// answers `503` instead of the handler's response. The default is `false`.
+    fn commits_effects(&self) -> bool {
+        false
+    }
+}
+
+/// What a store can do, as [`Store::capabilities`](super::Store::capabilities) tells the layer.
+///
+/// [`Capabilities::new`] is what the defaults describe: a store whose claims hold nothing
+/// scarce, that keeps its records behind a network round trip, and whose waiters read a key
+/// again every 100 ms.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Capabilities {
+    detached_limit: Option<usize>,
+    in_process: bool,
+    in_flight_watch: InFlightWatch,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Capabilities {
+    /// The capabilities of a store with nothing to declare.
+    pub fn new() -> Self {
+        Self {
+            detached_limit: None,
+            in_process: false,
+            in_flight_watch: InFlightWatch::Polled(DEFAULT_POLLING),
+        }
+    }
+
+    /// Declares that the store carries at most `limit` handlers for clients that hung up
+    /// before new requests would starve, because each claim holds something scarce: PostgreSQL's
+    /// transactional mode, where each claim holds a pooled connection, declares half its pool.
+    /// The layer refuses new keys past the smaller of this and
+    /// [`with_max_detached`](crate::IdempotencyLayer::with_max_detached).
+    #[must_use]
+    pub fn with_detached_limit(mut self, limit: usize) -> Self {
+        self.detached_limit = Some(limit);
+        self
+    }
+
+    /// Declares that the store keeps its records in this process, so that answering a retry
+    /// from it costs no more than the layer's replay cache would: the layer then keeps no
+    /// second copy of replayed records unless the app asks for one.
+    #[must_use]
+    pub fn in_process(mut self) -> Self {
+        self.in_process = true;
+        self
+    }
+
+    /// Declares how a request that waits for a key in flight
+    /// ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)) learns that the
+    /// key may have settled: a store that can wake waiters returns the
+    /// [`Notifier`](super::Notifier) it wakes whenever it completes or releases a key.
+    #[must_use]
+    pub fn with_in_flight_watch(mut self, watch: InFlightWatch) -> Self {
+        self.in_flight_watch = watch;
+        self
+    }
+
+    /// See [`with_detached_limit`](Self::with_detached_limit).
+    pub fn detached_limit(&self) -> Option<usize> {
+        self.detached_limit
+    }
+
+    /// See [`in_process`](Self::in_process).
+    pub fn is_in_process(&self) -> bool {
+        self.in_process
+    }
+
+    /// See [`with_in_flight_watch`](Self::with_in_flight_watch).
+    pub fn in_flight_watch(&self) -> &InFlightWatch {
+        &self.in_flight_watch
+    }
+}

@@ -1,8 +1,28 @@
 //! A duplicate of a key in flight waiting for it to settle
 //! ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)).
 
-use super::*;
-use crate::service::reads::{Found, Role, SharedReads, followed};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use super::{
+    Shared,
+    held::HeldKey,
+    reads::{Found, Role, SharedReads, followed},
+    run::later,
+};
+use crate::{
+    chain::Chain,
+    fingerprint::Fingerprint,
+    future::HangUp,
+    metrics,
+    scope::ScopeKey,
+    store::{InFlightWatch, KeyState, Store},
+};
 
 /// The requests waiting for keys in flight, and how the store wakes them.
 #[derive(Debug, Default)]

@@ -423,6 +423,44 @@ impl utoipa::Modify for IdempotencyApi {
 mod tests {
     use super::*;
 
+    /// The problem schema names every refusal's code, and replays document the omitted body.
+    #[test]
+    fn the_document_shows_codes_and_the_omitted_body_header() {
+        use utoipa::openapi::{
+            HttpMethod, OpenApiBuilder, PathItem, PathsBuilder, path::OperationBuilder,
+        };
+        let create = OperationBuilder::new()
+            .response("200", ResponseBuilder::new().description("ok"))
+            .build();
+        let mut doc = OpenApiBuilder::new()
+            .paths(PathsBuilder::new().path("/", PathItem::new(HttpMethod::Post, create)))
+            .build();
+        crate::IdempotencyLayer::memory().openapi().apply(&mut doc);
+        let doc = serde_json::to_value(&doc).expect("json");
+        let problem = &doc["components"]["schemas"][PROBLEM_SCHEMA];
+        let codes = problem["properties"]["code"]["enum"]
+            .as_array()
+            .expect("codes");
+        let all: Vec<_> = RejectionKind::ALL.iter().map(|kind| kind.code()).collect();
+        assert_eq!(codes, &all);
+        assert!(
+            problem["required"]
+                .as_array()
+                .expect("required")
+                .contains(&"code".into())
+        );
+        let headers = &doc["paths"]["/"]["post"]["responses"]["200"]["headers"];
+        assert_eq!(
+            headers["Idempotent-Replay-Body"]["schema"]["enum"][0],
+            "omitted"
+        );
+        let conflict = doc["paths"]["/"]["post"]["responses"]["409"]["description"].as_str();
+        assert!(
+            conflict.expect("409").contains("`in-flight`"),
+            "{conflict:?}"
+        );
+    }
+
     #[test]
     fn durations_in_words() {
         assert_eq!(in_words(Duration::from_secs(24 * 3600)), "1 day");

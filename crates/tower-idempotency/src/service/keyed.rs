@@ -44,10 +44,10 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
         body: ReqBody,
     ) -> impl Future<Output = Served<S::ResBody, S::Error>> {
         async move {
-            let config = Arc::clone(&self.shared.config);
-            let body = match buffer_request(&config, body).await {
+            let config = &*self.shared.config;
+            let body = match buffer_request(config, body).await {
                 Ok(body) => body,
-                Err(rejection) => return Ok(reject(&config, rejection)),
+                Err(rejection) => return Ok(reject(config, rejection)),
             };
             let key = match self.key.take() {
                 Some(key) => key,
@@ -55,7 +55,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                     Ok(Some(key)) => key,
                     // No key, not required: the handler runs unprotected, as with no header.
                     Ok(None) => return self.unprotected(parts, body).await,
-                    Err(rejection) => return Ok(reject(&config, rejection)),
+                    Err(rejection) => return Ok(reject(config, rejection)),
                 },
             };
             let uri = request_uri(&parts.extensions, &parts.uri);
@@ -74,7 +74,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             let hang_up = self.hang_up.as_deref();
             let state = match self.shared.key_state(scope_key, fingerprint, hang_up).await {
                 Ok(state) => state,
-                Err(Unclaimed::Refused(rejection)) => return Ok(reject(&config, rejection)),
+                Err(Unclaimed::Refused(rejection)) => return Ok(reject(config, rejection)),
                 // Its client left: nobody reads this answer.
                 Err(Unclaimed::ClientLeft) => {
                     return Ok(config.rendering.render(Rejection::in_flight()));
@@ -96,7 +96,6 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
         parts: Parts,
         body: Bytes,
     ) -> Served<S::ResBody, S::Error> {
-        let config = Arc::clone(&self.shared.config);
         match state {
             KeyState::Acquired { claim, takeover } => {
                 if takeover {
@@ -115,9 +114,9 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             KeyState::Completed { record, .. } => Ok(replayed(&record)),
             KeyState::InFlight { .. } => {
                 outcome(Outcome::Conflict);
-                Ok(reject(&config, Rejection::in_flight()))
+                Ok(reject(&self.shared.config, Rejection::in_flight()))
             }
-            KeyState::Mismatch => Ok(mismatch(&config)),
+            KeyState::Mismatch => Ok(mismatch(&self.shared.config)),
         }
     }
 

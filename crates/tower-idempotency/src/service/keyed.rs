@@ -288,14 +288,14 @@ impl<St: Store> Shared<St> {
             ttl: self.config.ttl,
             waiting,
         };
-        let begin = metrics::timed("begin", self.store.begin(&request)).await?;
+        let state = metrics::timed("begin", self.store.begin(&request)).await?;
         if let KeyState::Completed {
             record,
             expires_in: Some(expires_in),
-        } = &begin
+        } = &state
         {
             self.cache.insert(key, fingerprint, record, *expires_in);
         }
-        Ok(begin)
+        Ok(state)
     }
 }

@@ -126,7 +126,8 @@ async fn problem_types_point_at_the_apps_documentation() {
 }
 
 /// The default is an RFC 9457 document: the four members, of the right JSON types, the status
-/// member equal to the response's, an absolute `type` URI, and the media type.
+/// member equal to the response's, an absolute `type` URI, and the media type; and the refusal's
+/// stable `code`.
 #[tokio::test]
 async fn the_default_is_an_rfc_9457_problem() {
     let server = serve(IdempotencyLayer::new(MemoryStore::new()), Probe::default()).await;
@@ -139,7 +140,8 @@ async fn the_default_is_an_rfc_9457_problem() {
         .keys()
         .map(String::as_str)
         .collect();
-    assert_eq!(members, ["detail", "status", "title", "type"]);
+    assert_eq!(members, ["code", "detail", "status", "title", "type"]);
+    assert_eq!(problem["code"], "missing-key");
     assert_eq!(problem["status"], missing.status.as_u16());
     let uri = problem["type"].as_str().expect("a string");
     assert!(uri.starts_with("https://"), "{uri}");

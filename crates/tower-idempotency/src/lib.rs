@@ -96,7 +96,7 @@ pub use layer::IdempotencyLayer;
 pub use policy::{Disconnect, Retention, RetentionPolicy, StoreFailure};
 pub use problem::{PROBLEM_JSON, PROBLEM_TYPE_BASE, Rejection, RejectionKind};
 pub use record::{IDEMPOTENT_REPLAYED, Record, RecordBytesError};
-pub use replay::BODY_NOT_STORED_TYPE;
+pub use replay::{BODY_NOT_STORED_TYPE, IDEMPOTENT_REPLAY_BODY};
 pub use scope::{EmptyPrincipal, Principal, Scope, ScopeKey};
 pub use service::Idempotency;
 #[cfg(feature = "postgres")]

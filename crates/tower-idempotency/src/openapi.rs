@@ -31,10 +31,11 @@
 //! * the key's header parameter: its name, whether it is required, its limits (255 characters,
 //!   `format: uuid` under [`KeyRule::uuid`](crate::KeyRule::uuid)), and a description saying how
 //!   long a response is kept for replay (the TTL, in words) and how far a key reaches;
-//! * the `Idempotent-Replayed` header on each of the operation's responses;
+//! * the `Idempotent-Replayed` header on each of the operation's responses, and
+//!   `Idempotent-Replay-Body` (a replay whose body was too large to keep);
 //! * the layer's refusals (`400`, `409`, `413`, `422`, `503`) with their problem schema
-//!   (`IdempotencyProblem`, RFC 9457), where the operation does not document that status
-//!   itself;
+//!   (`IdempotencyProblem`, RFC 9457, with its `code` member), where the operation does not
+//!   document that status itself;
 //! * an `x-idempotency` extension with the same facts for tools: header, required, TTL in
 //!   seconds, scope.
 //!
@@ -57,6 +58,7 @@ use crate::{
     key::header_title,
     problem::{PROBLEM_JSON, RejectionKind},
     record::IDEMPOTENT_REPLAYED,
+    replay::IDEMPOTENT_REPLAY_BODY,
 };
 
 /// The name of the refusals' schema in the document's components.
@@ -192,49 +194,51 @@ impl IdempotencyApi {
         )
     }
 
+    /// Documents one operation: the key's parameter, the replay headers, the refusals, the
+    /// facts for tools and the policy in words.
     fn document(&self, operation: &mut Operation) {
         if let Some(header) = &self.header {
-            let mut schema = ObjectBuilder::new()
-                .schema_type(Type::String)
-                .min_length(Some(1))
-                .max_length(Some(crate::key::MAX_KEY_LEN));
-            if let Some((_, Some("uuid"))) = &self.rule {
-                schema = schema.format(Some(SchemaFormat::Custom("uuid".to_owned())));
-            }
-            let parameters = operation.parameters.get_or_insert_with(Vec::new);
-            parameters.retain(|parameter| !parameter.name.eq_ignore_ascii_case(header));
-            parameters.insert(
-                0,
-                ParameterBuilder::new()
-                    .name(header.clone())
-                    .parameter_in(ParameterIn::Header)
-                    .required(if self.required {
-                        Required::True
-                    } else {
-                        Required::False
-                    })
-                    .description(Some(self.describe()))
-                    .schema(Some(schema))
-                    .build(),
-            );
+            self.document_key(header, operation);
         }
-        let replayed = HeaderBuilder::new()
-            .schema(
-                ObjectBuilder::new()
-                    .schema_type(Type::String)
-                    .enum_values(Some(["true"])),
-            )
-            .description(Some(
-                "`true` when this response is the replay of the key's first response",
-            ))
-            .build();
-        for response in operation.responses.responses.values_mut() {
-            if let RefOr::T(response) = response {
-                response
-                    .headers
-                    .insert(header_title(IDEMPOTENT_REPLAYED.as_str()), replayed.clone());
-            }
+        document_replay_headers(operation);
+        self.document_refusals(operation);
+        self.document_facts(operation);
+        let description = operation.description.get_or_insert_with(String::new);
+        if !description.is_empty() {
+            description.push_str("\n\n");
         }
+        description.push_str(&self.describe());
+    }
+
+    /// The key's header parameter, first among the operation's parameters.
+    fn document_key(&self, header: &str, operation: &mut Operation) {
+        let mut schema = ObjectBuilder::new()
+            .schema_type(Type::String)
+            .min_length(Some(1))
+            .max_length(Some(crate::key::MAX_KEY_LEN));
+        if let Some((_, Some("uuid"))) = &self.rule {
+            schema = schema.format(Some(SchemaFormat::Custom("uuid".to_owned())));
+        }
+        let parameters = operation.parameters.get_or_insert_with(Vec::new);
+        parameters.retain(|parameter| !parameter.name.eq_ignore_ascii_case(header));
+        parameters.insert(
+            0,
+            ParameterBuilder::new()
+                .name(header)
+                .parameter_in(ParameterIn::Header)
+                .required(if self.required {
+                    Required::True
+                } else {
+                    Required::False
+                })
+                .description(Some(self.describe()))
+                .schema(Some(schema))
+                .build(),
+        );
+    }
+
+    /// The layer's refusals, under the statuses the operation does not document itself.
+    fn document_refusals(&self, operation: &mut Operation) {
         let schema = self
             .refusal_schema
             .clone()
@@ -246,7 +250,7 @@ impl IdempotencyApi {
             }
             let description = kinds
                 .iter()
-                .map(|kind| kind.title())
+                .map(|kind| format!("{} (`{}`)", kind.title(), kind.code()))
                 .collect::<Vec<_>>()
                 .join("; ");
             let response = ResponseBuilder::new()
@@ -261,6 +265,10 @@ impl IdempotencyApi {
                 .responses
                 .insert(status, RefOr::T(response));
         }
+    }
+
+    /// The `x-idempotency` extension: the same facts, for tools.
+    fn document_facts(&self, operation: &mut Operation) {
         let facts = serde_json::json!({
             "header": self.header,
             "required": self.required,
@@ -276,11 +284,6 @@ impl IdempotencyApi {
             .extensions
             .get_or_insert_with(Extensions::default)
             .insert("x-idempotency".to_owned(), facts);
-        let description = operation.description.get_or_insert_with(String::new);
-        if !description.is_empty() {
-            description.push_str("\n\n");
-        }
-        description.push_str(&self.describe());
     }
 
     /// The statuses the layer may answer instead of the handler, and why.
@@ -309,6 +312,40 @@ impl IdempotencyApi {
     }
 }
 
+/// `Idempotent-Replayed` on each of the operation's responses, and `Idempotent-Replay-Body`
+/// for a replay whose body was too large to keep.
+fn document_replay_headers(operation: &mut Operation) {
+    let header = |value: &str, description: &str| {
+        HeaderBuilder::new()
+            .schema(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .enum_values(Some([value])),
+            )
+            .description(Some(description))
+            .build()
+    };
+    let replayed = header(
+        "true",
+        "`true` when this response is the replay of the key's first response",
+    );
+    let omitted = header(
+        "omitted",
+        "`omitted` when this replay's original body was too large to keep: the body is a \
+         problem document saying so, the status is the original one",
+    );
+    for response in operation.responses.responses.values_mut() {
+        if let RefOr::T(response) = response {
+            let headers = &mut response.headers;
+            headers.insert(header_title(IDEMPOTENT_REPLAYED.as_str()), replayed.clone());
+            headers.insert(
+                header_title(IDEMPOTENT_REPLAY_BODY.as_str()),
+                omitted.clone(),
+            );
+        }
+    }
+}
+
 /// An RFC 9457 problem document, as the layer renders its refusals by default.
 fn problem_schema() -> Object {
     let string = |description: &str| {
@@ -326,6 +363,11 @@ fn problem_schema() -> Object {
             string("A URI identifying the kind of refusal")
                 .format(Some(SchemaFormat::Custom("uri".to_owned()))),
         )
+        .property(
+            "code",
+            string("The kind of refusal, a stable code to switch on")
+                .enum_values(Some(RejectionKind::ALL.iter().map(|kind| kind.code()))),
+        )
         .property("title", string("The kind of refusal, in words"))
         .property(
             "status",
@@ -335,6 +377,7 @@ fn problem_schema() -> Object {
         )
         .property("detail", string("What happened to this request"))
         .required("type")
+        .required("code")
         .required("title")
         .required("status")
         .build()
@@ -379,6 +422,44 @@ impl utoipa::Modify for IdempotencyApi {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The problem schema names every refusal's code, and replays document the omitted body.
+    #[test]
+    fn the_document_shows_codes_and_the_omitted_body_header() {
+        use utoipa::openapi::{
+            HttpMethod, OpenApiBuilder, PathItem, PathsBuilder, path::OperationBuilder,
+        };
+        let create = OperationBuilder::new()
+            .response("200", ResponseBuilder::new().description("ok"))
+            .build();
+        let mut doc = OpenApiBuilder::new()
+            .paths(PathsBuilder::new().path("/", PathItem::new(HttpMethod::Post, create)))
+            .build();
+        crate::IdempotencyLayer::memory().openapi().apply(&mut doc);
+        let doc = serde_json::to_value(&doc).expect("json");
+        let problem = &doc["components"]["schemas"][PROBLEM_SCHEMA];
+        let codes = problem["properties"]["code"]["enum"]
+            .as_array()
+            .expect("codes");
+        let all: Vec<_> = RejectionKind::ALL.iter().map(|kind| kind.code()).collect();
+        assert_eq!(codes, &all);
+        assert!(
+            problem["required"]
+                .as_array()
+                .expect("required")
+                .contains(&"code".into())
+        );
+        let headers = &doc["paths"]["/"]["post"]["responses"]["200"]["headers"];
+        assert_eq!(
+            headers["Idempotent-Replay-Body"]["schema"]["enum"][0],
+            "omitted"
+        );
+        let conflict = doc["paths"]["/"]["post"]["responses"]["409"]["description"].as_str();
+        assert!(
+            conflict.expect("409").contains("`in-flight`"),
+            "{conflict:?}"
+        );
+    }
 
     #[test]
     fn durations_in_words() {

@@ -1,6 +1,6 @@
 //! Refusals: see [`Rejection`].
 
-use std::{borrow::Cow, fmt, sync::Arc};
+use std::{borrow::Cow, fmt, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
@@ -48,6 +48,23 @@ pub enum RejectionKind {
 }
 
 impl RejectionKind {
+    /// Every kind, in the order of the [`Rejection`] table.
+    pub(crate) const ALL: [Self; 13] = [
+        Self::KeyMissing,
+        Self::KeyInvalid,
+        Self::BodyUnreadable,
+        Self::BodyTimeout,
+        Self::InFlight,
+        Self::BodyTooLarge,
+        Self::Mismatch,
+        Self::PrincipalMissing,
+        Self::HandlerPanicked,
+        Self::TransactionAborted,
+        Self::StoreUnavailable,
+        Self::Overloaded,
+        Self::HandlerTimedOut,
+    ];
+
     /// The HTTP status of this kind of rejection.
     pub fn status(self) -> StatusCode {
         match self {
@@ -103,6 +120,27 @@ impl RejectionKind {
         }
     }
 
+    /// The stable `code` member of the problem document (`missing-key`, `in-flight`...): a
+    /// short string a client switches on instead of parsing the `type` URI. Part of the public
+    /// API; the codes are listed in the [`Rejection`] table.
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "missing-key",
+            Self::KeyInvalid => "invalid-key",
+            Self::BodyUnreadable => "body-unreadable",
+            Self::BodyTimeout => "body-timeout",
+            Self::InFlight => "in-flight",
+            Self::BodyTooLarge => "body-too-large",
+            Self::Mismatch => "fingerprint-mismatch",
+            Self::PrincipalMissing => "principal-missing",
+            Self::HandlerPanicked => "handler-panicked",
+            Self::TransactionAborted => "transaction-aborted",
+            Self::StoreUnavailable => "store-unavailable",
+            Self::Overloaded => "overloaded",
+            Self::HandlerTimedOut => "handler-timed-out",
+        }
+    }
+
     /// The variant name: the anchor of the problem `type` URI.
     pub fn name(self) -> &'static str {
         match self {
@@ -126,8 +164,8 @@ impl RejectionKind {
 /// A refusal by the layer: rendered as a problem response and kept in its extensions.
 ///
 /// Every answer the layer gives instead of running the handler is a [`Rejection`]: a problem
-/// body with `type`, `title`, `status` and `detail`, and a copy of the rejection in the response
-/// extensions so outer layers (metrics, logging, a custom error renderer) can tell it apart from
+/// body with `type`, `code`, `title`, `status` and `detail`, and a copy of the rejection in the
+/// response extensions so outer layers (metrics, logging, a custom error renderer) can tell it apart from
 /// the handler's own responses.
 ///
 /// ```
@@ -142,21 +180,24 @@ impl RejectionKind {
 /// assert_eq!(rejection.kind(), RejectionKind::InFlight);
 /// ```
 ///
-/// | kind | status | when |
-/// |---|---|---|
-/// | [`KeyMissing`](RejectionKind::KeyMissing) | 400 | the key is [required](crate::IdempotencyLayer::required) and absent |
-/// | [`KeyInvalid`](RejectionKind::KeyInvalid) | 400 | the header is malformed, empty, too long or repeated |
-/// | [`BodyUnreadable`](RejectionKind::BodyUnreadable) | 400 | the request body failed while being read |
-/// | [`BodyTimeout`](RejectionKind::BodyTimeout) | 408 | the body did not arrive within `body_timeout` |
-/// | [`InFlight`](RejectionKind::InFlight) | 409 | the first request with this key is still running (`Retry-After: 1`) |
-/// | [`BodyTooLarge`](RejectionKind::BodyTooLarge) | 413 | the body exceeds `max_body_bytes` |
-/// | [`Mismatch`](RejectionKind::Mismatch) | 422 | the key was used with another request to the endpoint (query or body; also method or path with [`Scope::across_endpoints`](crate::Scope::across_endpoints)) |
-/// | [`PrincipalMissing`](RejectionKind::PrincipalMissing) | 500 | no principal to scope the key to (a misconfiguration) |
-/// | [`HandlerPanicked`](RejectionKind::HandlerPanicked) | 500 | the handler panicked; the key is released |
-/// | [`TransactionAborted`](RejectionKind::TransactionAborted) | 500 | transactional mode: the handler answered success over a transaction one of its statements had failed; nothing committed, the key is released |
-/// | [`StoreUnavailable`](RejectionKind::StoreUnavailable) | 503 | the store failed and the layer fails closed (`Retry-After`) |
-/// | [`Overloaded`](RejectionKind::Overloaded) | 503 | too many handlers still run for clients that hung up ([`with_max_detached`](crate::IdempotencyLayer::with_max_detached)); nothing run (`Retry-After`) |
-/// | [`HandlerTimedOut`](RejectionKind::HandlerTimedOut) | 503 | the handler ran past [`with_max_handler_time`](crate::IdempotencyLayer::with_max_handler_time) and was stopped; its key is given up (`Retry-After: 1`) |
+/// A client tells refusals apart by their `code` ([`RejectionKind::code`]), which stays the
+/// same across releases; `title` and `detail` are for people and may change.
+///
+/// | kind | status | `code` | when |
+/// |---|---|---|---|
+/// | [`KeyMissing`](RejectionKind::KeyMissing) | 400 | `missing-key` | the key is [required](crate::IdempotencyLayer::required) and absent |
+/// | [`KeyInvalid`](RejectionKind::KeyInvalid) | 400 | `invalid-key` | the header is malformed, empty, too long or repeated |
+/// | [`BodyUnreadable`](RejectionKind::BodyUnreadable) | 400 | `body-unreadable` | the request body failed while being read |
+/// | [`BodyTimeout`](RejectionKind::BodyTimeout) | 408 | `body-timeout` | the body did not arrive within `body_timeout` |
+/// | [`InFlight`](RejectionKind::InFlight) | 409 | `in-flight` | the first request with this key is still running (`Retry-After: 1`) |
+/// | [`BodyTooLarge`](RejectionKind::BodyTooLarge) | 413 | `body-too-large` | the body exceeds `max_body_bytes` |
+/// | [`Mismatch`](RejectionKind::Mismatch) | 422 | `fingerprint-mismatch` | the key was used with another request to the endpoint (query or body; also method or path with [`Scope::across_endpoints`](crate::Scope::across_endpoints)) |
+/// | [`PrincipalMissing`](RejectionKind::PrincipalMissing) | 500 | `principal-missing` | no principal to scope the key to (a misconfiguration) |
+/// | [`HandlerPanicked`](RejectionKind::HandlerPanicked) | 500 | `handler-panicked` | the handler panicked; the key is released |
+/// | [`TransactionAborted`](RejectionKind::TransactionAborted) | 500 | `transaction-aborted` | transactional mode: the handler answered success over a transaction one of its statements had failed; nothing committed, the key is released |
+/// | [`StoreUnavailable`](RejectionKind::StoreUnavailable) | 503 | `store-unavailable` | the store failed and the layer fails closed (`Retry-After`) |
+/// | [`Overloaded`](RejectionKind::Overloaded) | 503 | `overloaded` | too many handlers still run for clients that hung up ([`with_max_detached`](crate::IdempotencyLayer::with_max_detached)); nothing run (`Retry-After`) |
+/// | [`HandlerTimedOut`](RejectionKind::HandlerTimedOut) | 503 | `handler-timed-out` | the handler ran past [`with_max_handler_time`](crate::IdempotencyLayer::with_max_handler_time) and was stopped; its key is given up (`Retry-After: 1`) |
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejection {
     kind: RejectionKind,
@@ -214,11 +255,13 @@ impl Rejection {
         }
     }
 
-    /// The RFC 9457 members of the problem document (`type`, `title`, `status`, `detail`), for
-    /// an app that renders its refusals itself and adds members of its own.
+    /// The members of the problem document (RFC 9457's `type`, `title`, `status`, `detail`,
+    /// and the extension member `code`), for an app that renders its refusals itself and adds
+    /// members of its own.
     pub fn problem(&self, type_base: Option<&str>) -> serde_json::Map<String, serde_json::Value> {
         let mut problem = serde_json::Map::new();
         problem.insert("type".into(), self.problem_type(type_base).into());
+        problem.insert("code".into(), self.kind.code().into());
         problem.insert("title".into(), self.kind.title().into());
         problem.insert("status".into(), self.kind.status().as_u16().into());
         problem.insert("detail".into(), self.detail.as_ref().into());
@@ -233,6 +276,156 @@ impl Rejection {
     /// The problem response, with a copy of `self` in its extensions.
     pub fn into_response<B: From<Bytes>>(self) -> Response<B> {
         Rendering::default().render(self)
+    }
+}
+
+/// The refusals the layer gives, one constructor per occasion, so the prose a client reads is
+/// written here once and the service's control flow says only which refusal it is.
+impl Rejection {
+    /// `400`: `method path` requires a key and the request has none; `source` says where the
+    /// key was looked for (`an Idempotency-Key header`, `an idempotency key in the request`).
+    pub(crate) fn key_missing(method: &http::Method, path: &str, source: &str) -> Self {
+        Self::new(
+            RejectionKind::KeyMissing,
+            format!("{method} {path} requires {source}; nothing was processed"),
+        )
+    }
+
+    /// `400`: the key is malformed (`error` says how).
+    pub(crate) fn key_invalid(error: &crate::key::KeyError) -> Self {
+        Self::new(RejectionKind::KeyInvalid, error.to_string())
+    }
+
+    /// `400`: the key does not follow the app's rule `rule` (with an example when it asks for
+    /// UUIDs).
+    pub(crate) fn key_breaks_rule(rule: &str, uuid: bool) -> Self {
+        let example = if uuid {
+            " (a UUID such as 8e03978e-40d5-43e8-bc93-6894a57f9324)"
+        } else {
+            ""
+        };
+        Self::new(
+            RejectionKind::KeyInvalid,
+            format!(
+                "the idempotency key does not follow this API's key rule `{rule}`{example}; \
+                 nothing was processed"
+            ),
+        )
+    }
+
+    /// `500`: no principal to scope the key to.
+    pub(crate) fn principal_missing() -> Self {
+        Self::new(
+            RejectionKind::PrincipalMissing,
+            "the server could not determine who this request is for, so its Idempotency-Key \
+             cannot be honoured; nothing was processed",
+        )
+    }
+
+    /// `408`: the body did not arrive within `timeout`.
+    pub(crate) fn body_timed_out(timeout: Duration) -> Self {
+        Self::new(
+            RejectionKind::BodyTimeout,
+            format!("the request body did not arrive within {timeout:?}; nothing was processed"),
+        )
+    }
+
+    /// `413`: the body exceeds `limit` bytes.
+    pub(crate) fn body_too_large(limit: usize) -> Self {
+        Self::new(
+            RejectionKind::BodyTooLarge,
+            format!("the request body exceeds {limit} bytes; nothing was processed"),
+        )
+    }
+
+    /// `400`: the body failed while being read.
+    pub(crate) fn body_unreadable() -> Self {
+        Self::new(
+            RejectionKind::BodyUnreadable,
+            "the request body could not be read; nothing was processed",
+        )
+    }
+
+    /// `409`: the key's first request is still running.
+    pub(crate) fn in_flight() -> Self {
+        Self::new(
+            RejectionKind::InFlight,
+            "a request with this Idempotency-Key is still being processed; retry after the \
+             Retry-After delay to get its response",
+        )
+    }
+
+    /// `422`: the key was used with another request (`across_endpoints`: keys reach every
+    /// endpoint of the principal).
+    pub(crate) fn mismatch(across_endpoints: bool) -> Self {
+        let detail = if across_endpoints {
+            "this idempotency key was already used with a different request (another endpoint, \
+             query or body); use a new key for a new request"
+        } else {
+            "this idempotency key was already used with a different request to this endpoint \
+             (its body or query differs); use a new key for a new request"
+        };
+        Self::new(RejectionKind::Mismatch, detail)
+    }
+
+    /// `503`: too many handlers still run for clients that hung up.
+    pub(crate) fn overloaded() -> Self {
+        Self::new(
+            RejectionKind::Overloaded,
+            "too many requests are still finishing for clients that went away; nothing was \
+             processed, retry with the same Idempotency-Key",
+        )
+        .with_retry_after(1)
+    }
+
+    /// `503`: the store failed when the key was claimed.
+    pub(crate) fn store_unavailable(retry_after_secs: u64) -> Self {
+        Self::new(
+            RejectionKind::StoreUnavailable,
+            "the idempotency store is unavailable, so the request was not processed; retry with \
+             the same Idempotency-Key",
+        )
+        .with_retry_after(retry_after_secs)
+    }
+
+    /// `503`: the record, and with it the handler's writes, may not have been committed.
+    pub(crate) fn not_committed() -> Self {
+        Self::new(
+            RejectionKind::StoreUnavailable,
+            "the request could not be confirmed as committed; retry with the same \
+             Idempotency-Key: if it was committed the retry gets its response, otherwise it \
+             runs again",
+        )
+    }
+
+    /// `500`: the handler panicked.
+    pub(crate) fn handler_panicked() -> Self {
+        Self::new(
+            RejectionKind::HandlerPanicked,
+            "the request failed on the server and was not completed; it is safe to retry with \
+             the same Idempotency-Key",
+        )
+    }
+
+    /// `500`: transactional mode, a success answered over a failed transaction.
+    pub(crate) fn transaction_aborted() -> Self {
+        Self::new(
+            RejectionKind::TransactionAborted,
+            "the request failed on the server and nothing was committed; it is safe to retry \
+             with the same Idempotency-Key",
+        )
+    }
+
+    /// `503`: the handler ran past `max_time` and was stopped.
+    pub(crate) fn handler_timed_out(max_time: Duration) -> Self {
+        Self::new(
+            RejectionKind::HandlerTimedOut,
+            format!(
+                "the request did not finish within {max_time:?} and was stopped; it may have \
+                 done part of its work. Retry with the same Idempotency-Key"
+            ),
+        )
+        .with_retry_after(1)
     }
 }
 
@@ -321,11 +514,20 @@ mod tests {
             json,
             serde_json::json!({
                 "type": format!("{PROBLEM_TYPE_BASE}Mismatch"),
+                "code": "fingerprint-mismatch",
                 "title": "Idempotency-Key was used for a different request",
                 "status": 422,
                 "detail": "different body",
             })
         );
+    }
+
+    /// Codes are what clients switch on: one per kind, never shared.
+    #[test]
+    fn every_kind_has_its_own_code() {
+        let codes: std::collections::HashSet<_> =
+            RejectionKind::ALL.iter().map(|kind| kind.code()).collect();
+        assert_eq!(codes.len(), RejectionKind::ALL.len());
     }
 
     #[test]

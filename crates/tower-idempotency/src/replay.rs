@@ -1,7 +1,7 @@
 //! Answering a retry: the stored record as a response (see [`Record`](crate::Record#replays)).
 
 use bytes::Bytes;
-use http::{HeaderValue, Response, header};
+use http::{HeaderName, HeaderValue, Response, header};
 
 use crate::{
     problem::PROBLEM_JSON,
@@ -10,6 +10,11 @@ use crate::{
 
 /// The problem `type` of a replay whose body was not stored.
 pub const BODY_NOT_STORED_TYPE: &str = "https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.Record.html#responses-too-large-to-store";
+
+/// The `Idempotent-Replay-Body` response header: `omitted` on a replay whose original body was
+/// too large to keep, so a client tells the problem document standing in for it from the
+/// original body without reading it (see [`Record`](crate::Record#responses-too-large-to-store)).
+pub static IDEMPOTENT_REPLAY_BODY: HeaderName = HeaderName::from_static("idempotent-replay-body");
 
 /// The replay of `record`.
 pub(crate) fn response<B: From<Bytes>>(record: &Record) -> Response<B> {
@@ -37,6 +42,7 @@ pub(crate) fn response<B: From<Bytes>>(record: &Record) -> Response<B> {
                 headers.remove(name);
             }
             headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+            headers.insert(&IDEMPOTENT_REPLAY_BODY, HeaderValue::from_static("omitted"));
             body_not_stored(record)
         }
     };
@@ -78,6 +84,7 @@ mod tests {
         let record = Record::from_parts(StatusCode::ACCEPTED, headers, Some(body.clone()));
         let response = response::<Full<Bytes>>(&record);
         assert_eq!(response.status(), StatusCode::ACCEPTED);
+        assert!(!response.headers().contains_key(&IDEMPOTENT_REPLAY_BODY));
         let multi: Vec<_> = response.headers().get_all("x-multi").iter().collect();
         assert_eq!(multi, ["1", "2"]);
         assert_eq!(
@@ -105,6 +112,7 @@ mod tests {
         assert_eq!(response.headers()["content-type"], PROBLEM_JSON);
         assert_eq!(response.headers()["location"], "/v1/exports/1");
         assert_eq!(response.headers()["idempotent-replayed"], "true");
+        assert_eq!(response.headers()["idempotent-replay-body"], "omitted");
         // Issue 28.11: nothing that described the dropped body is replayed with the problem.
         for name in [
             "content-digest",

@@ -66,6 +66,13 @@ pub static IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent
 /// original headers that describe the outcome (`Location`, `ETag`...), with the body replaced by
 /// an `application/problem+json` document whose `type` links here and whose `detail` says the
 /// original body was not kept. Fetch the resource (for example at its `Location`) to see it.
+///
+/// Such a replay also carries `Idempotent-Replay-Body: omitted`
+/// ([`IDEMPOTENT_REPLAY_BODY`](crate::IDEMPOTENT_REPLAY_BODY)), so a client that reads a `200`
+/// or `201` never mistakes the problem document for the original body. The alternative, an
+/// empty body with the original status, was not chosen: a client that parses the body it
+/// expects would fail on it without saying why, where a problem document explains itself to a
+/// person and the header to a program.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Record(Arc<Parts>);
 

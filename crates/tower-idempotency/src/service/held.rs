@@ -1,7 +1,18 @@
 //! A key held by a running request: stored, released, abandoned, or released when dropped; and
 //! storing a delivered response the store did not take.
 
-use super::*;
+use std::{pin::pin, sync::Arc, time::Duration};
+
+use tracing::Instrument;
+
+use super::run::Heartbeat;
+use crate::{
+    chain::Chain,
+    config::MAX_DURATION,
+    metrics,
+    record::Record,
+    store::{ClaimHandle, ClaimStatus, Store},
+};
 
 /// A held claim that is released if dropped unsettled: a cancelled request (see
 /// [`Disconnect::Cancel`]) or a task torn down with its runtime frees its key instead of leaving

@@ -2,12 +2,38 @@
 //! replay cache, then the store's atomic claim), and the handler run, the replay sent, or the
 //! request refused.
 
-use super::*;
+use std::{future::Future, pin::pin, sync::Arc, task::Poll};
+
+use bytes::Bytes;
+use http::{Request, request::Parts};
+
+use super::{
+    HttpBody, Inner, Keyed, Shared,
+    outcome::{Outcome, mismatch, outcome, reject, replayed},
+    request_uri,
+    run::poll_once,
+};
+use crate::{
+    body::{self, Buffered, RequestBody, ResponseBody},
+    cache::Hit,
+    chain::Chain,
+    config::Config,
+    context::IdempotencyContext,
+    fingerprint::Fingerprint,
+    future::{HangUp, Served},
+    key::IdempotencyKey,
+    metrics,
+    policy::StoreFailure,
+    problem::Rejection,
+    scope::ScopeKey,
+    store::{ClaimRequest, KeyState, Store},
+};
 
 impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
-    /// Body and fingerprint, then the claim. Unless the app chose [`Disconnect::Cancel`], the
-    /// response future hands this future to a task of its own if it is dropped unfinished (the
-    /// client hung up), so a handler is never stopped half-way.
+    /// Body and fingerprint, then the claim. Unless the app chose
+    /// [`Disconnect::Cancel`](crate::Disconnect::Cancel), the response future hands this future
+    /// to a task of its own if it is dropped unfinished (the client hung up), so a handler is
+    /// never stopped half-way.
     #[expect(
         clippy::manual_async_fn,
         reason = "the future stays small (see the service module)"
@@ -19,65 +45,16 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
     ) -> impl Future<Output = Served<S::ResBody, S::Error>> {
         async move {
             let config = &*self.shared.config;
-            let limit = config.max_body_bytes;
-            let timeout = config.body_timeout;
-            let body = pin!(body);
-            let mut buffering = pin!(body::buffer(body, limit));
-            // A small body has usually arrived with the head: only a body still on its way gets a
-            // timer (which costs a clock read and a count on the runtime handle shared by every
-            // worker thread).
-            let buffered = match poll_once(buffering.as_mut()).await {
-                Poll::Ready(buffered) => buffered,
-                Poll::Pending => match tokio::time::timeout(timeout, buffering).await {
-                    Ok(buffered) => buffered,
-                    Err(_) => {
-                        return Ok(reject(
-                            config,
-                            Rejection::new(
-                                RejectionKind::BodyTimeout,
-                                format!(
-                                    "the request body did not arrive within {timeout:?}; nothing was \
-                             processed"
-                                ),
-                            ),
-                        ));
-                    }
-                },
-            };
-            let body = match buffered {
-                Buffered::Complete(body, _trailers) => body,
-                Buffered::TooLarge { .. } => {
-                    return Ok(reject(
-                        config,
-                        Rejection::new(
-                            RejectionKind::BodyTooLarge,
-                            format!(
-                                "the request body exceeds {limit} bytes; nothing was processed"
-                            ),
-                        ),
-                    ));
-                }
-                Buffered::Failed { error, .. } => {
-                    tracing::debug!(error = %Chain(&*error), "request body could not be read");
-                    return Ok(reject(
-                        config,
-                        Rejection::new(
-                            RejectionKind::BodyUnreadable,
-                            "the request body could not be read; nothing was processed",
-                        ),
-                    ));
-                }
+            let body = match buffer_request(config, body).await {
+                Ok(body) => body,
+                Err(rejection) => return Ok(reject(config, rejection)),
             };
             let key = match self.key.take() {
                 Some(key) => key,
                 None => match config.key_from_request(&parts, &body) {
                     Ok(Some(key)) => key,
-                    Ok(None) => {
-                        // No key, not required: the handler runs unprotected, as with no header.
-                        let mut inner = self.inner;
-                        let request = Request::from_parts(parts, RequestBody::buffered(body));
-                        return Ok(inner.call(request).await?.map(ResponseBody::passthrough));
-                    }
+                    // No key, not required: the handler runs unprotected, as with no header.
+                    Ok(None) => return self.unprotected(parts, body).await,
                     Err(rejection) => return Ok(reject(config, rejection)),
                 },
             };
@@ -94,73 +71,69 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                 &body,
             )
             .await;
-
-            // Claim, then run, replay or refuse.
-            let begin = match self.shared.cached(scope_key, fingerprint) {
-                Some(begin) => begin,
-                None if self.shared.overloaded() => {
-                    // Handlers still finishing for clients that hung up may hold what any store
-                    // work needs (in transactional mode, every pooled connection): refuse at
-                    // once rather than queue behind them.
-                    outcome(Outcome::Overloaded);
-                    return Ok(reject(
-                        config,
-                        Rejection::new(
-                            RejectionKind::Overloaded,
-                            "too many requests are still finishing for clients that went away; \
-                             nothing was processed, retry with the same Idempotency-Key",
-                        )
-                        .with_retry_after(1),
-                    ));
+            let hang_up = self.hang_up.as_deref();
+            let state = match self.shared.key_state(scope_key, fingerprint, hang_up).await {
+                Ok(state) => state,
+                Err(Unclaimed::Refused(rejection)) => return Ok(reject(config, rejection)),
+                // Its client left: nobody reads this answer.
+                Err(Unclaimed::ClientLeft) => {
+                    return Ok(config.rendering.render(Rejection::in_flight()));
                 }
-                None => match self.shared.claim(scope_key, fingerprint).await {
-                    Ok(begin) => begin,
-                    Err(error) => return self.store_failed(&error, parts, body).await,
-                },
+                Err(Unclaimed::StoreFailed(error)) => {
+                    return self.store_failed(&error, parts, body).await;
+                }
             };
-            let begin = match begin {
-                KeyState::InFlight { .. } if !config.in_flight_wait.is_zero() => {
-                    let hang_up = self.hang_up.as_deref();
-                    match self
-                        .shared
-                        .wait_while_in_flight(scope_key, fingerprint, hang_up)
-                        .await
-                    {
-                        Some(begin) => begin,
-                        // Its client left: nobody reads this answer.
-                        None => return Ok(config.rendering.render(in_flight_rejection())),
-                    }
-                }
-                begin => begin,
-            };
-            match begin {
-                KeyState::Acquired { claim, takeover } => {
-                    if takeover {
-                        tracing::warn!(
-                            "took over an idempotency key whose holder's lease lapsed; \
-                         its handler may have run in part"
-                        );
-                    }
-                    let context = IdempotencyContext {
-                        key,
-                        scope_key,
-                        takeover,
-                    };
-                    self.run(claim, context, parts, body).await
-                }
-                KeyState::Completed { record, .. } => Ok(replayed(&record)),
-                KeyState::InFlight { .. } => {
-                    outcome(Outcome::Conflict);
-                    Ok(reject(config, in_flight_rejection()))
-                }
-                KeyState::Mismatch => Ok(mismatch(config)),
-            }
+            self.answer(state, key, scope_key, parts, body).await
         }
+    }
+
+    /// Run the handler under the claim, replay the record, or refuse.
+    async fn answer(
+        self,
+        state: KeyState<St::Claim>,
+        key: IdempotencyKey,
+        scope_key: ScopeKey,
+        parts: Parts,
+        body: Bytes,
+    ) -> Served<S::ResBody, S::Error> {
+        match state {
+            KeyState::Acquired { claim, takeover } => {
+                if takeover {
+                    tracing::warn!(
+                        "took over an idempotency key whose holder's lease lapsed; its handler \
+                         may have run in part"
+                    );
+                }
+                let context = IdempotencyContext {
+                    key,
+                    scope_key,
+                    takeover,
+                };
+                self.run(claim, context, parts, body).await
+            }
+            KeyState::Completed { record, .. } => Ok(replayed(&record)),
+            KeyState::InFlight { .. } => {
+                outcome(Outcome::Conflict);
+                Ok(reject(&self.shared.config, Rejection::in_flight()))
+            }
+            KeyState::Mismatch => Ok(mismatch(&self.shared.config)),
+        }
+    }
+
+    /// The handler without protection: no key and none required, or the store down and the
+    /// layer failing open.
+    async fn unprotected(mut self, parts: Parts, body: Bytes) -> Served<S::ResBody, S::Error> {
+        let request = Request::from_parts(parts, RequestBody::buffered(body));
+        Ok(self
+            .inner
+            .call(request)
+            .await?
+            .map(ResponseBody::passthrough))
     }
 
     /// The store failed at claim time: `503`, or the handler without protection (fail-open).
     pub(super) async fn store_failed(
-        mut self,
+        self,
         error: &St::Error,
         parts: Parts,
         body: Bytes,
@@ -171,35 +144,98 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
         match config.store_failure {
             StoreFailure::FailClosed { retry_after_secs } => Ok(reject(
                 &config,
-                Rejection::new(
-                    RejectionKind::StoreUnavailable,
-                    "the idempotency store is unavailable, so the request was not processed; \
-                     retry with the same Idempotency-Key",
-                )
-                .with_retry_after(retry_after_secs),
+                Rejection::store_unavailable(retry_after_secs),
             )),
             StoreFailure::FailOpen => {
                 tracing::warn!("failing open: running the handler without idempotency protection");
-                let response = self
-                    .inner
-                    .call(Request::from_parts(parts, RequestBody::buffered(body)))
-                    .await?;
-                Ok(response.map(ResponseBody::passthrough))
+                self.unprotected(parts, body).await
             }
         }
     }
 }
 
-/// The `409` for a key in flight.
-fn in_flight_rejection() -> Rejection {
-    Rejection::new(
-        RejectionKind::InFlight,
-        "a request with this Idempotency-Key is still being processed; retry after the \
-         Retry-After delay to get its response",
-    )
+/// Why a keyed request got no state to act on.
+enum Unclaimed<E> {
+    /// Refused before the store was asked.
+    Refused(Rejection),
+    /// The store failed.
+    StoreFailed(E),
+    /// Its client left while it waited for a key in flight.
+    ClientLeft,
+}
+
+/// The request body, within the layer's size and time limits.
+#[expect(
+    clippy::manual_async_fn,
+    reason = "the future stays small (see the service module)"
+)]
+fn buffer_request<B: HttpBody>(
+    config: &Config,
+    body: B,
+) -> impl Future<Output = Result<Bytes, Rejection>> + '_ {
+    async move {
+        let limit = config.max_body_bytes;
+        let timeout = config.body_timeout;
+        let body = pin!(body);
+        let mut buffering = pin!(body::buffer(body, limit));
+        // A small body has usually arrived with the head: only a body still on its way gets a
+        // timer (which costs a clock read and a count on the runtime handle shared by every
+        // worker thread).
+        let buffered = match poll_once(buffering.as_mut()).await {
+            Poll::Ready(buffered) => buffered,
+            Poll::Pending => tokio::time::timeout(timeout, buffering)
+                .await
+                .map_err(|_| Rejection::body_timed_out(timeout))?,
+        };
+        match buffered {
+            Buffered::Complete(body, _trailers) => Ok(body),
+            Buffered::TooLarge { .. } => Err(Rejection::body_too_large(limit)),
+            Buffered::Failed { error, .. } => {
+                tracing::debug!(error = %Chain(&*error), "request body could not be read");
+                Err(Rejection::body_unreadable())
+            }
+        }
+    }
 }
 
 impl<St: Store> Shared<St> {
+    /// The key's state: from the replay cache, else the store's claim, waiting for a key in
+    /// flight as long as the layer allows.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "the future stays small (see the service module)"
+    )]
+    fn key_state<'a>(
+        &'a self,
+        scope_key: ScopeKey,
+        fingerprint: Fingerprint,
+        hang_up: Option<&'a HangUp>,
+    ) -> impl Future<Output = Result<KeyState<St::Claim>, Unclaimed<St::Error>>> + 'a {
+        async move {
+            let state = match self.cached(scope_key, fingerprint) {
+                Some(state) => state,
+                None if self.overloaded() => {
+                    // Handlers still finishing for clients that hung up may hold what any store
+                    // work needs (in transactional mode, every pooled connection): refuse at
+                    // once rather than queue behind them.
+                    outcome(Outcome::Overloaded);
+                    return Err(Unclaimed::Refused(Rejection::overloaded()));
+                }
+                None => self
+                    .claim(scope_key, fingerprint)
+                    .await
+                    .map_err(Unclaimed::StoreFailed)?,
+            };
+            match state {
+                KeyState::InFlight { .. } if !self.config.in_flight_wait.is_zero() => self
+                    .wait_while_in_flight(scope_key, fingerprint, hang_up)
+                    .await
+                    .ok_or(Unclaimed::ClientLeft),
+                state => Ok(state),
+            }
+        }
+    }
+
     /// Whether as many handlers run for clients that hung up as the layer allows: the smaller
     /// of [`with_max_detached`](crate::IdempotencyLayer::with_max_detached) and the store's
     /// [`detached_limit`](crate::store::Capabilities::detached_limit).
@@ -253,14 +289,14 @@ impl<St: Store> Shared<St> {
             ttl: self.config.ttl,
             waiting,
         };
-        let begin = metrics::timed("claim", self.store.claim(&request)).await?;
+        let state = metrics::timed("claim", self.store.claim(&request)).await?;
         if let KeyState::Completed {
             record,
             expires_in: Some(expires_in),
-        } = &begin
+        } = &state
         {
             self.cache.insert(key, fingerprint, record, *expires_in);
         }
-        Ok(begin)
+        Ok(state)
     }
 }

@@ -9,53 +9,38 @@
 
 use std::{
     fmt,
-    future::Future,
     marker::PhantomData,
-    panic::AssertUnwindSafe,
-    pin::{Pin, pin},
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
+    sync::Arc,
     task::{Context, Poll},
-    time::Duration,
 };
 
 use bytes::Bytes;
-use futures_util::FutureExt;
 use http::{Request, Response, Uri, request::Parts};
 use http_body::Body;
 use tower_service::Service;
 use tracing::Instrument;
 
 use crate::{
-    body::{self, BoxError, Buffered, RequestBody, ResponseBody},
-    cache::{Hit, ReplayCache},
-    chain::Chain,
-    config::{Config, KeySource, MAX_DURATION},
-    context::IdempotencyContext,
-    fingerprint::Fingerprint,
-    future::{Detach, Detached, HangUp, ResponseFuture, Served},
-    key::IdempotencyKey,
-    metrics,
-    policy::{Disconnect, Retention, StoreFailure},
-    problem::{Rejection, RejectionKind},
-    record::Record,
-    replay,
-    scope::{Principal, ScopeKey},
-    store::{ClaimHandle, ClaimRequest, ClaimStatus, InFlightWatch, KeyState, Store},
+    body::{BoxError, RequestBody, ResponseBody},
+    cache::ReplayCache,
+    config::{Config, KeySource},
+    future::{Detach, Detached, HangUp, ResponseFuture},
+    key::{IdempotencyKey, KeyError},
+    policy::Disconnect,
+    problem::Rejection,
+    scope::Principal,
+    store::Store,
 };
 
 mod held;
 mod keyed;
 mod outcome;
 mod reads;
+#[cfg(test)]
+mod refusal_tests;
 mod run;
 mod wait;
 
-use held::*;
-use outcome::*;
-use run::*;
 pub(crate) use wait::Waiting;
 
 /// What the stages of a keyed request ask of the service the middleware wraps (the bounds of
@@ -173,59 +158,43 @@ where
                 self.inner.call(request.map(RequestBody::passthrough)),
             );
         }
-
         // Key, when a header holds it; a key taken from the request waits for its body.
-        let key = match &config.key_source {
-            KeySource::Header(name) => match IdempotencyKey::from_header(request.headers(), name) {
-                Ok(Some(key)) => match config.follows_rule(&key) {
-                    Ok(()) => Some(key),
-                    Err(rejection) => {
-                        return ResponseFuture::rejected(config.rendering.render(rejection));
-                    }
-                },
-                Ok(None) if config.required => {
-                    return ResponseFuture::rejected(config.rendering.render(Rejection::new(
-                        RejectionKind::KeyMissing,
-                        format!(
-                            "{} {} requires an {} header",
-                            request.method(),
-                            request_uri(request.extensions(), request.uri()).path(),
-                            crate::key::header_title(name.as_str())
-                        ),
-                    )));
-                }
-                Ok(None) => {
-                    return ResponseFuture::passthrough(
-                        self.inner.call(request.map(RequestBody::passthrough)),
-                    );
-                }
-                Err(error) => {
-                    return ResponseFuture::rejected(
-                        config
-                            .rendering
-                            .render(Rejection::new(RejectionKind::KeyInvalid, error.to_string())),
-                    );
-                }
-            },
-            KeySource::Request(_) => None,
+        let key = match config.key_from_header(&request) {
+            Ok(KeyLookup::Found(key)) => Some(key),
+            Ok(KeyLookup::InBody) => None,
+            Ok(KeyLookup::Absent) => {
+                return ResponseFuture::passthrough(
+                    self.inner.call(request.map(RequestBody::passthrough)),
+                );
+            }
+            Err(rejection) => return ResponseFuture::rejected(config.rendering.render(rejection)),
         };
-
-        // Scope.
         let (parts, body) = request.into_parts();
-        let Some(principal) = config.scope.principal(&parts) else {
-            tracing::error!(
-                "idempotent request without a principal: the authentication layer must insert a \
-                 `tower_idempotency::Principal` before the idempotency layer runs (in axum, add it \
-                 with `.layer(...)` after the idempotency layer), or configure \
-                 `IdempotencyLayer::with_scope`"
-            );
-            return ResponseFuture::rejected(config.rendering.render(Rejection::new(
-                RejectionKind::PrincipalMissing,
-                "the server could not determine who this request is for, so its Idempotency-Key \
-                 cannot be honoured; nothing was processed",
-            )));
+        let principal = match config.principal(&parts) {
+            Ok(principal) => principal,
+            Err(rejection) => return ResponseFuture::rejected(config.rendering.render(rejection)),
         };
+        let (keyed, detach) = self.keyed(key, principal);
+        let span = tracing::debug_span!(
+            "idempotency",
+            key = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        // Boxed where it is made: moving this large state machine into the response future
+        // would copy it, where moving the box copies a pointer.
+        ResponseFuture::keyed(Box::pin(keyed.serve(parts, body).instrument(span)), detach)
+    }
+}
 
+impl<S: Clone, St> Idempotency<S, St> {
+    /// The keyed request, and how its response future hands it to a task of its own if its
+    /// client hangs up (`None` under [`Disconnect::Cancel`]).
+    fn keyed<ReqBody>(
+        &mut self,
+        key: Option<IdempotencyKey>,
+        principal: Principal,
+    ) -> (Keyed<S, St, ReqBody>, Option<Detach>) {
+        let config = &self.shared.config;
         // The service that was polled ready is the one that runs the handler; a fresh clone
         // takes its place (see https://docs.rs/tower/latest/tower/trait.Service.html#be-careful-when-cloning-inner-services).
         let clone = self.inner.clone();
@@ -241,14 +210,7 @@ where
             hang_up: detach.as_ref().and_then(|detach| detach.hang_up.clone()),
             _request_body: PhantomData,
         };
-        let span = tracing::debug_span!(
-            "idempotency",
-            key = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-        );
-        // Boxed where it is made: moving this large state machine into the response future
-        // would copy it, where moving the box copies a pointer.
-        ResponseFuture::keyed(Box::pin(keyed.serve(parts, body).instrument(span)), detach)
+        (keyed, detach)
     }
 }
 
@@ -277,7 +239,30 @@ struct Keyed<S, St, ReqBody> {
     _request_body: PhantomData<fn(ReqBody)>,
 }
 
+/// Where a covered request's key is, as far as its head tells.
+enum KeyLookup {
+    /// In its header, well formed and following the app's rule.
+    Found(IdempotencyKey),
+    /// To be taken from the request once its body has arrived.
+    InBody,
+    /// Nowhere, and not required: the handler runs unprotected.
+    Absent,
+}
+
 impl Config {
+    /// The key in the request's header (`Err`, the `400`, when it is required and absent,
+    /// malformed or breaks the rule).
+    fn key_from_header<B>(&self, request: &Request<B>) -> Result<KeyLookup, Rejection> {
+        let KeySource::Header(name) = &self.key_source else {
+            return Ok(KeyLookup::InBody);
+        };
+        let found = IdempotencyKey::from_header(request.headers(), name);
+        let source = format!("an {} header", crate::key::header_title(name.as_str()));
+        let path = request_uri(request.extensions(), request.uri()).path();
+        let key = self.accept_key(found, request.method(), path, &source)?;
+        Ok(key.map_or(KeyLookup::Absent, KeyLookup::Found))
+    }
+
     /// The key the app's function takes from the request: `Ok(None)` without one (`Err`, the
     /// `400`, when it is required, malformed or breaks the rule).
     fn key_from_request(
@@ -288,44 +273,50 @@ impl Config {
         let KeySource::Request(key_of) = &self.key_source else {
             return Ok(None);
         };
-        match key_of(parts, body) {
-            Some(key) => {
-                let key = IdempotencyKey::new(key).map_err(|error| {
-                    Rejection::new(RejectionKind::KeyInvalid, error.to_string())
-                })?;
-                self.follows_rule(&key)?;
-                Ok(Some(key))
-            }
-            None if self.required => Err(Rejection::new(
-                RejectionKind::KeyMissing,
-                format!(
-                    "{} {} requires an idempotency key, and none was found in the request",
-                    parts.method,
-                    request_uri(&parts.extensions, &parts.uri).path()
-                ),
-            )),
-            None => Ok(None),
+        let found = key_of(parts, body).map(IdempotencyKey::new).transpose();
+        let path = request_uri(&parts.extensions, &parts.uri).path();
+        self.accept_key(
+            found,
+            &parts.method,
+            path,
+            "an idempotency key in the request",
+        )
+    }
+
+    /// The one judgement of a key wherever it was found (`source` says where it was looked
+    /// for): malformed, breaking the app's rule, or absent when required are refused.
+    fn accept_key(
+        &self,
+        found: Result<Option<IdempotencyKey>, KeyError>,
+        method: &http::Method,
+        path: &str,
+        source: &str,
+    ) -> Result<Option<IdempotencyKey>, Rejection> {
+        match found {
+            Ok(Some(key)) => match &self.key_rule {
+                Some(rule) if !rule.accepts(key.as_str()) => Err(Rejection::key_breaks_rule(
+                    rule.name(),
+                    rule.format() == Some("uuid"),
+                )),
+                _ => Ok(Some(key)),
+            },
+            Ok(None) if self.required => Err(Rejection::key_missing(method, path, source)),
+            Ok(None) => Ok(None),
+            Err(error) => Err(Rejection::key_invalid(&error)),
         }
     }
 
-    /// `Err` with the `400` to answer when `key` breaks the app's key rule.
-    fn follows_rule(&self, key: &IdempotencyKey) -> Result<(), Rejection> {
-        match &self.key_rule {
-            Some(rule) if !rule.accepts(key.as_str()) => Err(Rejection::new(
-                RejectionKind::KeyInvalid,
-                format!(
-                    "the idempotency key does not follow this API's key rule `{}`{}; nothing \
-                     was processed",
-                    rule.name(),
-                    if rule.format() == Some("uuid") {
-                        " (a UUID such as 8e03978e-40d5-43e8-bc93-6894a57f9324)"
-                    } else {
-                        ""
-                    }
-                ),
-            )),
-            _ => Ok(()),
-        }
+    /// Who the key is scoped to (`Err`, the `500`, when no principal was found).
+    fn principal(&self, parts: &Parts) -> Result<Principal, Rejection> {
+        self.scope.principal(parts).ok_or_else(|| {
+            tracing::error!(
+                "idempotent request without a principal: the authentication layer must insert a \
+                 `tower_idempotency::Principal` before the idempotency layer runs (in axum, add it \
+                 with `.layer(...)` after the idempotency layer), or configure \
+                 `IdempotencyLayer::with_scope`"
+            );
+            Rejection::principal_missing()
+        })
     }
 }
 

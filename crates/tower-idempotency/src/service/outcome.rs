@@ -1,6 +1,10 @@
 //! What a keyed request came to: refusals rendered, replays sent, the `outcome` recorded.
 
-use super::*;
+use http::Response;
+
+use crate::{
+    body::ResponseBody, config::Config, metrics, problem::Rejection, record::Record, replay,
+};
 
 pub(super) fn replayed<B>(record: &Record) -> Response<ResponseBody<B>> {
     outcome(Outcome::Replayed);
@@ -9,14 +13,8 @@ pub(super) fn replayed<B>(record: &Record) -> Response<ResponseBody<B>> {
 
 pub(super) fn mismatch<B>(config: &Config) -> Response<ResponseBody<B>> {
     outcome(Outcome::Mismatch);
-    let detail = if config.scope.is_across_endpoints() {
-        "this idempotency key was already used with a different request (another endpoint, \
-         query or body); use a new key for a new request"
-    } else {
-        "this idempotency key was already used with a different request to this endpoint \
-         (its body or query differs); use a new key for a new request"
-    };
-    reject(config, Rejection::new(RejectionKind::Mismatch, detail))
+    let across_endpoints = config.scope.is_across_endpoints();
+    reject(config, Rejection::mismatch(across_endpoints))
 }
 
 pub(super) fn reject<B>(config: &Config, rejection: Rejection) -> Response<ResponseBody<B>> {

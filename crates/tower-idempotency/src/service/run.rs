@@ -1,6 +1,39 @@
 //! The handler, under a claim kept alive by a heartbeat, and what becomes of its response.
 
-use super::*;
+use std::{
+    future::Future,
+    panic::AssertUnwindSafe,
+    pin::{Pin, pin},
+    sync::Arc,
+    task::Poll,
+    time::Duration,
+};
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::{Request, Response, request::Parts, response};
+
+use super::{
+    HttpBody, Inner, Keyed,
+    held::{Completion, HeldKey},
+    outcome::{Outcome, outcome, panic_message, reject},
+};
+use crate::{
+    body::{self, Buffered, RequestBody, ResponseBody},
+    chain::Chain,
+    config::Config,
+    context::IdempotencyContext,
+    future::Served,
+    metrics,
+    policy::Retention,
+    problem::Rejection,
+    record::Record,
+    store::{ClaimHandle, ClaimStatus, Store},
+};
+
+/// What the handler came to: its response head and buffered body, its error, or its panic.
+type Handled<B, E> =
+    Result<Result<(response::Parts, Buffered<B>), E>, Box<dyn std::any::Any + Send>>;
 
 impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
     /// The handler, under a held claim kept alive by a heartbeat; then record or release.
@@ -21,7 +54,6 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             } = self;
             let takeover = context.takeover;
             let (store, config) = (shared.store, shared.config);
-            let config = &*config;
             claim.attach(&mut parts.extensions);
             let guard = HeldKey::new(Arc::clone(&store), claim);
             parts.extensions.insert(context);
@@ -53,122 +85,127 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                 guard.abandon().await;
                 outcome(Outcome::Abandoned);
                 return Ok(reject(
-                    config,
-                    Rejection::new(
-                        RejectionKind::HandlerTimedOut,
-                        format!(
-                            "the request did not finish within {:?} and was stopped; it may \
-                             have done part of its work. Retry with the same Idempotency-Key",
-                            config.max_handler_time
-                        ),
-                    )
-                    .with_retry_after(1),
+                    &config,
+                    Rejection::handler_timed_out(config.max_handler_time),
                 ));
             };
+            settle(&config, guard, handled, takeover).await
+        }
+    }
+}
 
-            let (mut parts, buffered) = match handled {
-                Ok(Ok(handled)) => handled,
-                Ok(Err(error)) => {
-                    outcome(Outcome::Released);
-                    guard.release().await;
-                    return Err(error);
-                }
-                Err(panic) => {
-                    tracing::error!(
-                        panic = panic_message(&*panic),
-                        "handler panicked; key released"
-                    );
-                    outcome(Outcome::Released);
-                    guard.release().await;
-                    return Ok(reject(
-                        config,
-                        Rejection::new(
-                            RejectionKind::HandlerPanicked,
-                            "the request failed on the server and was not completed; \
-                     it is safe to retry with the same Idempotency-Key",
-                        ),
-                    ));
-                }
-            };
-
-            let mut retention = parts
-                .extensions
-                .remove::<Retention>()
-                .unwrap_or_else(|| config.retention.decide(parts.status));
-            let (kept_body, body) = match buffered {
-                Buffered::Complete(bytes, trailers) => {
-                    (Some(bytes.clone()), ResponseBody::full(bytes, trailers))
-                }
-                Buffered::TooLarge { prefix, rest } => {
-                    tracing::warn!(
-                        limit = max_response_bytes,
-                        "response too large to store: delivered, but a retry gets its status only"
-                    );
-                    (None, ResponseBody::prefixed(prefix, rest))
-                }
-                Buffered::Failed { prefix, error } => {
-                    // Its outcome is unknown: a retry runs again rather than replay half an answer.
-                    tracing::warn!(error = %Chain(&*error), "response body failed; key released");
-                    retention = Retention::Release;
-                    (None, ResponseBody::failed(prefix, error))
-                }
-            };
-            match retention {
-                Retention::Keep => {
-                    let record =
-                        Record::capture_without(&parts, kept_body, &config.unstored_headers);
-                    match guard.complete(record, config.lease, config.ttl).await {
-                        Completion::Stored => outcome(if takeover {
-                            Outcome::Takeover
-                        } else {
-                            Outcome::Acquired
-                        }),
-                        Completion::NotCommitted => {
-                            // The handler's writes were to commit with the record, and may not have.
-                            outcome(Outcome::StoreError);
-                            return Ok(reject(
-                                config,
-                                Rejection::new(
-                                    RejectionKind::StoreUnavailable,
-                                    "the request could not be confirmed as committed; retry with the \
-                                 same Idempotency-Key: if it was committed the retry gets its \
-                                 response, otherwise it runs again",
-                                ),
-                            ));
-                        }
-                        Completion::RolledBack => {
-                            outcome(Outcome::Released);
-                            if parts.status.is_success() || parts.status.is_redirection() {
-                                // A success nothing backs: answering it would be a lie.
-                                tracing::error!(
-                                    status = %parts.status,
-                                    "the handler answered success over a failed transaction; \
-                                     nothing was committed"
-                                );
-                                return Ok(reject(
-                                    config,
-                                    Rejection::new(
-                                        RejectionKind::TransactionAborted,
-                                        "the request failed on the server and nothing was \
-                                     committed; it is safe to retry with the same \
-                                     Idempotency-Key",
-                                    ),
-                                ));
-                            }
-                            tracing::info!(
-                                status = %parts.status,
-                                "the handler answered over a failed transaction: delivered, \
-                                 nothing committed, key released"
-                            );
-                        }
-                    }
-                }
-                Retention::Release => {
-                    outcome(Outcome::Released);
-                    guard.release().await;
+/// What the handler came to, settled: its response recorded (or its key released) and
+/// delivered, or the refusal that takes its place.
+#[expect(
+    clippy::manual_async_fn,
+    reason = "the future stays small (see the service module)"
+)]
+fn settle<'a, St: Store, B: HttpBody, E: 'a>(
+    config: &'a Config,
+    guard: HeldKey<St>,
+    handled: Handled<Pin<Box<B>>, E>,
+    takeover: bool,
+) -> impl Future<Output = Served<B, E>> + 'a {
+    async move {
+        let (mut parts, buffered) = match handled {
+            Ok(Ok(handled)) => handled,
+            Ok(Err(error)) => {
+                outcome(Outcome::Released);
+                guard.release().await;
+                return Err(error);
+            }
+            Err(panic) => {
+                tracing::error!(
+                    panic = panic_message(&*panic),
+                    "handler panicked; key released"
+                );
+                outcome(Outcome::Released);
+                guard.release().await;
+                return Ok(reject(config, Rejection::handler_panicked()));
+            }
+        };
+        let mut retention = parts
+            .extensions
+            .remove::<Retention>()
+            .unwrap_or_else(|| config.retention.decide(parts.status));
+        let (kept_body, body) = split_body(buffered, config.max_response_bytes, &mut retention);
+        match retention {
+            Retention::Keep => {
+                let record = Record::capture_without(&parts, kept_body, &config.unstored_headers);
+                let completion = guard.complete(record, config.lease, config.ttl).await;
+                if let Some(rejection) = completed(completion, &parts, takeover) {
+                    return Ok(reject(config, rejection));
                 }
             }
-            Ok(Response::from_parts(parts, body))
+            Retention::Release => {
+                outcome(Outcome::Released);
+                guard.release().await;
+            }
+        }
+        Ok(Response::from_parts(parts, body))
+    }
+}
+/// The body to keep for replays (none when too large or failed) and the body to deliver. A
+/// body that failed is never kept: its outcome is unknown, so a retry runs again rather than
+/// replay half an answer.
+fn split_body<B>(
+    buffered: Buffered<Pin<Box<B>>>,
+    limit: usize,
+    retention: &mut Retention,
+) -> (Option<Bytes>, ResponseBody<B>) {
+    match buffered {
+        Buffered::Complete(bytes, trailers) => {
+            (Some(bytes.clone()), ResponseBody::full(bytes, trailers))
+        }
+        Buffered::TooLarge { prefix, rest } => {
+            tracing::warn!(
+                limit,
+                "response too large to store: delivered, but a retry gets its status only"
+            );
+            (None, ResponseBody::prefixed(prefix, rest))
+        }
+        Buffered::Failed { prefix, error } => {
+            tracing::warn!(error = %Chain(&*error), "response body failed; key released");
+            *retention = Retention::Release;
+            (None, ResponseBody::failed(prefix, error))
+        }
+    }
+}
+
+/// The outcome of storing the record of a response with head `parts`: `None` to deliver the
+/// response, or the refusal that takes its place.
+fn completed(completion: Completion, parts: &response::Parts, takeover: bool) -> Option<Rejection> {
+    match completion {
+        Completion::Stored => {
+            outcome(if takeover {
+                Outcome::Takeover
+            } else {
+                Outcome::Acquired
+            });
+            None
+        }
+        Completion::NotCommitted => {
+            // The handler's writes were to commit with the record, and may not have.
+            outcome(Outcome::StoreError);
+            Some(Rejection::not_committed())
+        }
+        Completion::RolledBack => {
+            outcome(Outcome::Released);
+            if parts.status.is_success() || parts.status.is_redirection() {
+                // A success nothing backs: answering it would be a lie.
+                tracing::error!(
+                    status = %parts.status,
+                    "the handler answered success over a failed transaction; nothing was \
+                     committed"
+                );
+                return Some(Rejection::transaction_aborted());
+            }
+            tracing::info!(
+                status = %parts.status,
+                "the handler answered over a failed transaction: delivered, nothing committed, \
+                 key released"
+            );
+            None
         }
     }
 }

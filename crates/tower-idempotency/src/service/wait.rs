@@ -1,8 +1,28 @@
 //! A duplicate of a key in flight waiting for it to settle
 //! ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)).
 
-use super::*;
-use crate::service::reads::{Found, Role, SharedReads, followed};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use super::{
+    Shared,
+    held::HeldKey,
+    reads::{Found, Role, SharedReads, followed},
+    run::later,
+};
+use crate::{
+    chain::Chain,
+    fingerprint::Fingerprint,
+    future::HangUp,
+    metrics,
+    scope::ScopeKey,
+    store::{InFlightWatch, KeyState, Store},
+};
 
 /// The requests waiting for keys in flight, and how the store wakes them.
 #[derive(Debug, Default)]
@@ -85,21 +105,21 @@ impl<St: Store> Shared<St> {
         loop {
             // Read after subscribing: a settlement in between still wakes the next wait. As a
             // waiter: a store that announces only waited keys marks this one as it reads it.
-            let begin = match self.reread(key, fingerprint, hang_up).await {
-                Reread::Found(begin) => begin,
+            let state = match self.reread(key, fingerprint, hang_up).await {
+                Reread::Found(state) => state,
                 Reread::Failed => return Some(in_flight()),
                 Reread::Left => return None,
                 Reread::Again => continue,
             };
             let now = tokio::time::Instant::now();
-            if !matches!(begin, KeyState::InFlight { .. }) || now >= deadline {
-                metrics::waited(match &begin {
+            if !matches!(state, KeyState::InFlight { .. }) || now >= deadline {
+                metrics::waited(match &state {
                     KeyState::InFlight { .. } => "timed_out",
                     KeyState::Acquired { .. } => "acquired",
                     KeyState::Completed { .. } => "replayed",
                     KeyState::Mismatch => "mismatch",
                 });
-                return Some(begin);
+                return Some(state);
             }
             // Between reads the request holds nothing: a hang-up ends it there and then.
             if let Some(hang_up) = hang_up {
@@ -184,7 +204,7 @@ impl<St: Store> Shared<St> {
             hang_up.working();
         }
         match read {
-            Ok(begin) => Reread::Found(begin),
+            Ok(state) => Reread::Found(state),
             Err(error) => {
                 metrics::waited("store_error");
                 tracing::warn!(

@@ -1,5 +1,5 @@
 use std::{
-    collections::{HashMap, VecDeque, hash_map},
+    collections::hash_map,
     fmt,
     sync::{
         Arc, Mutex, MutexGuard,
@@ -14,15 +14,16 @@ use super::{
     Capabilities, ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch, KeyState,
     Notifier, Store,
 };
-use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
+use crate::{record::Record, scope::ScopeKey};
 
 mod packed;
 mod records;
+
 #[cfg(test)]
 mod tests;
 
 use packed::Packed;
-use records::*;
+use records::{ENTRY_BYTES, EXPIRE_PER_CLAIM, Entry, Expiry, Records, State, later};
 
 /// An in-process [`Store`]: for single-process applications, development and unit tests.
 ///
@@ -115,10 +116,6 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 #[derive(Debug, Default)]
 #[repr(align(128))]
 struct Shard(Mutex<Records>);
-
-/// Keys are SHA-256 digests, so a fast hasher spreads them as well as SipHash does; seeded per
-/// process, it leaves a client no way to aim keys at one bucket.
-type Map = HashMap<ScopeKey, Entry, foldhash::fast::RandomState>;
 
 const SHARDS: usize = 64;
 
@@ -297,35 +294,23 @@ impl MemoryStore {
         let slot = records.map.entry(request.key);
         let takeover = match &slot {
             hash_map::Entry::Vacant(_) => false,
-            hash_map::Entry::Occupied(held) => {
-                let entry = held.get();
-                let ends = entry.ends(request.ttl);
-                match &entry.state {
-                    // Never taken from its holder, even past its TTL.
-                    State::InFlight { lease_until } if *lease_until > now => {
-                        if entry.fingerprint != request.fingerprint {
-                            return Ok(KeyState::Mismatch);
-                        }
-                        return Ok(KeyState::InFlight {
-                            lease_remaining: Some(lease_until.saturating_duration_since(now)),
-                        });
-                    }
-                    _ if ends <= now => false,
-                    _ if entry.fingerprint != request.fingerprint => return Ok(KeyState::Mismatch),
-                    State::Completed(packed) => {
-                        // A handle out of the lock; rebuilt into a record after it is released.
-                        let (packed, expires_in) =
-                            (packed.clone(), ends.saturating_duration_since(now));
-                        drop(shard);
-                        return Ok(KeyState::Completed {
-                            record: packed.unpack(),
-                            expires_in: Some(expires_in),
-                        });
-                    }
-                    // Its holder's lease lapsed before its TTL passed.
-                    State::InFlight { .. } => true,
+            hash_map::Entry::Occupied(held) => match inspect(held.get(), request, now) {
+                Found::Free { takeover } => takeover,
+                Found::InFlight(remaining) => {
+                    return Ok(KeyState::InFlight {
+                        lease_remaining: Some(remaining),
+                    });
                 }
-            }
+                Found::Mismatch => return Ok(KeyState::Mismatch),
+                Found::Completed(packed, expires_in) => {
+                    // Rebuilt into a record after the lock is released.
+                    drop(shard);
+                    return Ok(KeyState::Completed {
+                        record: packed.unpack(),
+                        expires_in: Some(expires_in),
+                    });
+                }
+            },
         };
         // A new key is what grows the store; an expired record or a lapsed claim it replaces
         // gives back what it held.
@@ -428,5 +413,38 @@ impl ExpiredDeletion for MemoryStore {
             left -= self.delete_expired_from(shard, now, left);
         }
         Ok((batch as usize - left) as u64)
+    }
+}
+
+/// What a claim finds in a key's existing entry.
+enum Found {
+    /// The key is free to claim; `takeover` when its holder's lease lapsed before its TTL.
+    Free { takeover: bool },
+    /// Another request holds it for this long yet.
+    InFlight(Duration),
+    /// It belongs to a request with another fingerprint.
+    Mismatch,
+    /// It completed: a handle on its record, and how long the record has left.
+    Completed(Packed, Duration),
+}
+
+/// Reads `entry` for `request` at `now`, following the protocol's state table.
+fn inspect(entry: &Entry, request: &ClaimRequest, now: Instant) -> Found {
+    let ends = entry.ends(request.ttl);
+    match &entry.state {
+        // Never taken from its holder, even past its TTL.
+        State::InFlight { lease_until } if *lease_until > now => {
+            if entry.fingerprint != request.fingerprint {
+                return Found::Mismatch;
+            }
+            Found::InFlight(lease_until.saturating_duration_since(now))
+        }
+        _ if ends <= now => Found::Free { takeover: false },
+        _ if entry.fingerprint != request.fingerprint => Found::Mismatch,
+        State::Completed(packed) => {
+            Found::Completed(packed.clone(), ends.saturating_duration_since(now))
+        }
+        // Its holder's lease lapsed before its TTL passed.
+        State::InFlight { .. } => Found::Free { takeover: true },
     }
 }

@@ -1,7 +1,19 @@
 //! A shard's records: each key's entry, and the queue of claims in the order they expire, kept
 //! within a constant factor of the records.
 
-use super::*;
+use std::{
+    collections::{HashMap, VecDeque, hash_map},
+    time::Duration,
+};
+
+use tokio::time::Instant;
+
+use super::packed::Packed;
+use crate::{fingerprint::Fingerprint, scope::ScopeKey};
+
+/// Keys are SHA-256 digests, so a fast hasher spreads them as well as SipHash does; seeded per
+/// process, it leaves a client no way to aim keys at one bucket.
+type Map = HashMap<ScopeKey, Entry, foldhash::fast::RandomState>;
 
 /// One shard's records, the order they expire in, and the last fencing token it handed out. A
 /// key always lives in the same shard, so a count per shard gives every claim of a key a larger

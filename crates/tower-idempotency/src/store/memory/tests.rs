@@ -1,6 +1,7 @@
 use http::StatusCode;
 
 use super::*;
+use crate::fingerprint::Fingerprint;
 
 fn request(fingerprint: u8) -> ClaimRequest {
     ClaimRequest {

@@ -3,7 +3,7 @@
 use super::*;
 
 /// How many times `claim` runs its statement when a racing commit hides the conflicting row.
-pub(super) const BEGIN_ATTEMPTS: usize = 5;
+pub(super) const CLAIM_ATTEMPTS: usize = 5;
 
 impl PostgresStore {
     /// The claim statement of this store's mode, for the attempt `claimant`.
@@ -13,10 +13,10 @@ impl PostgresStore {
         claimant: Uuid,
     ) -> Statement<'static> {
         let sql = match (self.partitions.is_some(), self.transactional) {
-            (true, _) => BEGIN_PARTITIONED,
-            (false, true) => BEGIN_TRANSACTIONAL,
-            (false, false) if self.marks(request) => BEGIN_LEASE_WAITING,
-            (false, false) => BEGIN_LEASE,
+            (true, _) => CLAIM_PARTITIONED,
+            (false, true) => CLAIM_TRANSACTIONAL,
+            (false, false) if self.marks(request) => CLAIM_LEASE_WAITING,
+            (false, false) => CLAIM_LEASE,
         };
         let statement = Statement::new(sql)
             .with(Param::Key(stored_key(&request.key)))
@@ -78,16 +78,16 @@ impl PostgresStore {
                 Ok(Some(Batched::Done(None) | Batched::Alone) | None) => {}
             }
         }
-        for tries_left in (0..BEGIN_ATTEMPTS).rev() {
+        for tries_left in (0..CLAIM_ATTEMPTS).rev() {
             let statement = self.claim_statement(request, attempt.claimant);
             if let Some(row) = attempt.run(statement).await? {
-                let begin = decode_begin(request, &row)?;
+                let state = decode_claim(request, &row)?;
                 // Settled unannounced since the read: read it again rather than wait for news.
-                if tries_left > 0 && !self.waiter_marked(request, &begin, &row).await? {
+                if tries_left > 0 && !self.waiter_marked(request, &state, &row).await? {
                     continue;
                 }
                 attempt.settle();
-                return Ok(begin.map_claim(|fence| PgClaim { fence, tx: None }));
+                return Ok(state.map_claim(|fence| PgClaim { fence, tx: None }));
             }
         }
         // No row in any try: nothing was claimed.
@@ -107,10 +107,10 @@ impl PostgresStore {
     async fn waiter_marked(
         &self,
         request: &ClaimRequest,
-        begin: &KeyState<Fence>,
+        state: &KeyState<Fence>,
         row: &PgRow,
     ) -> Result<bool, PostgresStoreError> {
-        if !self.marks(request) || !matches!(begin, KeyState::InFlight { .. }) {
+        if !self.marks(request) || !matches!(state, KeyState::InFlight { .. }) {
             return Ok(true);
         }
         if self.partitions.is_none() {
@@ -126,7 +126,7 @@ impl PostgresStore {
             }))
     }
 
-    pub(super) async fn begin_transactional(
+    pub(super) async fn claim_transactional(
         &self,
         request: &ClaimRequest,
     ) -> Result<KeyState<PgClaim>, PostgresStoreError> {
@@ -136,7 +136,7 @@ impl PostgresStore {
                 self.pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED"),
             )
             .await?;
-        for _ in 0..BEGIN_ATTEMPTS {
+        for _ in 0..CLAIM_ATTEMPTS {
             let row = self
                 .timed(
                     "claim",
@@ -145,7 +145,7 @@ impl PostgresStore {
                 )
                 .await?;
             let Some(row) = row else { continue };
-            return match decode_begin(request, &row)? {
+            return match decode_claim(request, &row)? {
                 KeyState::Acquired {
                     claim: fence,
                     takeover,
@@ -180,7 +180,7 @@ pub(super) fn advisory_lock_key(request: &ClaimRequest) -> i64 {
     i64::from_be_bytes(prefix)
 }
 
-pub(super) fn decode_begin(
+pub(super) fn decode_claim(
     request: &ClaimRequest,
     row: &PgRow,
 ) -> Result<KeyState<Fence>, PostgresStoreError> {

@@ -344,7 +344,7 @@ impl Store for PostgresStore {
         if self.transactional {
             // Boxed: opening a transaction is a large future, which would otherwise make every
             // lease-mode request's future as large.
-            Box::pin(self.begin_transactional(request)).await
+            Box::pin(self.claim_transactional(request)).await
         } else {
             self.claim_lease(request).await
         }

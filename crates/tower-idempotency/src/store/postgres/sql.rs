@@ -19,7 +19,7 @@
 // a claim it finds in flight as waited for (`mark`), once per claim, and says in `marked` whether
 // the claim is marked, by it or before: if not, the claim settled meanwhile and its settlement
 // announced nothing, so the caller reads the key again rather than waiting to be woken.
-macro_rules! begin_statement {
+macro_rules! claim_statement {
     (lock: $lock:literal, mark: $mark:literal, marked: $marked:literal, gate: $gate:literal,
      existing: $existing:literal, busy: $busy:literal) => {
         concat!(
@@ -92,15 +92,15 @@ macro_rules! begin_statement {
     };
 }
 
-pub(super) const BEGIN_LEASE: &str = begin_statement!(
+pub(super) const CLAIM_LEASE: &str = claim_statement!(
     lock: "", mark: "", marked: "NULL::boolean", gate: "", existing: "", busy: ""
 );
 
-/// [`BEGIN_LEASE`] for a waiting duplicate ([`ClaimRequest::waiting`](crate::store::ClaimRequest)):
+/// [`CLAIM_LEASE`] for a waiting duplicate ([`ClaimRequest::waiting`](crate::store::ClaimRequest)):
 /// a claim in flight with its fingerprint and a live lease is marked `waited`, unless it is
 /// already, a row update once per claim however many duplicates wait. The lease condition
 /// excludes every row `taken` may update, so no row is updated twice in the statement.
-pub(super) const BEGIN_LEASE_WAITING: &str = begin_statement!(
+pub(super) const CLAIM_LEASE_WAITING: &str = claim_statement!(
     lock: "",
     mark: "marked AS (
         UPDATE idempotency.records r SET waited = true
@@ -114,7 +114,7 @@ pub(super) const BEGIN_LEASE_WAITING: &str = begin_statement!(
     busy: ""
 );
 
-pub(super) const BEGIN_TRANSACTIONAL: &str = begin_statement!(
+pub(super) const CLAIM_TRANSACTIONAL: &str = claim_statement!(
     lock: "lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($6) AS held), ",
     mark: "",
     marked: "NULL::boolean",
@@ -297,7 +297,7 @@ pub(super) struct Fenced {
 pub(super) const FENCED: Fenced = fenced_statements!("records");
 pub(super) const FENCED_PARTITIONED: Fenced = fenced_statements!("partitioned_records");
 
-pub(super) const BEGIN_PARTITIONED: &str =
+pub(super) const CLAIM_PARTITIONED: &str =
     "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $6, $5)";
 
 /// Deletes what a claim attempt may have claimed, found by its claimant id (see

@@ -171,4 +171,14 @@ fn json_deeper_than_the_parser_allows_is_hashed_as_its_bytes_every_time() {
             first
         );
     }
+    // Objects too: one level past the limit, inside a member the exclusion names.
+    let deep = format!(r#"{{"a":{}0{}}}"#, r#"{"b":"#.repeat(127), "}".repeat(127));
+    let raw = fp(FingerprintMode::Semantic, "/", text, &deep);
+    assert_eq!(fp(FingerprintMode::Semantic, "/", JSON, &deep), raw);
+    assert_eq!(
+        fp(FingerprintMode::Semantic, "/", JSON, &deep),
+        raw,
+        "a retry"
+    );
+    assert_eq!(excluding(&deep), raw, "with fields left out");
 }

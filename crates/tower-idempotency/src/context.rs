@@ -11,7 +11,7 @@ use crate::{key::IdempotencyKey, scope::ScopeKey};
 /// ```
 /// # #[cfg(feature = "axum")] {
 /// use axum::{Router, routing::post};
-/// use tower_idempotency::{IdempotencyContext, IdempotencyLayer};
+/// use tower_idempotency::{IdempotencyContext, IdempotencyLayer, KeySource};
 ///
 /// async fn create_charge(idempotency: IdempotencyContext) -> String {
 ///     if idempotency.takeover() {
@@ -23,7 +23,7 @@ use crate::{key::IdempotencyKey, scope::ScopeKey};
 /// // Behind the app's authentication layer, which supplies the `Principal` (see `scope`).
 /// let app: Router = Router::new()
 ///     .route("/v1/charges", post(create_charge))
-///     .layer(IdempotencyLayer::memory().required());
+///     .layer(IdempotencyLayer::memory().with_key(KeySource::default().required()));
 /// # }
 /// ```
 #[derive(Debug, Clone)]
@@ -74,7 +74,7 @@ mod axum_impl {
                 "this handler needs an Idempotency-Key, but the request was not run under one: \
                  put the route behind the IdempotencyLayer, make sure it covers this method \
                  (IdempotencyLayer::with_methods; POST and PATCH by default) and make the key \
-                 required (IdempotencyLayer::required)",
+                 required (KeySource::required)",
             )
                 .into_response()
         }
@@ -115,7 +115,7 @@ mod tests {
     use tower::ServiceExt;
 
     use super::IdempotencyContext;
-    use crate::{IdempotencyLayer, Principal};
+    use crate::{IdempotencyLayer, KeySource, Principal};
 
     /// A handler that needs the context, on a method the layer does not cover: the answer says
     /// so, rather than only "make the key required" (which it is).
@@ -123,7 +123,7 @@ mod tests {
     async fn a_missing_context_names_the_method_coverage_too() {
         let app = Router::new()
             .route("/", put(|_: IdempotencyContext| async { "ran" }))
-            .layer(IdempotencyLayer::memory().required());
+            .layer(IdempotencyLayer::memory().with_key(KeySource::default().required()));
         let mut request = Request::put("/")
             .header("idempotency-key", "k1")
             .body(Body::empty())
@@ -136,6 +136,6 @@ mod tests {
         let body = response.into_body().collect().await.unwrap().to_bytes();
         let body = std::str::from_utf8(&body).unwrap();
         assert!(body.contains("with_methods"), "{body}");
-        assert!(body.contains("IdempotencyLayer::required"), "{body}");
+        assert!(body.contains("KeySource::required"), "{body}");
     }
 }

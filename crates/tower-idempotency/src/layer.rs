@@ -5,13 +5,13 @@ use tower_layer::Layer;
 
 use crate::{
     cache::ReplayCache,
-    config::{Config, ConfigError, KeySource, MAX_DURATION, MIN_LEASE},
-    fingerprint::FingerprintMode,
-    key::KeyRule,
+    fingerprint::Fingerprinting,
+    key::KeySource,
     policy::{Disconnect, RetentionPolicy, StoreFailure},
-    problem::Rejection,
+    rendering::Rendering,
     scope::Scope,
     service::{Idempotency, Shared, Waiting},
+    settings::{Config, ConfigError, InFlightWait, Limits, MAX_DURATION, MIN_LEASE},
     store::{MemoryStore, Store},
 };
 
@@ -19,20 +19,24 @@ use crate::{
 ///
 /// `IdempotencyLayer::new(store)` is the constructor; [`postgres`](Self::postgres) and
 /// [`memory`](Self::memory) are shorthands for the two bundled stores. Settings are `with_*`
-/// methods; those that can be given an invalid value return `Result<Self, ConfigError>`.
+/// methods, one a concern, each taking a value ([`KeySource`], [`Fingerprinting`], [`Limits`],
+/// [`InFlightWait`], [`Rendering`]...) that holds related settings together. A value that can
+/// be invalid is checked whole when it is given, so `with_*` returns `Result<Self, ConfigError>`,
+/// and the order of the calls never matters. Zero is never a limit: it is refused. Building a
+/// layer starts no task and opens no connection.
 ///
 /// ```
 /// use std::time::Duration;
 /// use http::Method;
-/// use tower_idempotency::{IdempotencyLayer, RetentionPolicy};
+/// use tower_idempotency::{IdempotencyLayer, KeySource, Limits, RetentionPolicy};
 ///
 /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
 /// let layer = IdempotencyLayer::memory()
-///     .required()
+///     .with_key(KeySource::default().required())
 ///     .with_ttl(Duration::from_secs(24 * 3600))?
 ///     .with_lease(Duration::from_secs(30))?
 ///     .with_methods([Method::POST])?
-///     .with_max_body_bytes(256 * 1024)?
+///     .with_limits(Limits::default().with_max_request_bytes(256 * 1024))?
 ///     .with_retention(RetentionPolicy::keep_server_errors());
 /// # let _ = layer; Ok(()) }
 /// ```
@@ -47,14 +51,14 @@ use crate::{
 /// use std::time::Duration;
 /// use axum::{Router, http::StatusCode, middleware::{self, Next}, extract::Request, routing::post};
 /// use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer};
-/// use tower_idempotency::IdempotencyLayer;
+/// use tower_idempotency::{IdempotencyLayer, KeySource};
 /// # async fn authenticate(request: Request, next: Next) -> axum::response::Response {
 /// #     next.run(request).await
 /// # }
 ///
 /// let app: Router = Router::new()
 ///     .route("/v1/charges", post(|| async { StatusCode::CREATED }))
-///     .layer(IdempotencyLayer::memory().required())
+///     .layer(IdempotencyLayer::memory().with_key(KeySource::default().required()))
 ///     .layer(middleware::from_fn(authenticate))
 ///     .layer(CompressionLayer::new())
 ///     .layer(TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, Duration::from_secs(10)));
@@ -82,24 +86,16 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_ttl`](Self::with_ttl) | 24 hours from the first request |
     /// | [`with_lease`](Self::with_lease) | 30 seconds, renewed every 10 while the handler runs |
     /// | [`with_methods`](Self::with_methods) | `POST`, `PATCH` |
-    /// | [`required`](Self::required) | no: requests without a key pass through unprotected |
-    /// | [`with_max_body_bytes`](Self::with_max_body_bytes) | 2 MiB (larger: `413`) |
-    /// | [`with_body_timeout`](Self::with_body_timeout) | 30 seconds to receive the whole body (slower: `408`) |
-    /// | [`with_max_response_bytes`](Self::with_max_response_bytes) | 1 MiB (larger: delivered, body not stored) |
+    /// | [`with_key`](Self::with_key) | the `Idempotency-Key` header, optional: requests without one pass through unprotected; no rule beyond the header's syntax |
     /// | [`with_scope`](Self::with_scope) | the [`Principal`](crate::Principal) request extension |
-    /// | [`with_header`](Self::with_header), [`with_key_from_request`](Self::with_key_from_request) | the `Idempotency-Key` header |
-    /// | [`with_key_rule`](Self::with_key_rule) | none: any key the header's syntax allows |
-    /// | [`with_fingerprint`](Self::with_fingerprint) | [`FingerprintMode::Semantic`] |
-    /// | [`with_fingerprint_excluding`](Self::with_fingerprint_excluding), [`with_fingerprint_headers`](Self::with_fingerprint_headers) | the method, path, query and whole body; no header |
-    /// | [`with_store_failure`](Self::with_store_failure) | fail closed: `503`, `Retry-After: 1` |
+    /// | [`with_fingerprint`](Self::with_fingerprint) | [`Fingerprinting::semantic`]: the method, path, query and whole body by meaning; no header |
+    /// | [`with_limits`](Self::with_limits) | [`Limits::default`]: bodies up to 2 MiB arriving within 30 seconds, responses up to 1 MiB stored, handlers stopped after 10 minutes, 1,024 finishing for clients that hung up |
     /// | [`with_retention`](Self::with_retention) | [`RetentionPolicy::final_outcomes`] |
-    /// | [`with_disconnect`](Self::with_disconnect) | [`Disconnect::RunToCompletion`] |
-    /// | [`with_max_detached`](Self::with_max_detached) | 1,024 handlers finishing for clients that hung up (fewer if the store says so: [`Capabilities::detached_limit`](crate::store::Capabilities::detached_limit)); past it keyed requests get `503` |
-    /// | [`with_max_handler_time`](Self::with_max_handler_time) | 10 minutes, then the handler is cancelled and its key free at once for the retry (a takeover) |
     /// | [`with_unstored_headers`](Self::with_unstored_headers) | none besides those [`Record::capture`](crate::Record::capture) always drops |
-    /// | [`with_rejection_response`](Self::with_rejection_response), [`with_problem_type_base`](Self::with_problem_type_base) | RFC 9457 problem documents whose `type` is this crate's documentation of the refusal |
+    /// | [`with_store_failure`](Self::with_store_failure) | fail closed: `503`, `Retry-After: 1` |
+    /// | [`with_disconnect`](Self::with_disconnect) | [`Disconnect::RunToCompletion`] |
+    /// | [`with_rendering`](Self::with_rendering) | [`Rendering::problem_details`]: RFC 9457 problem documents, replays marked `Idempotent-Replayed: true` |
     /// | [`with_in_flight_wait`](Self::with_in_flight_wait) | none: a duplicate of a key in flight gets `409` at once |
-    /// | [`with_max_waiting`](Self::with_max_waiting) | 1,024 requests waiting at once |
     /// | [`with_replay_cache`](Self::with_replay_cache) | 16 MiB of replayed records kept in process; none for a store that is itself in process ([`Capabilities::in_process`](crate::store::Capabilities::in_process)) |
     pub fn new(store: St) -> Self {
         let cache = if store.capabilities().is_in_process() {
@@ -107,12 +103,15 @@ impl<St: Store> IdempotencyLayer<St> {
         } else {
             DEFAULT_REPLAY_CACHE_BYTES
         };
+        // The store's watch is only cloned here: a store that wakes waiters from a task of its
+        // own starts it when the first request waits.
+        let waiting = Waiting::new(store.capabilities().in_flight_watch().clone());
         let shared = Shared {
             store: Arc::new(store),
             config: Arc::new(Config::default()),
             cache: Arc::new(ReplayCache::new(cache)),
             detached: Arc::default(),
-            waiting: Arc::default(),
+            waiting: Arc::new(waiting),
         };
         Self { shared }
     }
@@ -131,9 +130,7 @@ impl<St: Store> IdempotencyLayer<St> {
     /// again. Choose it longer than your clients' retry horizon and your slowest handler. It is
     /// independent of the [lease](Self::with_lease): a claim in flight is never expired while
     /// its lease runs, but a completed record is replayed only until its TTL, however long the
-    /// lease.
-    ///
-    /// A TTL longer than [`MAX_DURATION`] is taken as that.
+    /// lease. A TTL longer than [`MAX_DURATION`] is taken as that.
     ///
     /// # Errors
     ///
@@ -149,10 +146,8 @@ impl<St: Store> IdempotencyLayer<St> {
     /// How long a claim is held without renewal. The layer renews it every third of that while
     /// the handler runs, so it only lapses when the holder stops (a crash, a hung process);
     /// then a retry takes the key over after at most this long. Shorter means faster recovery
-    /// from crashes, at the cost of more renewals for long handlers. Choose it longer than your
-    /// slowest handler's usual pauses between polls of its future.
-    ///
-    /// A lease longer than [`MAX_DURATION`] is taken as that.
+    /// from crashes, at the cost of more renewals for long handlers. A lease longer than
+    /// [`MAX_DURATION`] is taken as that.
     ///
     /// # Errors
     ///
@@ -189,46 +184,10 @@ impl<St: Store> IdempotencyLayer<St> {
         Ok(self)
     }
 
-    /// Makes the key mandatory on covered methods: a request without one gets `400`.
-    pub fn required(mut self) -> Self {
-        self.config_mut().required = true;
-        self
-    }
-
-    /// The largest request body buffered for fingerprinting; larger bodies get `413` and run
-    /// nothing. A `Content-Length` over the limit is refused before any byte is read.
-    ///
-    /// # Errors
-    ///
-    /// [`ConfigError::Zero`] for zero.
-    pub fn with_max_body_bytes(mut self, limit: usize) -> Result<Self, ConfigError> {
-        if limit == 0 {
-            return Err(ConfigError::Zero("max_body_bytes"));
-        }
-        self.config_mut().max_body_bytes = limit;
-        Ok(self)
-    }
-
-    /// How long the layer waits for a covered request's whole body before answering `408`
-    /// (nothing claimed, nothing run). Bounds what a stalled or deliberately slow client can hold.
-    ///
-    /// # Errors
-    ///
-    /// [`ConfigError::Zero`] for zero.
-    pub fn with_body_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
-        if timeout.is_zero() {
-            return Err(ConfigError::Zero("body_timeout"));
-        }
-        self.config_mut().body_timeout = timeout.min(MAX_DURATION);
-        Ok(self)
-    }
-
-    /// The largest response body stored for replay. A larger response is still delivered in
-    /// full; its record keeps the status and headers but not the body, and a retry gets the
-    /// original status with a problem body saying so (see [`Record`](crate::Record#responses-too-large-to-store)). The
-    /// handler is never run again for that key.
-    pub fn with_max_response_bytes(mut self, limit: usize) -> Self {
-        self.config_mut().max_response_bytes = limit;
+    /// Where keys come from, whether a covered request must carry one, and the rule keys follow;
+    /// see [`KeySource`].
+    pub fn with_key(mut self, key: KeySource) -> Self {
+        self.config_mut().key = key;
         self
     }
 
@@ -238,81 +197,39 @@ impl<St: Store> IdempotencyLayer<St> {
         self
     }
 
-    /// How request payloads are compared; see [`FingerprintMode`].
-    pub fn with_fingerprint(mut self, mode: FingerprintMode) -> Self {
-        self.config_mut().fingerprint.mode = mode;
-        self
-    }
-
-    /// Leaves body fields out of the fingerprint, by JSON Pointer (RFC 6901): `/client_sent_at`,
-    /// `/metadata/trace_id`; for a form body, a top-level pointer names a field. A retry that
-    /// differs only in them is the same request. See [`Fingerprint`](crate::Fingerprint#what-it-covers).
+    /// What a request's fingerprint covers; see [`Fingerprinting`].
     ///
     /// # Errors
     ///
-    /// [`ConfigError::InvalidPointer`] for a pointer that does not start with `/`.
-    pub fn with_fingerprint_excluding(
-        mut self,
-        pointers: impl IntoIterator<Item = impl Into<String>>,
-    ) -> Result<Self, ConfigError> {
-        for pointer in pointers {
-            let pointer = pointer.into();
-            if !pointer.starts_with('/') {
-                return Err(ConfigError::InvalidPointer(pointer));
-            }
-            self.config_mut().fingerprint.excluded.push(pointer);
-        }
+    /// [`ConfigError::InvalidPointer`] for a field pointer that does not start with `/`,
+    /// [`ConfigError::RawExcluding`] for fields left out of a raw fingerprint.
+    pub fn with_fingerprint(mut self, fingerprinting: Fingerprinting) -> Result<Self, ConfigError> {
+        self.config_mut().fingerprinting = fingerprinting.validated()?;
         Ok(self)
     }
 
-    /// Takes request headers into the fingerprint (an API version such as `Stripe-Version`,
-    /// `Accept`): a retry whose values differ is another request, `422`. See
-    /// [`Fingerprint`](crate::Fingerprint#what-it-covers).
-    pub fn with_fingerprint_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.config_mut().fingerprint.headers.extend(names);
+    /// How much a request may take of the layer: body size and time, stored response size,
+    /// handler time, detached handlers; see [`Limits`].
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Zero`] for a zero limit.
+    pub fn with_limits(mut self, limits: Limits) -> Result<Self, ConfigError> {
+        self.config_mut().limits = limits.validated()?;
+        Ok(self)
+    }
+
+    /// Which responses are kept; see [`RetentionPolicy`].
+    pub fn with_retention(mut self, policy: RetentionPolicy) -> Self {
+        self.config_mut().retention = policy;
         self
     }
 
-    /// Reads the key from the header `name` instead of `Idempotency-Key` (`X-Idempotency-Key`, or
-    /// a vendor's such as PayPal's `PayPal-Request-Id`), by the same parsing rules and limits.
-    pub fn with_header(mut self, name: HeaderName) -> Self {
-        self.config_mut().key_source = KeySource::Header(name);
-        self
-    }
-
-    /// Takes the key from the request with `key`, which sees the request head and its whole
-    /// body: a webhook receiver deduplicates deliveries by the event's id in the JSON body, as
-    /// Stripe, GitHub and Shopify redeliver them. `None` is a request without a key (`400` if
-    /// [`required`](Self::required), else run unprotected). The key is checked as a header's
-    /// would be (length, characters, [`with_key_rule`](Self::with_key_rule)).
-    ///
-    /// Every covered request's body is then read before the key is known, so requests without
-    /// a key are bound by [`with_max_body_bytes`](Self::with_max_body_bytes) too.
-    ///
-    /// ```
-    /// use tower_idempotency::{IdempotencyLayer, Scope};
-    ///
-    /// // Stripe's events carry their id at the top of the body.
-    /// let layer = IdempotencyLayer::memory()
-    ///     .with_scope(Scope::single_tenant())
-    ///     .with_key_from_request(|_, body| {
-    ///         let event: serde_json::Value = serde_json::from_slice(body).ok()?;
-    ///         Some(event.get("id")?.as_str()?.to_owned())
-    ///     });
-    /// # let _ = layer;
-    /// ```
-    pub fn with_key_from_request<F>(mut self, key: F) -> Self
-    where
-        F: Fn(&http::request::Parts, &bytes::Bytes) -> Option<String> + Send + Sync + 'static,
-    {
-        self.config_mut().key_source = KeySource::Request(Arc::new(key));
-        self
-    }
-
-    /// A rule every key must follow ([`KeyRule::uuid`], or one of the app's); a key that breaks
-    /// it gets `400` naming the rule, and nothing is stored.
-    pub fn with_key_rule(mut self, rule: KeyRule) -> Self {
-        self.config_mut().key_rule = Some(rule);
+    /// Response headers never stored (so never replayed), besides those
+    /// [`Record::capture`](crate::Record::capture) always drops: headers that describe one
+    /// delivery or carry a secret in your app.
+    pub fn with_unstored_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config_mut().unstored_headers.extend(names);
         self
     }
 
@@ -322,10 +239,27 @@ impl<St: Store> IdempotencyLayer<St> {
         self
     }
 
-    /// Which responses are kept; see [`RetentionPolicy`].
-    pub fn with_retention(mut self, policy: RetentionPolicy) -> Self {
-        self.config_mut().retention = policy;
+    /// What happens to a running handler when the client disconnects; see [`Disconnect`].
+    pub fn with_disconnect(mut self, policy: Disconnect) -> Self {
+        self.config_mut().disconnect = policy;
         self
+    }
+
+    /// How refusals and replays are worded; see [`Rendering`].
+    pub fn with_rendering(mut self, rendering: Rendering) -> Self {
+        self.config_mut().rendering = rendering;
+        self
+    }
+
+    /// Makes a duplicate of a key in flight wait for the first request's answer instead of
+    /// getting `409` at once; see [`InFlightWait`].
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Zero`] for a zero wait or a zero number of waiters.
+    pub fn with_in_flight_wait(mut self, wait: InFlightWait) -> Result<Self, ConfigError> {
+        self.config_mut().in_flight_wait = Some(wait.validated()?);
+        Ok(self)
     }
 
     /// How many bytes of completed records to keep in this process for replays (default 16 MiB,
@@ -339,133 +273,11 @@ impl<St: Store> IdempotencyLayer<St> {
         self
     }
 
-    /// What happens to a running handler when the client disconnects; see [`Disconnect`].
-    pub fn with_disconnect(mut self, policy: Disconnect) -> Self {
-        self.config_mut().disconnect = policy;
-        self
-    }
-
-    /// How many handlers may run on for clients that hung up ([`Disconnect::RunToCompletion`])
-    /// before the layer sheds new work: while that many are still running, a keyed request gets
-    /// `503` with `Retry-After` at once, without touching the store (nothing run, nothing
-    /// claimed), unless the replay cache answers it. Handlers already detached always finish:
-    /// none is cancelled to make room.
-    ///
-    /// The limit is the smaller of this and what the store can carry
-    /// ([`Capabilities::detached_limit`](crate::store::Capabilities::detached_limit)): in transactional mode each detached handler holds a pooled
-    /// connection, and the store keeps half its pool for everyone else.
-    pub fn with_max_detached(mut self, max: usize) -> Self {
-        self.config_mut().max_detached = max;
-        self
-    }
-
-    /// How long a handler may run. Past it the layer stops renewing its lease and stops the
-    /// handler (drops its future): a hung handler would otherwise hold its key forever, answering
-    /// `409` to every retry. Its client, if still there, gets `503`. The claim is given up
-    /// ([`Store::abandon`]): the next retry takes the key over at once and is told so
-    /// ([`IdempotencyContext::takeover`](crate::IdempotencyContext::takeover)), so it can look
-    /// for the stopped attempt's partial effects; in transactional mode its writes are rolled
-    /// back instead, and the retry starts clean. A duration longer than [`MAX_DURATION`] is taken
-    /// as that.
-    ///
-    /// # Errors
-    ///
-    /// [`ConfigError::Zero`] for zero.
-    pub fn with_max_handler_time(mut self, max: Duration) -> Result<Self, ConfigError> {
-        if max.is_zero() {
-            return Err(ConfigError::Zero("max_handler_time"));
-        }
-        self.config_mut().max_handler_time = max.min(MAX_DURATION);
-        Ok(self)
-    }
-
-    /// Where the `type` URIs of the layer's problem documents point: `base` followed by the
-    /// refusal's [`RejectionKind::label`](crate::RejectionKind::label) (`in_flight`,
-    /// `mismatch`...), so they lead to your API's own documentation
-    /// (`https://api.example.com/docs/errors#` gives `https://api.example.com/docs/errors#mismatch`).
-    /// By default they point at this crate's documentation of each kind.
-    pub fn with_problem_type_base(mut self, base: impl Into<String>) -> Self {
-        self.config_mut().rendering.type_base = Some(base.into().into());
-        self
-    }
-
-    /// Renders the layer's refusals (`400`, `408`, `409`, `413`, `422`, `500`, `503`) as your
-    /// API's own errors instead of RFC 9457 problem documents. `render` gets the typed
-    /// [`Rejection`] (its kind, status, detail and `Retry-After`) and returns the response;
-    /// the layer adds `Retry-After` and `Cache-Control: no-store` when it did not set them,
-    /// and keeps the rejection in the response's extensions for outer layers.
-    ///
-    /// ```
-    /// use axum::http::{Response, header};
-    /// use bytes::Bytes;
-    /// use tower_idempotency::{IdempotencyLayer, RejectionKind};
-    ///
-    /// // The app's envelope: `{"error": {"code": ..., "message": ...}}`.
-    /// let layer = IdempotencyLayer::memory().with_rejection_response(|rejection| {
-    ///     let code = match rejection.kind() {
-    ///         RejectionKind::InFlight => "request_in_progress",
-    ///         RejectionKind::Mismatch => "idempotency_key_reused",
-    ///         other => other.label(),
-    ///     };
-    ///     let body = serde_json::json!({
-    ///         "error": { "code": code, "message": rejection.detail() }
-    ///     });
-    ///     Response::builder()
-    ///         .status(rejection.kind().status())
-    ///         .header(header::CONTENT_TYPE, "application/json")
-    ///         .body(Bytes::from(body.to_string()))
-    ///         .expect("a valid response")
-    /// });
-    /// # let _ = layer;
-    /// ```
-    pub fn with_rejection_response<F>(mut self, render: F) -> Self
-    where
-        F: Fn(&Rejection) -> http::Response<bytes::Bytes> + Send + Sync + 'static,
-    {
-        self.config_mut().rendering.custom = Some(Arc::new(render));
-        self
-    }
-
-    /// How long a duplicate of a key in flight waits for the first request to finish instead of
-    /// getting `409` at once: it then gets the first request's replay as soon as it is stored, or
-    /// runs itself if the first was released (a `400`, a `5xx`...). After `wait`, `409` as
-    /// without it. Zero, the default, is the IETF draft's behaviour: `409` at once.
-    ///
-    /// A waiting request holds no database connection: the store wakes it when the key settles
-    /// ([`Store::capabilities`]; the PostgreSQL store through `LISTEN`/`NOTIFY`, across
-    /// instances), or it reads the key again every so often. At most
-    /// [`with_max_waiting`](Self::with_max_waiting) requests wait at once; past that, `409`.
-    pub fn with_in_flight_wait(mut self, wait: Duration) -> Self {
-        let wait = wait.min(MAX_DURATION);
-        if !wait.is_zero() {
-            let watch = self.shared.store.capabilities().in_flight_watch().clone();
-            watch.start();
-            self.shared.waiting = Arc::new(Waiting::new(watch));
-        }
-        self.config_mut().in_flight_wait = wait;
-        self
-    }
-
-    /// How many requests may wait for keys in flight at once (default 1,024); see
-    /// [`with_in_flight_wait`](Self::with_in_flight_wait).
-    pub fn with_max_waiting(mut self, max: usize) -> Self {
-        self.config_mut().max_waiting = max;
-        self
-    }
-
     /// What this layer's configuration says to an OpenAPI document (feature `utoipa`): the key
-    /// header, the refusals, `Idempotent-Replayed` and the TTL; see [`openapi`](crate::openapi).
+    /// header, the refusals, the replay header and the TTL; see [`openapi`](crate::openapi).
     #[cfg(feature = "utoipa")]
     pub fn openapi(&self) -> crate::openapi::IdempotencyApi {
         crate::openapi::IdempotencyApi::new(&self.shared.config)
-    }
-
-    /// Response headers never stored (so never replayed), besides those
-    /// [`Record::capture`](crate::Record::capture) always drops: headers that describe one
-    /// delivery or carry a secret in your app.
-    pub fn with_unstored_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.config_mut().unstored_headers.extend(names);
-        self
     }
 }
 

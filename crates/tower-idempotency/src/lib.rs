@@ -62,7 +62,6 @@
 mod body;
 mod cache;
 mod chain;
-mod config;
 mod context;
 mod fingerprint;
 mod future;
@@ -75,30 +74,33 @@ pub mod openapi;
 mod policy;
 mod problem;
 mod record;
+mod rendering;
 mod replay;
 mod scope;
 mod service;
+mod settings;
 pub mod store;
 #[cfg(feature = "postgres")]
 mod transaction;
 
 pub use body::{RequestBody, ResponseBody};
-pub use config::{ConfigError, MAX_DURATION, MIN_LEASE};
 pub use context::IdempotencyContext;
 #[cfg(feature = "axum")]
 pub use context::MissingIdempotencyContext;
 #[doc(hidden)]
 pub use fingerprint::{CanonicalJsonError, FormPair, canonical_form_pairs, canonical_json};
-pub use fingerprint::{Fingerprint, FingerprintMode};
+pub use fingerprint::{Fingerprint, FingerprintMode, Fingerprinting};
 pub use future::ResponseFuture;
-pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyRule, MAX_KEY_LEN};
+pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyRule, KeySource, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
 pub use policy::{Disconnect, Retention, RetentionPolicy, StoreFailure};
 pub use problem::{PROBLEM_JSON, PROBLEM_TYPE_BASE, Rejection, RejectionKind};
 pub use record::{IDEMPOTENT_REPLAYED, Record, RecordBytesError};
+pub use rendering::Rendering;
 pub use replay::{BODY_NOT_STORED_TYPE, IDEMPOTENT_REPLAY_BODY};
 pub use scope::{EmptyPrincipal, Principal, Scope, ScopeKey};
 pub use service::Idempotency;
+pub use settings::{ConfigError, InFlightWait, Limits, MAX_DURATION, MIN_LEASE};
 #[cfg(feature = "postgres")]
 pub use transaction::{IdempotentTx, TxUnavailable};
 

@@ -2,13 +2,13 @@
 //! resource to publish its idempotency specification, expiry policy included.
 //!
 //! ```
-//! use tower_idempotency::IdempotencyLayer;
+//! use tower_idempotency::{IdempotencyLayer, KeySource};
 //! use utoipa::openapi::{
 //!     HttpMethod, OpenApiBuilder, PathItem, PathsBuilder, ResponseBuilder,
 //!     path::OperationBuilder,
 //! };
 //!
-//! let layer = IdempotencyLayer::memory().required();
+//! let layer = IdempotencyLayer::memory().with_key(KeySource::default().required());
 //! // The app's own document, from `#[derive(OpenApi)]` or built by hand.
 //! let create = OperationBuilder::new()
 //!     .response("200", ResponseBuilder::new().description("The charge"))
@@ -40,7 +40,7 @@
 //!   seconds, scope.
 //!
 //! An app that renders its refusals itself
-//! ([`with_rejection_response`](crate::IdempotencyLayer::with_rejection_response)) gives their
+//! ([`Rendering::custom`](crate::Rendering::custom)) gives their
 //! schema with [`IdempotencyApi::with_refusal_schema`].
 
 use std::time::Duration;
@@ -54,11 +54,10 @@ use utoipa::openapi::{
 };
 
 use crate::{
-    config::{Config, KeySource, MAX_DURATION},
     key::header_title,
     problem::{PROBLEM_JSON, RejectionKind},
-    record::IDEMPOTENT_REPLAYED,
     replay::IDEMPOTENT_REPLAY_BODY,
+    settings::{Config, MAX_DURATION},
 };
 
 /// The name of the refusals' schema in the document's components.
@@ -70,6 +69,7 @@ pub const PROBLEM_SCHEMA: &str = "IdempotencyProblem";
 pub struct IdempotencyApi {
     header: Option<String>,
     required: bool,
+    replayed: String,
     ttl: Duration,
     methods: Vec<http::Method>,
     across_endpoints: bool,
@@ -81,17 +81,18 @@ pub struct IdempotencyApi {
 impl IdempotencyApi {
     pub(crate) fn new(config: &Config) -> Self {
         Self {
-            header: match &config.key_source {
-                KeySource::Header(name) => Some(header_title(name.as_str())),
-                KeySource::Request(_) => None,
-            },
-            required: config.required,
+            header: config
+                .key
+                .header_name()
+                .map(|name| header_title(name.as_str())),
+            required: config.key.is_required(),
+            replayed: header_title(config.rendering.replayed_header().as_str()),
             ttl: config.ttl,
             methods: config.methods.clone(),
             across_endpoints: config.scope.is_across_endpoints(),
             rule: config
-                .key_rule
-                .as_ref()
+                .key
+                .rule()
                 .map(|rule| (rule.name().to_owned(), rule.format())),
             refusal_schema: None,
             statuses: Vec::new(),
@@ -200,7 +201,7 @@ impl IdempotencyApi {
         if let Some(header) = &self.header {
             self.document_key(header, operation);
         }
-        document_replay_headers(operation);
+        document_replay_headers(&self.replayed, operation);
         self.document_refusals(operation);
         self.document_facts(operation);
         let description = operation.description.get_or_insert_with(String::new);
@@ -314,7 +315,7 @@ impl IdempotencyApi {
 
 /// `Idempotent-Replayed` on each of the operation's responses, and `Idempotent-Replay-Body`
 /// for a replay whose body was too large to keep.
-fn document_replay_headers(operation: &mut Operation) {
+fn document_replay_headers(replayed_header: &str, operation: &mut Operation) {
     let header = |value: &str, description: &str| {
         HeaderBuilder::new()
             .schema(
@@ -337,7 +338,7 @@ fn document_replay_headers(operation: &mut Operation) {
     for response in operation.responses.responses.values_mut() {
         if let RefOr::T(response) = response {
             let headers = &mut response.headers;
-            headers.insert(header_title(IDEMPOTENT_REPLAYED.as_str()), replayed.clone());
+            headers.insert(replayed_header.to_owned(), replayed.clone());
             headers.insert(
                 header_title(IDEMPOTENT_REPLAY_BODY.as_str()),
                 omitted.clone(),

@@ -1,9 +1,11 @@
 //! Refusals: see [`Rejection`].
 
-use std::{borrow::Cow, fmt, sync::Arc, time::Duration};
+use std::{borrow::Cow, fmt, time::Duration};
 
 use bytes::Bytes;
-use http::{HeaderValue, Response, StatusCode, header};
+use http::{Response, StatusCode};
+
+use crate::rendering::Rendering;
 
 /// Base of the problem `type` URIs: the documentation of each [`RejectionKind`] variant.
 pub const PROBLEM_TYPE_BASE: &str =
@@ -185,7 +187,7 @@ impl RejectionKind {
 ///
 /// | kind | status | `code` | when |
 /// |---|---|---|---|
-/// | [`KeyMissing`](RejectionKind::KeyMissing) | 400 | `missing-key` | the key is [required](crate::IdempotencyLayer::required) and absent |
+/// | [`KeyMissing`](RejectionKind::KeyMissing) | 400 | `missing-key` | the key is [required](crate::KeySource::required) and absent |
 /// | [`KeyInvalid`](RejectionKind::KeyInvalid) | 400 | `invalid-key` | the header is malformed, empty, too long or repeated |
 /// | [`BodyUnreadable`](RejectionKind::BodyUnreadable) | 400 | `body-unreadable` | the request body failed while being read |
 /// | [`BodyTimeout`](RejectionKind::BodyTimeout) | 408 | `body-timeout` | the body did not arrive within `body_timeout` |
@@ -196,8 +198,8 @@ impl RejectionKind {
 /// | [`HandlerPanicked`](RejectionKind::HandlerPanicked) | 500 | `handler-panicked` | the handler panicked; the key is released |
 /// | [`TransactionAborted`](RejectionKind::TransactionAborted) | 500 | `transaction-aborted` | transactional mode: the handler answered success over a transaction one of its statements had failed; nothing committed, the key is released |
 /// | [`StoreUnavailable`](RejectionKind::StoreUnavailable) | 503 | `store-unavailable` | the store failed and the layer fails closed (`Retry-After`) |
-/// | [`Overloaded`](RejectionKind::Overloaded) | 503 | `overloaded` | too many handlers still run for clients that hung up ([`with_max_detached`](crate::IdempotencyLayer::with_max_detached)); nothing run (`Retry-After`) |
-/// | [`HandlerTimedOut`](RejectionKind::HandlerTimedOut) | 503 | `handler-timed-out` | the handler ran past [`with_max_handler_time`](crate::IdempotencyLayer::with_max_handler_time) and was stopped; its key is given up (`Retry-After: 1`) |
+/// | [`Overloaded`](RejectionKind::Overloaded) | 503 | `overloaded` | too many handlers still run for clients that hung up ([`Limits::with_max_detached`](crate::Limits::with_max_detached)); nothing run (`Retry-After`) |
+/// | [`HandlerTimedOut`](RejectionKind::HandlerTimedOut) | 503 | `handler-timed-out` | the handler ran past [`Limits::with_max_handler_time`](crate::Limits::with_max_handler_time) and was stopped; its key is given up (`Retry-After: 1`) |
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejection {
     kind: RejectionKind,
@@ -246,7 +248,7 @@ impl Rejection {
 
     /// The problem `type` URI: `base` followed by the kind's [`label`](RejectionKind::label)
     /// (an app's own documentation, see
-    /// [`with_problem_type_base`](crate::IdempotencyLayer::with_problem_type_base)), or without
+    /// [`Rendering::with_type_base`](crate::Rendering::with_type_base)), or without
     /// a base this crate's documentation of the kind.
     pub fn problem_type(&self, base: Option<&str>) -> String {
         match base {
@@ -430,62 +432,11 @@ impl Rejection {
 }
 
 /// A JSON object as bytes, with a final newline, as curl users expect.
-fn problem_bytes(problem: &serde_json::Map<String, serde_json::Value>) -> Bytes {
+pub(crate) fn problem_bytes(problem: &serde_json::Map<String, serde_json::Value>) -> Bytes {
     // Serialising a map of JSON values cannot fail.
     let mut json = serde_json::to_vec(problem).unwrap_or_default();
     json.push(b'\n');
     Bytes::from(json)
-}
-
-/// How the layer turns a [`Rejection`] into a response: an RFC 9457 problem document (its
-/// `type` under the app's base, if it set one), or the app's own rendering.
-#[derive(Clone, Default)]
-pub(crate) struct Rendering {
-    pub(crate) type_base: Option<Arc<str>>,
-    pub(crate) custom: Option<Arc<RenderFn>>,
-}
-
-/// An app's rendering of the layer's refusals.
-pub(crate) type RenderFn = dyn Fn(&Rejection) -> Response<Bytes> + Send + Sync;
-
-impl Rendering {
-    /// The response for `rejection`. Whatever renders it, the response carries the rejection
-    /// in its extensions, `Retry-After` when the rejection has one and `Cache-Control: no-store`,
-    /// unless the app's rendering set them itself.
-    pub(crate) fn render<B: From<Bytes>>(&self, rejection: Rejection) -> Response<B> {
-        let mut response = match &self.custom {
-            Some(render) => render(&rejection).map(B::from),
-            None => {
-                let problem = rejection.problem(self.type_base.as_deref());
-                let mut response = Response::new(B::from(problem_bytes(&problem)));
-                *response.status_mut() = rejection.kind.status();
-                response
-                    .headers_mut()
-                    .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-                response
-            }
-        };
-        let headers = response.headers_mut();
-        if !headers.contains_key(header::CACHE_CONTROL) {
-            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        }
-        if let Some(seconds) = rejection.retry_after
-            && !headers.contains_key(header::RETRY_AFTER)
-        {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        response.extensions_mut().insert(rejection);
-        response
-    }
-}
-
-impl fmt::Debug for Rendering {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Rendering")
-            .field("type_base", &self.type_base)
-            .field("custom", &self.custom.as_ref().map(|_| ".."))
-            .finish()
-    }
 }
 
 impl fmt::Display for Rejection {
@@ -498,6 +449,7 @@ impl std::error::Error for Rejection {}
 
 #[cfg(test)]
 mod tests {
+    use http::header;
     use http_body_util::{BodyExt, Full};
 
     use super::*;

@@ -3,10 +3,7 @@
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Response, header};
 
-use crate::{
-    problem::PROBLEM_JSON,
-    record::{IDEMPOTENT_REPLAYED, Record},
-};
+use crate::{problem::PROBLEM_JSON, record::Record};
 
 /// The problem `type` of a replay whose body was not stored.
 pub const BODY_NOT_STORED_TYPE: &str = "https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.Record.html#responses-too-large-to-store";
@@ -16,8 +13,8 @@ pub const BODY_NOT_STORED_TYPE: &str = "https://docs.rs/tower-idempotency/latest
 /// original body without reading it (see [`Record`](crate::Record#responses-too-large-to-store)).
 pub static IDEMPOTENT_REPLAY_BODY: HeaderName = HeaderName::from_static("idempotent-replay-body");
 
-/// The replay of `record`.
-pub(crate) fn response<B: From<Bytes>>(record: &Record) -> Response<B> {
+/// The replay of `record`, marked by the header `replayed`.
+pub(crate) fn response<B: From<Bytes>>(record: &Record, replayed: &HeaderName) -> Response<B> {
     let mut response = Response::new(B::from(Bytes::new()));
     *response.status_mut() = record.status();
     *response.headers_mut() = record.headers().clone();
@@ -49,7 +46,7 @@ pub(crate) fn response<B: From<Bytes>>(record: &Record) -> Response<B> {
     *response.body_mut() = B::from(body);
     response
         .headers_mut()
-        .insert(&IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        .insert(replayed, HeaderValue::from_static("true"));
     response
 }
 
@@ -74,6 +71,7 @@ mod tests {
     use http_body_util::{BodyExt, Full};
 
     use super::*;
+    use crate::record::IDEMPOTENT_REPLAYED;
 
     #[tokio::test]
     async fn replays_status_headers_and_exact_bytes() {
@@ -82,7 +80,7 @@ mod tests {
         headers.append("x-multi", "2".parse().unwrap());
         let body = Bytes::from_static(b"\x00\xffnot utf-8");
         let record = Record::from_parts(StatusCode::ACCEPTED, headers, Some(body.clone()));
-        let response = response::<Full<Bytes>>(&record);
+        let response = response::<Full<Bytes>>(&record, &IDEMPOTENT_REPLAYED);
         assert_eq!(response.status(), StatusCode::ACCEPTED);
         assert!(!response.headers().contains_key(&IDEMPOTENT_REPLAY_BODY));
         let multi: Vec<_> = response.headers().get_all("x-multi").iter().collect();
@@ -107,7 +105,7 @@ mod tests {
             headers.insert(name, value.parse().unwrap());
         }
         let record = Record::from_parts(StatusCode::CREATED, headers, None);
-        let response = response::<Full<Bytes>>(&record);
+        let response = response::<Full<Bytes>>(&record, &IDEMPOTENT_REPLAYED);
         assert_eq!(response.status(), StatusCode::CREATED);
         assert_eq!(response.headers()["content-type"], PROBLEM_JSON);
         assert_eq!(response.headers()["location"], "/v1/exports/1");

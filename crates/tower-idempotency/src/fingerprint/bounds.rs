@@ -2,7 +2,7 @@
 //! shape, and a depth beyond the parser's limit treated the same way on every retry.
 
 use super::canon::{Rules, Stop, Work, canonicalise};
-use super::coverage::Coverage;
+use super::fingerprinting::Fingerprinting;
 use super::pointer::Exclusions;
 use super::testing::{JSON, fp};
 use super::{Fingerprint, FingerprintMode};
@@ -125,17 +125,14 @@ fn nested(depth: usize) -> String {
 fn json_deeper_than_the_parser_allows_is_hashed_as_its_bytes_every_time() {
     let text = Some("text/plain");
     let excluding = |body: &str| {
-        let coverage = Coverage {
-            excluded: vec!["/a".to_owned()],
-            ..Coverage::default()
-        };
+        let fingerprinting = Fingerprinting::semantic().excluding(["/a"]);
         let mut headers = http::HeaderMap::new();
         headers.insert(
             http::header::CONTENT_TYPE,
             http::HeaderValue::from_static("application/json"),
         );
         let uri = "/".parse().unwrap();
-        coverage.fingerprint(&http::Method::POST, &uri, &headers, body.as_bytes())
+        fingerprinting.fingerprint(&http::Method::POST, &uri, &headers, body.as_bytes())
     };
     // serde_json's limit: 127 levels are read, the 128th is an error.
     let deepest = nested(127);

@@ -5,7 +5,7 @@
 use http::{HeaderMap, HeaderValue, Method, Uri};
 use proptest::prelude::*;
 
-use super::coverage::Coverage;
+use super::fingerprinting::Fingerprinting;
 use super::properties::{Rng, json_like, json_value, rewrite};
 use super::{Fingerprint, FingerprintMode, oracle};
 
@@ -52,11 +52,11 @@ fn both(
     };
     let mut headers = HeaderMap::new();
     headers.insert(http::header::CONTENT_TYPE, value);
-    let coverage = Coverage {
-        excluded: excluded.to_vec(),
-        ..Coverage::default()
-    };
-    (old, coverage.fingerprint(&method, &uri, &headers, body))
+    let fingerprinting = Fingerprinting::semantic().excluding(excluded.iter().cloned());
+    (
+        old,
+        fingerprinting.fingerprint(&method, &uri, &headers, body),
+    )
 }
 
 fn check(content_type: &str, body: &[u8], excluded: &[String]) -> Result<(), TestCaseError> {

@@ -3,9 +3,9 @@
 #[cfg(test)]
 mod bounds;
 mod canon;
-mod coverage;
 #[cfg(test)]
 mod equivalence;
+mod fingerprinting;
 mod form;
 mod json;
 #[cfg(test)]
@@ -17,11 +17,11 @@ mod token;
 
 use std::{borrow::Cow, fmt};
 
-use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
+use http::{HeaderMap, HeaderValue, Method, Uri};
 use sha2::{Digest, Sha256};
 
-pub(crate) use coverage::{Coverage, compute_for_request};
+pub use fingerprinting::Fingerprinting;
+pub(crate) use fingerprinting::compute_for_request;
 #[doc(hidden)]
 pub use form::{FormPair, canonical_form_pairs};
 use form::{excluded_names, put_pairs, put_pairs_without};
@@ -77,15 +77,15 @@ pub enum FingerprintMode {
 /// # What it covers
 ///
 /// By default: the method, the path, the query and the body, and no request header. Two
-/// settings change that, for APIs whose retries legitimately differ, or whose identical bodies
-/// mean different things:
+/// parts of [`Fingerprinting`] change that, for APIs whose retries legitimately differ, or whose
+/// identical bodies mean different things:
 ///
-/// * [`with_fingerprint_excluding`](crate::IdempotencyLayer::with_fingerprint_excluding) leaves
+/// * [`Fingerprinting::excluding`] leaves
 ///   body fields out, by JSON Pointer (`/client_sent_at`, `/metadata/trace_id`); for a form
 ///   body, a top-level pointer (`/trace_id`) names a field. A client timestamp or trace id that
 ///   changes on every retry then does not make the retry a `422`. (Not in
-///   [`FingerprintMode::Raw`], where the bytes are the meaning.)
-/// * [`with_fingerprint_headers`](crate::IdempotencyLayer::with_fingerprint_headers) takes
+///   [`FingerprintMode::Raw`], where the bytes are the meaning: refused there.)
+/// * [`Fingerprinting::with_headers`] takes
 ///   request headers in (`Stripe-Version`, `Accept`): a retry under another API version is then
 ///   a `422` rather than the replay of a body of the old version.
 ///
@@ -155,7 +155,7 @@ impl Fingerprint {
     }
 
     /// [`compute`](Self::compute) with the body fields at the JSON Pointers `excluded` left
-    /// out, as [`with_fingerprint_excluding`](crate::IdempotencyLayer::with_fingerprint_excluding)
+    /// out, as [`Fingerprinting::excluding`]
     /// computes it; for benchmarks and fuzzing.
     #[doc(hidden)]
     pub fn compute_excluding(
@@ -170,12 +170,14 @@ impl Fingerprint {
         if let Some(content_type) = content_type {
             headers.insert(http::header::CONTENT_TYPE, content_type.clone());
         }
-        let coverage = Coverage {
-            mode,
-            excluded: excluded.to_vec(),
-            headers: Vec::new(),
+        // A raw fingerprint leaves nothing out (the layer refuses to be told otherwise).
+        let fingerprinting = match mode {
+            FingerprintMode::Raw => Fingerprinting::raw(),
+            FingerprintMode::Semantic => {
+                Fingerprinting::semantic().excluding(excluded.iter().cloned())
+            }
         };
-        coverage.fingerprint(method, uri, &headers, body)
+        fingerprinting.fingerprint(method, uri, &headers, body)
     }
 
     /// Rebuilds a fingerprint from its 32 bytes, as a store reads it back.

@@ -59,7 +59,7 @@ pub(super) fn compute(
     Fingerprint(hasher.finalize().into())
 }
 
-/// The old body part of `Coverage::fingerprint` (no headers): fields left out first.
+/// The old body part of `Fingerprinting::fingerprint` (no headers): fields left out first.
 pub(super) fn compute_excluding(
     method: &Method,
     uri: &Uri,

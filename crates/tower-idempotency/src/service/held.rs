@@ -8,9 +8,9 @@ use tracing::Instrument;
 use super::run::Heartbeat;
 use crate::{
     chain::Chain,
-    config::MAX_DURATION,
     metrics,
     record::Record,
+    settings::MAX_DURATION,
     store::{ClaimHandle, ClaimStatus, Store},
 };
 

@@ -17,7 +17,6 @@ use crate::{
     body::{self, Buffered, RequestBody, ResponseBody},
     cache::Hit,
     chain::Chain,
-    config::Config,
     context::IdempotencyContext,
     fingerprint::Fingerprint,
     future::{HangUp, Served},
@@ -26,6 +25,7 @@ use crate::{
     policy::StoreFailure,
     problem::Rejection,
     scope::ScopeKey,
+    settings::Config,
     store::{ClaimRequest, KeyState, Store},
 };
 
@@ -51,7 +51,11 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             };
             let key = match self.key.take() {
                 Some(key) => key,
-                None => match config.key_from_request(&parts, &body) {
+                None => match config.key.from_whole_request(
+                    &parts,
+                    request_uri(&parts.extensions, &parts.uri).path(),
+                    &body,
+                ) {
                     Ok(Some(key)) => key,
                     // No key, not required: the handler runs unprotected, as with no header.
                     Ok(None) => return self.unprotected(parts, body).await,
@@ -64,7 +68,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                 .key(&self.principal, &parts.method, uri.path(), &key);
             tracing::Span::current().record("key", tracing::field::display(scope_key));
             let fingerprint = crate::fingerprint::compute_for_request(
-                &config.fingerprint,
+                &config.fingerprinting,
                 &parts.method,
                 uri,
                 &parts.headers,
@@ -111,7 +115,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                 };
                 self.run(claim, context, parts, body).await
             }
-            KeyState::Completed { record, .. } => Ok(replayed(&record)),
+            KeyState::Completed { record, .. } => Ok(replayed(&self.shared.config, &record)),
             KeyState::InFlight { .. } => {
                 outcome(Outcome::Conflict);
                 Ok(reject(&self.shared.config, Rejection::in_flight()))
@@ -174,8 +178,8 @@ fn buffer_request<B: HttpBody>(
     body: B,
 ) -> impl Future<Output = Result<Bytes, Rejection>> + '_ {
     async move {
-        let limit = config.max_body_bytes;
-        let timeout = config.body_timeout;
+        let limit = config.limits.max_request_bytes;
+        let timeout = config.limits.body_timeout;
         let body = pin!(body);
         let mut buffering = pin!(body::buffer(body, limit));
         // A small body has usually arrived with the head: only a body still on its way gets a
@@ -227,7 +231,7 @@ impl<St: Store> Shared<St> {
                     .map_err(Unclaimed::StoreFailed)?,
             };
             match state {
-                KeyState::InFlight { .. } if !self.config.in_flight_wait.is_zero() => self
+                KeyState::InFlight { .. } if self.config.in_flight_wait.is_some() => self
                     .wait_while_in_flight(scope_key, fingerprint, hang_up)
                     .await
                     .ok_or(Unclaimed::ClientLeft),
@@ -237,10 +241,10 @@ impl<St: Store> Shared<St> {
     }
 
     /// Whether as many handlers run for clients that hung up as the layer allows: the smaller
-    /// of [`with_max_detached`](crate::IdempotencyLayer::with_max_detached) and the store's
+    /// of [`Limits::with_max_detached`](crate::Limits::with_max_detached) and the store's
     /// [`detached_limit`](crate::store::Capabilities::detached_limit).
     pub(super) fn overloaded(&self) -> bool {
-        let configured = self.config.max_detached;
+        let configured = self.config.limits.max_detached;
         let limit = self
             .store
             .capabilities()

@@ -23,12 +23,12 @@ use tracing::Instrument;
 use crate::{
     body::{BoxError, RequestBody, ResponseBody},
     cache::ReplayCache,
-    config::{Config, KeySource},
     future::{Detach, Detached, HangUp, ResponseFuture},
-    key::{IdempotencyKey, KeyError},
+    key::{IdempotencyKey, KeyLookup},
     policy::Disconnect,
     problem::Rejection,
     scope::Principal,
+    settings::Config,
     store::Store,
 };
 
@@ -159,7 +159,11 @@ where
             );
         }
         // Key, when a header holds it; a key taken from the request waits for its body.
-        let key = match config.key_from_header(&request) {
+        let path = request_uri(request.extensions(), request.uri()).path();
+        let key = match config
+            .key
+            .from_head(request.method(), path, request.headers())
+        {
             Ok(KeyLookup::Found(key)) => Some(key),
             Ok(KeyLookup::InBody) => None,
             Ok(KeyLookup::Absent) => {
@@ -200,7 +204,7 @@ impl<S: Clone, St> Idempotency<S, St> {
         let clone = self.inner.clone();
         let detach = (config.disconnect == Disconnect::RunToCompletion).then(|| Detach {
             detached: Arc::clone(&self.shared.detached),
-            hang_up: (!config.in_flight_wait.is_zero()).then(Arc::default),
+            hang_up: config.in_flight_wait.is_some().then(Arc::default),
         });
         let keyed = Keyed {
             inner: std::mem::replace(&mut self.inner, clone),
@@ -239,73 +243,7 @@ struct Keyed<S, St, ReqBody> {
     _request_body: PhantomData<fn(ReqBody)>,
 }
 
-/// Where a covered request's key is, as far as its head tells.
-enum KeyLookup {
-    /// In its header, well formed and following the app's rule.
-    Found(IdempotencyKey),
-    /// To be taken from the request once its body has arrived.
-    InBody,
-    /// Nowhere, and not required: the handler runs unprotected.
-    Absent,
-}
-
 impl Config {
-    /// The key in the request's header (`Err`, the `400`, when it is required and absent,
-    /// malformed or breaks the rule).
-    fn key_from_header<B>(&self, request: &Request<B>) -> Result<KeyLookup, Rejection> {
-        let KeySource::Header(name) = &self.key_source else {
-            return Ok(KeyLookup::InBody);
-        };
-        let found = IdempotencyKey::from_header(request.headers(), name);
-        let source = format!("an {} header", crate::key::header_title(name.as_str()));
-        let path = request_uri(request.extensions(), request.uri()).path();
-        let key = self.accept_key(found, request.method(), path, &source)?;
-        Ok(key.map_or(KeyLookup::Absent, KeyLookup::Found))
-    }
-
-    /// The key the app's function takes from the request: `Ok(None)` without one (`Err`, the
-    /// `400`, when it is required, malformed or breaks the rule).
-    fn key_from_request(
-        &self,
-        parts: &Parts,
-        body: &Bytes,
-    ) -> Result<Option<IdempotencyKey>, Rejection> {
-        let KeySource::Request(key_of) = &self.key_source else {
-            return Ok(None);
-        };
-        let found = key_of(parts, body).map(IdempotencyKey::new).transpose();
-        let path = request_uri(&parts.extensions, &parts.uri).path();
-        self.accept_key(
-            found,
-            &parts.method,
-            path,
-            "an idempotency key in the request",
-        )
-    }
-
-    /// The one judgement of a key wherever it was found (`source` says where it was looked
-    /// for): malformed, breaking the app's rule, or absent when required are refused.
-    fn accept_key(
-        &self,
-        found: Result<Option<IdempotencyKey>, KeyError>,
-        method: &http::Method,
-        path: &str,
-        source: &str,
-    ) -> Result<Option<IdempotencyKey>, Rejection> {
-        match found {
-            Ok(Some(key)) => match &self.key_rule {
-                Some(rule) if !rule.accepts(key.as_str()) => Err(Rejection::key_breaks_rule(
-                    rule.name(),
-                    rule.format() == Some("uuid"),
-                )),
-                _ => Ok(Some(key)),
-            },
-            Ok(None) if self.required => Err(Rejection::key_missing(method, path, source)),
-            Ok(None) => Ok(None),
-            Err(error) => Err(Rejection::key_invalid(&error)),
-        }
-    }
-
     /// Who the key is scoped to (`Err`, the `500`, when no principal was found).
     fn principal(&self, parts: &Parts) -> Result<Principal, Rejection> {
         self.scope.principal(parts).ok_or_else(|| {

@@ -3,12 +3,12 @@
 use http::Response;
 
 use crate::{
-    body::ResponseBody, config::Config, metrics, problem::Rejection, record::Record, replay,
+    body::ResponseBody, metrics, problem::Rejection, record::Record, replay, settings::Config,
 };
 
-pub(super) fn replayed<B>(record: &Record) -> Response<ResponseBody<B>> {
+pub(super) fn replayed<B>(config: &Config, record: &Record) -> Response<ResponseBody<B>> {
     outcome(Outcome::Replayed);
-    replay::response(record)
+    replay::response(record, config.rendering.replayed_header())
 }
 
 pub(super) fn mismatch<B>(config: &Config) -> Response<ResponseBody<B>> {

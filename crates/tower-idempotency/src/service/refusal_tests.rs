@@ -12,8 +12,8 @@ use tower::ServiceExt;
 use tower_layer::Layer;
 
 use crate::{
-    IdempotencyLayer, RequestBody, Scope, body::BoxError, replay::IDEMPOTENT_REPLAY_BODY,
-    store::MemoryStore,
+    IdempotencyLayer, KeySource, Limits, RequestBody, Scope, body::BoxError,
+    replay::IDEMPOTENT_REPLAY_BODY, store::MemoryStore,
 };
 
 type TestBody = BoxBody<Bytes, BoxError>;
@@ -86,15 +86,19 @@ enum Case {
 async fn provoke(case: Case) -> Response<Bytes> {
     let started = Arc::new(Notify::new());
     let layer = match case {
-        Case::NoKey => layer().required(),
+        Case::NoKey => layer().with_key(KeySource::default().required()),
         Case::NoPrincipal => IdempotencyLayer::memory(),
         Case::StalledBody => layer()
-            .with_body_timeout(Duration::from_millis(10))
+            .with_limits(Limits::default().with_body_timeout(Duration::from_millis(10)))
             .expect("timeout"),
-        Case::LargeBody => layer().with_max_body_bytes(4).expect("limit"),
-        Case::Overloaded => layer().with_max_detached(0),
+        Case::LargeBody => layer()
+            .with_limits(Limits::default().with_max_request_bytes(4))
+            .expect("limit"),
+        Case::Overloaded => layer()
+            .with_limits(Limits::default().with_max_detached(1))
+            .expect("limit"),
         Case::Hang => layer()
-            .with_max_handler_time(Duration::from_millis(10))
+            .with_limits(Limits::default().with_max_handler_time(Duration::from_millis(10)))
             .expect("max time"),
         _ => layer(),
     };
@@ -122,6 +126,15 @@ async fn provoke(case: Case) -> Response<Bytes> {
             let first = service.clone().oneshot(request("/", key, body("{}")));
             assert_eq!(first.await.expect("first").status(), StatusCode::CREATED);
             request("/", key, body("{\"other\": 1}"))
+        }
+        Case::Overloaded => {
+            // Its client hangs up while the handler runs: the handler runs on, detached, and
+            // fills the one place.
+            let first = tokio::spawn(service.clone().oneshot(request("/hang", key, body("{}"))));
+            started.notified().await;
+            first.abort();
+            assert!(first.await.expect_err("aborted").is_cancelled());
+            request("/", Some("k2"), body("{}"))
         }
         Case::Panic => request("/panic", key, body("{}")),
         Case::Hang => request("/hang", key, body("{}")),
@@ -163,7 +176,8 @@ async fn every_refusal_carries_its_code() {
 #[tokio::test]
 async fn a_replay_whose_body_was_too_large_says_so_in_a_header() {
     let service = layer()
-        .with_max_response_bytes(4)
+        .with_limits(Limits::default().with_max_response_bytes(4))
+        .expect("limit")
         .layer(handler(Arc::default()));
     let send = || service.clone().oneshot(request("/", Some("k"), body("{}")));
 

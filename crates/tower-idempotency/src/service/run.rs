@@ -21,13 +21,13 @@ use super::{
 use crate::{
     body::{self, Buffered, RequestBody, ResponseBody},
     chain::Chain,
-    config::Config,
     context::IdempotencyContext,
     future::Served,
     metrics,
     policy::Retention,
     problem::Rejection,
     record::Record,
+    settings::Config,
     store::{ClaimHandle, ClaimStatus, Store},
 };
 
@@ -58,7 +58,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             let guard = HeldKey::new(Arc::clone(&store), claim);
             parts.extensions.insert(context);
             let request = Request::from_parts(parts, RequestBody::buffered(body));
-            let max_response_bytes = config.max_response_bytes;
+            let max_response_bytes = config.limits.max_response_bytes;
             let handler = async move {
                 let response = inner.call(request).await?;
                 let (parts, body) = response.into_parts();
@@ -69,7 +69,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             };
             let heartbeat = Heartbeat {
                 lease: config.lease,
-                max_time: config.max_handler_time,
+                max_time: config.limits.max_handler_time,
             };
             let handled = {
                 // Pinned here and lent to the heartbeat (see the service module); dropped at the
@@ -79,14 +79,14 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             };
             let Some(handled) = handled else {
                 tracing::error!(
-                    max = ?config.max_handler_time,
+                    max = ?config.limits.max_handler_time,
                     "handler ran past its maximum time; stopped, and its key given up"
                 );
                 guard.abandon().await;
                 outcome(Outcome::Abandoned);
                 return Ok(reject(
                     &config,
-                    Rejection::handler_timed_out(config.max_handler_time),
+                    Rejection::handler_timed_out(config.limits.max_handler_time),
                 ));
             };
             settle(&config, guard, handled, takeover).await
@@ -128,7 +128,8 @@ fn settle<'a, St: Store, B: HttpBody, E: 'a>(
             .extensions
             .remove::<Retention>()
             .unwrap_or_else(|| config.retention.decide(parts.status));
-        let (kept_body, body) = split_body(buffered, config.max_response_bytes, &mut retention);
+        let (kept_body, body) =
+            split_body(buffered, config.limits.max_response_bytes, &mut retention);
         match retention {
             Retention::Keep => {
                 let record = Record::capture_without(&parts, kept_body, &config.unstored_headers);
@@ -275,7 +276,7 @@ impl Heartbeat {
     }
 }
 
-pub(super) use crate::config::later;
+pub(super) use crate::settings::later;
 
 /// How soon a store that failed is tried again while a claim must be kept alive: an outage
 /// shorter than the lease never lets the lease lapse.

@@ -88,11 +88,14 @@ impl<St: Store> Shared<St> {
         let in_flight = || KeyState::InFlight {
             lease_remaining: None,
         };
-        let Some(_slot) = self.waiting.enter(self.config.max_waiting) else {
+        let Some(wait) = self.config.in_flight_wait else {
+            return Some(in_flight());
+        };
+        let Some(_slot) = self.waiting.enter(wait.max_waiting) else {
             metrics::waited("full");
             return Some(in_flight());
         };
-        let deadline = later(tokio::time::Instant::now(), self.config.in_flight_wait);
+        let deadline = later(tokio::time::Instant::now(), wait.wait);
         let (mut subscription, notifier, poll) = match &self.waiting.watch {
             Some(InFlightWatch::Notified(notifier)) => (
                 Some(notifier.subscribe(&key)),

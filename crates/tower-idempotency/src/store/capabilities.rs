@@ -61,7 +61,7 @@ impl Capabilities {
     /// before new requests would starve, because each claim holds something scarce: PostgreSQL's
     /// transactional mode, where each claim holds a pooled connection, declares half its pool.
     /// The layer refuses new keys past the smaller of this and
-    /// [`with_max_detached`](crate::IdempotencyLayer::with_max_detached).
+    /// [`Limits::with_max_detached`](crate::Limits::with_max_detached).
     #[must_use]
     pub fn with_detached_limit(mut self, limit: usize) -> Self {
         self.detached_limit = Some(limit);

@@ -204,7 +204,7 @@ pub trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = Result<ClaimStatus, Self::Error>> + Send;
 
     /// Gives up a held claim whose handler was stopped part-way (it ran past the layer's
-    /// [maximum handler time](crate::IdempotencyLayer::with_max_handler_time)): the next request
+    /// [maximum handler time](crate::Limits::with_max_handler_time)): the next request
     /// for the key takes it over at once, and is told so
     /// ([`KeyState::Acquired`]`{ takeover: true }`) unless the claim's effects were rolled back
     /// with it. The default renews the claim with a lease of zero, which lapses it now.

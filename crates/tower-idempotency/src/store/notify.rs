@@ -25,16 +25,6 @@ pub enum InFlightWatch {
     Polled(Duration),
 }
 
-impl InFlightWatch {
-    /// Called once a layer that waits is built on the store: a store that wakes waiters from a
-    /// task of its own gets ready to (see [`Notifier::start_on_wait`]).
-    pub(crate) fn start(&self) {
-        if let Self::Notified(notifier) = self {
-            notifier.start();
-        }
-    }
-}
-
 /// The requests of this process waiting for keys to settle, woken by the store.
 ///
 /// A store wakes them with [`notify`](Self::notify) whenever it completes or releases a key (the
@@ -112,9 +102,8 @@ impl Notifier {
         self.0.waiting.load(Ordering::Relaxed) > 0
     }
 
-    /// Has `start` called when a layer that waits is built on the store and as each request
-    /// starts waiting, for a store that wakes waiters from a task of its own: the layer may be
-    /// built outside a runtime, where none can be spawned, so the first waiter starts it.
+    /// Has `start` called as each request starts waiting, for a store that wakes waiters from a
+    /// task of its own: building a layer starts nothing, so the first waiter starts it.
     /// `start` returns at once once it has started.
     pub(crate) fn start_on_wait(&self, start: impl Fn() + Send + Sync + 'static) {
         // Set once, by the store that owns this notifier.

@@ -101,7 +101,7 @@ impl Records {
     }
 }
 
-pub(super) use crate::config::later;
+pub(super) use crate::settings::later;
 
 #[derive(Debug)]
 pub(super) struct Entry {

@@ -3,7 +3,7 @@
 
 use std::{fmt, time::Duration};
 
-use crate::config::MAX_DURATION;
+use crate::settings::MAX_DURATION;
 
 /// The narrowest partition of partitioned mode
 /// ([`PostgresStore::partitioned`](super::PostgresStore::partitioned)): a claim looks its key up

@@ -1,23 +1,92 @@
 //! What a fingerprint covers as the layer is configured (fields left out, headers taken in), and
 //! where it is computed: inline, or off the async workers for a large body.
 
-use super::*;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, Method, Uri};
+use sha2::{Digest, Sha256};
+
+use super::{
+    BodyKind, Exclusions, Fingerprint, FingerprintMode, excluded_names, hash_json_excluding,
+    put_field, put_pairs_without, put_raw,
+};
+use crate::settings::ConfigError;
 
 /// Bodies up to this size are fingerprinted on the async worker; larger ones on the blocking
 /// thread pool.
 pub(super) const INLINE_BODY_BYTES: usize = 64 * 1024;
 
-/// What a request's fingerprint covers, as the layer is configured: the mode, body fields left
-/// out and request headers taken in (see the [module documentation](crate::Fingerprint#what-it-covers)).
+/// What a request's fingerprint covers: the [mode](FingerprintMode), body fields left out
+/// and request headers taken in (see [`Fingerprint`](crate::Fingerprint#what-it-covers));
+/// given to [`IdempotencyLayer::with_fingerprint`](crate::IdempotencyLayer::with_fingerprint).
+///
+/// ```
+/// use http::HeaderName;
+/// use tower_idempotency::{Fingerprinting, IdempotencyLayer};
+///
+/// # fn main() -> Result<(), tower_idempotency::ConfigError> {
+/// let layer = IdempotencyLayer::memory().with_fingerprint(
+///     Fingerprinting::semantic()
+///         .excluding(["/client_sent_at", "/metadata/trace_id"])
+///         .with_headers([HeaderName::from_static("stripe-version")]),
+/// )?;
+/// # let _ = layer; Ok(()) }
+/// ```
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Coverage {
-    pub(crate) mode: FingerprintMode,
+pub struct Fingerprinting {
+    mode: FingerprintMode,
     /// JSON Pointers (RFC 6901) of body fields left out.
-    pub(crate) excluded: Vec<String>,
-    pub(crate) headers: Vec<HeaderName>,
+    excluded: Vec<String>,
+    headers: Vec<HeaderName>,
 }
 
-impl Coverage {
+impl Fingerprinting {
+    /// The body compared by meaning (the default): JSON and form bodies canonicalised, so key
+    /// order and spacing do not make another request. See [`FingerprintMode::Semantic`].
+    pub fn semantic() -> Self {
+        Self::default()
+    }
+
+    /// The body compared byte for byte. See [`FingerprintMode::Raw`]. It cannot leave fields
+    /// out: [`excluding`](Self::excluding) with it is refused.
+    pub fn raw() -> Self {
+        Self {
+            mode: FingerprintMode::Raw,
+            ..Self::default()
+        }
+    }
+
+    /// Leaves body fields out, by JSON Pointer (RFC 6901): `/client_sent_at`,
+    /// `/metadata/trace_id`; for a form body a top-level pointer names a field. A retry that
+    /// differs only in them is the same request. A pointer must start with `/`
+    /// ([`ConfigError::InvalidPointer`]).
+    #[must_use]
+    pub fn excluding(mut self, pointers: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        self.excluded.extend(pointers.into_iter().map(Into::into));
+        self
+    }
+
+    /// Takes request headers in (an API version such as `Stripe-Version`, `Accept`): a retry
+    /// whose values differ is another request, `422`.
+    #[must_use]
+    pub fn with_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.headers.extend(names);
+        self
+    }
+
+    /// The value as the layer keeps it: every pointer well formed, and none under a raw mode,
+    /// which would otherwise leave nothing out without a word.
+    pub(crate) fn validated(self) -> Result<Self, ConfigError> {
+        if let Some(pointer) = self.excluded.iter().find(|p| !p.starts_with('/')) {
+            return Err(ConfigError::InvalidPointer(pointer.clone()));
+        }
+        if self.mode == FingerprintMode::Raw && !self.excluded.is_empty() {
+            return Err(ConfigError::RawExcluding);
+        }
+        Ok(self)
+    }
+}
+
+impl Fingerprinting {
     /// The fingerprint of a request, [`Fingerprint::compute`]'s when nothing is left out or
     /// taken in.
     pub(crate) fn fingerprint(
@@ -91,7 +160,7 @@ impl Coverage {
 /// The fingerprint of a request for the service: inline for a body up to 64 KiB, on Tokio's
 /// blocking thread pool for a larger one (see the [module documentation](crate::Fingerprint#bounded-work)).
 pub(crate) async fn compute_for_request(
-    coverage: &Coverage,
+    fingerprinting: &Fingerprinting,
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
@@ -99,12 +168,12 @@ pub(crate) async fn compute_for_request(
 ) -> Fingerprint {
     let runtime = match tokio::runtime::Handle::try_current() {
         Ok(runtime) if body.len() > INLINE_BODY_BYTES => runtime,
-        _ => return coverage.fingerprint(method, uri, headers, body),
+        _ => return fingerprinting.fingerprint(method, uri, headers, body),
     };
     let compute = {
-        let (coverage, method, uri) = (coverage.clone(), method.clone(), uri.clone());
-        let (headers, body) = (coverage.relevant_headers(headers), body.clone());
-        move || coverage.fingerprint(&method, &uri, &headers, &body)
+        let (fingerprinting, method, uri) = (fingerprinting.clone(), method.clone(), uri.clone());
+        let (headers, body) = (fingerprinting.relevant_headers(headers), body.clone());
+        move || fingerprinting.fingerprint(&method, &uri, &headers, &body)
     };
     // Beyond one per core, more at once would only hold more buffers, not finish sooner.
     let _slot = blocking_slots().acquire().await;
@@ -131,6 +200,8 @@ fn cores() -> usize {
 
 #[cfg(test)]
 mod tests {
+    use http::HeaderValue;
+
     use super::*;
 
     /// Polls `future` once.
@@ -153,8 +224,8 @@ mod tests {
                 let _ = held.recv();
             });
             let text = HeaderValue::from_static("text/plain");
-            let (coverage, method, uri) = (
-                Coverage::default(),
+            let (fingerprinting, method, uri) = (
+                Fingerprinting::default(),
                 Method::POST,
                 Uri::from_static("/v1/charges"),
             );
@@ -175,7 +246,7 @@ mod tests {
             };
 
             let mut small = std::pin::pin!(compute_for_request(
-                &coverage,
+                &fingerprinting,
                 &method,
                 &uri,
                 &headers,
@@ -188,7 +259,7 @@ mod tests {
                 std::task::Poll::Pending => panic!("a 64 KiB body waited for the blocking pool"),
             }
             let mut large = std::pin::pin!(compute_for_request(
-                &coverage,
+                &fingerprinting,
                 &method,
                 &uri,
                 &headers,
@@ -214,17 +285,18 @@ mod tests {
             // Every slot taken, as by as many large bodies being fingerprinted.
             let taken = blocking_slots().acquire_many(cores() as u32).await.unwrap();
             let body = Bytes::from(vec![b'x'; INLINE_BODY_BYTES + 1]);
-            let coverage = Coverage {
-                mode: FingerprintMode::Raw,
-                ..Coverage::default()
-            };
+            let fingerprinting = Fingerprinting::raw();
             let (method, uri, headers) = (
                 Method::POST,
                 Uri::from_static("/v1/charges"),
                 HeaderMap::new(),
             );
             let mut waiting = std::pin::pin!(compute_for_request(
-                &coverage, &method, &uri, &headers, &body
+                &fingerprinting,
+                &method,
+                &uri,
+                &headers,
+                &body
             ));
             assert!(poll_once(waiting.as_mut()).await.is_pending());
             // The one blocking thread runs its tasks in order: had the fingerprint been handed

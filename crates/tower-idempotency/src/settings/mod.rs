@@ -1,67 +1,43 @@
 //! The layer's settings, shared by every clone of its service, and what makes one invalid.
+//! Related settings travel as one value ([`Limits`], [`InFlightWait`], and beside their
+//! concerns [`KeySource`](crate::KeySource), [`Fingerprinting`](crate::Fingerprinting),
+//! [`Rendering`](crate::Rendering)), each checked whole when the layer is given it.
 
-use std::{fmt, sync::Arc, time::Duration};
+use std::{fmt, time::Duration};
 
 use http::{HeaderName, Method};
 
 use crate::{
-    fingerprint::Coverage,
-    key::KeyRule,
+    fingerprint::Fingerprinting,
+    key::KeySource,
     policy::{Disconnect, RetentionPolicy, StoreFailure},
-    problem::Rendering,
+    rendering::Rendering,
     scope::Scope,
 };
 
-/// The settings, shared by every clone of the service.
+mod limits;
+mod waiting;
+
+pub use limits::Limits;
+pub use waiting::InFlightWait;
+
+/// The settings, shared by every clone of the service: each value validated when it was set.
 #[derive(Clone, Debug)]
 pub(crate) struct Config {
     pub(crate) ttl: Duration,
     pub(crate) lease: Duration,
     pub(crate) methods: Vec<Method>,
-    pub(crate) required: bool,
-    pub(crate) max_body_bytes: usize,
-    pub(crate) body_timeout: Duration,
-    pub(crate) max_response_bytes: usize,
+    pub(crate) key: KeySource,
     pub(crate) scope: Scope,
-    pub(crate) fingerprint: Coverage,
-    pub(crate) key_source: KeySource,
-    pub(crate) key_rule: Option<KeyRule>,
-    pub(crate) store_failure: StoreFailure,
+    pub(crate) fingerprinting: Fingerprinting,
+    pub(crate) limits: Limits,
     pub(crate) retention: RetentionPolicy,
-    pub(crate) disconnect: Disconnect,
-    pub(crate) max_detached: usize,
-    pub(crate) max_handler_time: Duration,
     pub(crate) unstored_headers: Vec<HeaderName>,
+    pub(crate) store_failure: StoreFailure,
+    pub(crate) disconnect: Disconnect,
     pub(crate) rendering: Rendering,
-    /// Zero: a duplicate of a key in flight gets `409` at once.
-    pub(crate) in_flight_wait: Duration,
-    pub(crate) max_waiting: usize,
-}
-
-/// Where a request's key comes from.
-#[derive(Clone)]
-pub(crate) enum KeySource {
-    Header(HeaderName),
-    Request(Arc<KeyFn>),
-}
-
-/// An app's way to take a key from the request.
-pub(crate) type KeyFn =
-    dyn Fn(&http::request::Parts, &bytes::Bytes) -> Option<String> + Send + Sync;
-
-impl Default for KeySource {
-    fn default() -> Self {
-        Self::Header(crate::key::IDEMPOTENCY_KEY.clone())
-    }
-}
-
-impl fmt::Debug for KeySource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Header(name) => f.debug_tuple("Header").field(name).finish(),
-            Self::Request(_) => f.write_str("Request(..)"),
-        }
-    }
+    /// `None`: a duplicate of a key in flight gets `409` at once.
+    pub(crate) in_flight_wait: Option<InFlightWait>,
 }
 
 /// The longest duration a setting takes: longer ones are taken as this, which is forever for
@@ -87,23 +63,16 @@ impl Default for Config {
             ttl: Duration::from_secs(24 * 60 * 60),
             lease: Duration::from_secs(30),
             methods: vec![Method::POST, Method::PATCH],
-            required: false,
-            max_body_bytes: 2 * 1024 * 1024,
-            body_timeout: Duration::from_secs(30),
-            max_response_bytes: 1024 * 1024,
+            key: KeySource::default(),
             scope: Scope::default(),
-            fingerprint: Coverage::default(),
-            key_source: KeySource::default(),
-            key_rule: None,
-            store_failure: StoreFailure::default(),
+            fingerprinting: Fingerprinting::default(),
+            limits: Limits::default(),
             retention: RetentionPolicy::default(),
-            disconnect: Disconnect::default(),
-            max_detached: 1024,
-            max_handler_time: Duration::from_secs(10 * 60),
             unstored_headers: Vec::new(),
+            store_failure: StoreFailure::default(),
+            disconnect: Disconnect::default(),
             rendering: Rendering::default(),
-            in_flight_wait: Duration::ZERO,
-            max_waiting: 1024,
+            in_flight_wait: None,
         }
     }
 }
@@ -118,7 +87,8 @@ impl Config {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// A duration or limit that must be positive was zero.
+    /// A duration or limit was zero: every one must be positive (to switch a behaviour off,
+    /// leave its setting out).
     Zero(&'static str),
     /// A duration shorter than the setting's minimum.
     TooShort {
@@ -129,8 +99,11 @@ pub enum ConfigError {
     },
     /// The layer must cover at least one method.
     NoMethods,
-    /// A JSON Pointer must be empty or start with `/`.
+    /// A JSON Pointer must start with `/`.
     InvalidPointer(String),
+    /// Fields left out of a raw fingerprint, which hashes the body's bytes and cannot leave
+    /// any out.
+    RawExcluding,
 }
 
 impl fmt::Display for ConfigError {
@@ -150,6 +123,10 @@ impl fmt::Display for ConfigError {
                     "`{pointer}` is not a JSON Pointer: it must start with `/`"
                 )
             }
+            Self::RawExcluding => f.write_str(
+                "a raw fingerprint hashes the body's bytes and cannot leave fields out: \
+                 exclude fields from `Fingerprinting::semantic()`",
+            ),
         }
     }
 }
@@ -164,6 +141,7 @@ mod tests {
     #[test]
     fn invalid_settings_are_errors() {
         let layer = IdempotencyLayer::memory;
+        let limits = |f: fn(Limits) -> Limits| layer().with_limits(f(Limits::default()));
         assert_eq!(
             layer().with_ttl(Duration::ZERO).unwrap_err(),
             ConfigError::Zero("ttl")
@@ -176,13 +154,36 @@ mod tests {
             layer().with_methods([]).unwrap_err(),
             ConfigError::NoMethods
         );
+        for (zero, setting) in [
+            (limits(|l| l.with_max_request_bytes(0)), "max_request_bytes"),
+            (
+                limits(|l| l.with_body_timeout(Duration::ZERO)),
+                "body_timeout",
+            ),
+            (
+                limits(|l| l.with_max_response_bytes(0)),
+                "max_response_bytes",
+            ),
+            (
+                limits(|l| l.with_max_handler_time(Duration::ZERO)),
+                "max_handler_time",
+            ),
+            (limits(|l| l.with_max_detached(0)), "max_detached"),
+        ] {
+            assert_eq!(zero.unwrap_err(), ConfigError::Zero(setting));
+        }
+        let wait = InFlightWait::up_to(Duration::from_secs(1));
         assert_eq!(
-            layer().with_max_body_bytes(0).unwrap_err(),
-            ConfigError::Zero("max_body_bytes")
+            layer()
+                .with_in_flight_wait(wait.with_max_waiting(0))
+                .unwrap_err(),
+            ConfigError::Zero("max_waiting")
         );
         assert_eq!(
-            layer().with_body_timeout(Duration::ZERO).unwrap_err(),
-            ConfigError::Zero("body_timeout")
+            layer()
+                .with_in_flight_wait(InFlightWait::up_to(Duration::ZERO))
+                .unwrap_err(),
+            ConfigError::Zero("in_flight_wait")
         );
         assert_eq!(
             layer().with_lease(Duration::from_nanos(2)).unwrap_err(),
@@ -191,12 +192,32 @@ mod tests {
                 min: MIN_LEASE
             }
         );
-        assert_eq!(
-            layer().with_max_handler_time(Duration::ZERO).unwrap_err(),
-            ConfigError::Zero("max_handler_time")
-        );
         let saturated = layer().with_ttl(Duration::MAX).unwrap();
         assert_eq!(saturated.shared.config.ttl, MAX_DURATION);
+    }
+
+    /// Fields left out of a raw fingerprint were once ignored without a word; now refused,
+    /// whichever order the value was built in.
+    #[test]
+    fn a_raw_fingerprint_refuses_to_leave_fields_out() {
+        let raw = Fingerprinting::raw().excluding(["/client_sent_at"]);
+        assert_eq!(
+            IdempotencyLayer::memory()
+                .with_fingerprint(raw)
+                .unwrap_err(),
+            ConfigError::RawExcluding
+        );
+        assert_eq!(
+            IdempotencyLayer::memory()
+                .with_fingerprint(Fingerprinting::semantic().excluding(["client_sent_at"]))
+                .unwrap_err(),
+            ConfigError::InvalidPointer("client_sent_at".to_owned())
+        );
+        assert!(
+            IdempotencyLayer::memory()
+                .with_fingerprint(Fingerprinting::semantic().excluding(["/client_sent_at"]))
+                .is_ok()
+        );
     }
 
     /// Issue 28.9: no setting panics, whatever the duration (`Duration::MAX` included), and a
@@ -229,8 +250,12 @@ mod tests {
                 for set in [
                     |l: IdempotencyLayer<MemoryStore>, d| l.with_ttl(d),
                     |l: IdempotencyLayer<MemoryStore>, d| l.with_lease(d),
-                    |l: IdempotencyLayer<MemoryStore>, d| l.with_body_timeout(d),
-                    |l: IdempotencyLayer<MemoryStore>, d| l.with_max_handler_time(d),
+                    |l: IdempotencyLayer<MemoryStore>, d| {
+                        l.with_limits(Limits::default().with_body_timeout(d))
+                    },
+                    |l: IdempotencyLayer<MemoryStore>, d| {
+                        l.with_limits(Limits::default().with_max_handler_time(d))
+                    },
                 ]
                 .into_iter()
                 .zip([ttl, lease, body_timeout, max_handler_time])

@@ -2,7 +2,7 @@
 //! writes, and the app that makes them in the request's transaction.
 
 use sqlx::{Executor, PgPool};
-use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
+use tower_idempotency::{IdempotencyLayer, KeySource, store::PostgresStore};
 
 use crate::{
     app::{CHARGES_TABLE, Probe, tx_app},
@@ -50,7 +50,7 @@ impl Tx {
         store.migrate().await.expect("migrate");
         let store = ObservedStore::new(store);
         let probe = Probe::default();
-        let layer = IdempotencyLayer::new(store.clone()).required();
+        let layer = IdempotencyLayer::new(store.clone()).with_key(KeySource::default().required());
         let server = TestServer::start(tx_app(layer, probe.clone(), pool)).await;
         Self {
             db,

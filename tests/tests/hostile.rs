@@ -18,7 +18,7 @@ use idempotency_tests::{
 };
 use tokio::{io::AsyncWriteExt, net::TcpStream, time::Instant};
 use tower_idempotency::{
-    IdempotencyLayer,
+    IdempotencyLayer, Limits,
     store::{PostgresStore, Store},
 };
 
@@ -356,7 +356,7 @@ async fn stalled_body_is_408_after_the_body_timeout() {
     bounded(async {
         let timeout = Duration::from_millis(500);
         let layer = IdempotencyLayer::memory()
-            .with_body_timeout(timeout)
+            .with_limits(Limits::default().with_body_timeout(timeout))
             .expect("a valid timeout");
         let t = Target::start(layer, None).await;
         let mut request = RawRequest::post("/charges")
@@ -401,7 +401,7 @@ async fn trickled_body_is_408_after_the_body_timeout() {
     bounded(async {
         let timeout = Duration::from_millis(500);
         let layer = IdempotencyLayer::memory()
-            .with_body_timeout(timeout)
+            .with_limits(Limits::default().with_body_timeout(timeout))
             .expect("a valid timeout");
         let t = Target::start(layer, None).await;
         let request = RawRequest::post("/charges")

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use idempotency_tests::suite::Backend;
-use tower_idempotency::store::MemoryStore;
+use tower_idempotency::{InFlightWait, store::MemoryStore};
 
 /// A memory store holding at most `MAX_BYTES` of records (`0`: unbounded, `MemoryStore::new`).
 struct Memory<const MAX_BYTES: usize>(MemoryStore);
@@ -112,7 +112,7 @@ async fn a_full_memory_store_refuses_new_keys_and_keeps_replaying() {
     assert_eq!(h.probe.executions(), kept.len() + 1);
 }
 
-/// Issue 29.3: waiting is bounded: past `with_max_waiting` waiters, a duplicate gets its `409`
+/// Issue 29.3: waiting is bounded: past `InFlightWait::with_max_waiting` waiters, a duplicate gets its `409`
 /// at once instead of waiting.
 #[tokio::test(flavor = "current_thread")]
 async fn past_the_most_waiters_a_duplicate_is_409_at_once() {
@@ -121,8 +121,8 @@ async fn past_the_most_waiters_a_duplicate_is_409_at_once() {
     idempotency_tests::init_tracing();
     let h = Harness::<Unbounded>::with(|layer| {
         layer
-            .with_in_flight_wait(Duration::from_secs(30))
-            .with_max_waiting(1)
+            .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(30)).with_max_waiting(1))
+            .expect("a wait")
     })
     .await;
     let post = || h.post("/charges", Some("k-crowd")).body("{}");

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use http::HeaderName;
 use serde_json::Value;
-use tower_idempotency::{IdempotencyLayer, KeyRule, Scope, store::MemoryStore};
+use tower_idempotency::{IdempotencyLayer, KeyRule, KeySource, Scope, store::MemoryStore};
 use utoipa::openapi::{
     HttpMethod, OpenApi, OpenApiBuilder, PathItem, PathsBuilder, ResponseBuilder,
     path::OperationBuilder,
@@ -85,11 +85,13 @@ fn the_defaults_are_published() {
 fn the_settings_are_published() {
     let mut doc = app_document();
     IdempotencyLayer::new(MemoryStore::new())
-        .required()
+        .with_key(
+            KeySource::header(HeaderName::from_static("x-request-id"))
+                .required()
+                .with_rule(KeyRule::uuid()),
+        )
         .with_ttl(Duration::from_secs(7 * 24 * 3600))
         .expect("ttl")
-        .with_header(HeaderName::from_static("x-request-id"))
-        .with_key_rule(KeyRule::uuid())
         .with_scope(Scope::principal_extension().across_endpoints())
         .openapi()
         .apply_to(&mut doc, ["/v1/orders"]);

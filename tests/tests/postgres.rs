@@ -56,7 +56,7 @@ mod postgres_only {
     };
     use sqlx::Executor;
     use tokio::task::JoinSet;
-    use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
+    use tower_idempotency::{IdempotencyLayer, InFlightWait, store::PostgresStore};
 
     /// The store protocol's checks, as a third-party store runs them (`store::conformance`),
     /// on PostgreSQL's clock: leases of one second lapse for real.
@@ -306,13 +306,16 @@ mod postgres_only {
         let probe = Probe::default();
         let a = TestServer::start(app(
             IdempotencyLayer::new(mode(PostgresStore::new(instance_pool(&db).await)))
-                .with_in_flight_wait(Duration::from_secs(5)),
+                .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(5)))
+                .expect("a wait"),
             probe.clone(),
         ))
         .await;
         let b_store = ObservedStore::new(mode(PostgresStore::new(instance_pool(&db).await)));
         let b = TestServer::start(app(
-            IdempotencyLayer::new(b_store.clone()).with_in_flight_wait(Duration::from_secs(5)),
+            IdempotencyLayer::new(b_store.clone())
+                .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(5)))
+                .expect("a wait"),
             probe.clone(),
         ))
         .await;
@@ -368,7 +371,9 @@ mod postgres_only {
         let store = ObservedStore::new(PostgresStore::new(instance_pool(&db).await));
         let probe = Probe::default();
         let server = TestServer::start(app(
-            IdempotencyLayer::new(store.clone()).with_in_flight_wait(Duration::from_secs(5)),
+            IdempotencyLayer::new(store.clone())
+                .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(5)))
+                .expect("a wait"),
             probe.clone(),
         ))
         .await;

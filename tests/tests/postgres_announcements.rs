@@ -5,12 +5,16 @@
 use std::time::Duration;
 
 use idempotency_tests::{
+    app::{Probe, app},
     db::TestDb,
-    postgres::{claim_request, migrated, wait_until},
+    postgres::{claim_request, migrated, post, wait_until},
+    server::TestServer,
+    store::ObservedStore,
+    suite::Reply,
 };
 use sqlx::postgres::PgListener;
 use tower_idempotency::{
-    Record,
+    IdempotencyLayer, InFlightWait, Record,
     store::{ClaimRequest, ClaimStatus, KeyState, PgClaim, PostgresStore, Store},
 };
 
@@ -66,7 +70,8 @@ fn record() -> Record {
 async fn only_marked_keys_are_announced(store: PostgresStore, db: &TestDb) {
     // A layer that waits has the store announce settled keys.
     let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
-        .with_in_flight_wait(std::time::Duration::from_secs(1));
+        .with_in_flight_wait(InFlightWait::up_to(std::time::Duration::from_secs(1)))
+        .expect("a wait");
     let mut listener = listener(db).await;
 
     let unmarked = claim(&store, 1).await;
@@ -146,7 +151,8 @@ async fn in_partitioned_mode() {
     only_marked_keys_are_announced(store, &db).await;
 }
 
-/// The listener holds a connection of its own: a pool of one is still free for requests.
+/// The listener, started by the first request that waits, holds a connection of its own: a pool
+/// of one is still free for requests.
 #[tokio::test]
 async fn the_listener_takes_no_connection_from_the_pool() {
     let (db, _) = migrated().await;
@@ -156,10 +162,19 @@ async fn the_listener_takes_no_connection_from_the_pool() {
         .connect_with(db.options().clone())
         .await
         .expect("pool");
-    let store = PostgresStore::new(pool.clone());
-    // A layer that waits has the store announce settled keys.
-    let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
-        .with_in_flight_wait(std::time::Duration::from_secs(1));
+    let store = ObservedStore::new(PostgresStore::new(pool.clone()));
+    let probe = Probe::default();
+    let layer = IdempotencyLayer::new(store.clone())
+        .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(20)))
+        .expect("a wait");
+    let server = TestServer::start(app(layer, probe.clone())).await;
+    let client = reqwest::Client::new();
+    let first = tokio::spawn(Reply::of(
+        post(&client, &server, "k-listen").header("x-test-gate", "1"),
+    ));
+    probe.started(1).await;
+    let duplicate = tokio::spawn(Reply::of(post(&client, &server, "k-listen")));
+    store.begun(2).await;
     wait_until(
         &db,
         "SELECT count(*) = 1 FROM pg_stat_activity
@@ -168,6 +183,12 @@ async fn the_listener_takes_no_connection_from_the_pool() {
     .await;
     let connection = pool.acquire().await;
     assert!(connection.is_ok(), "{:?}", connection.err());
+    drop(connection);
+    probe.open_gate(1);
+    let first = first.await.expect("task");
+    let duplicate = duplicate.await.expect("task");
+    assert!(duplicate.replayed(), "{duplicate:?}");
+    assert_eq!(duplicate.body, first.body);
 }
 
 #[tokio::test]
@@ -176,7 +197,8 @@ async fn in_transactional_mode_every_key_is_announced() {
     let store = store.transactional();
     // A layer that waits has the store announce settled keys.
     let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
-        .with_in_flight_wait(std::time::Duration::from_secs(1));
+        .with_in_flight_wait(InFlightWait::up_to(std::time::Duration::from_secs(1)))
+        .expect("a wait");
     let mut listener = listener(&db).await;
     let claimed = claim(&store, 5).await;
     assert_eq!(

@@ -15,7 +15,7 @@ use idempotency_tests::{
 };
 use sqlx::postgres::PgListener;
 use tower_idempotency::{
-    IdempotencyLayer, Record,
+    IdempotencyLayer, InFlightWait, Record,
     store::{ClaimStatus, KeyState, PostgresStore, Store},
 };
 
@@ -41,6 +41,24 @@ async fn record_updates(db: &TestDb) -> i64 {
         .expect("count")
 }
 
+/// Issue 35.3: building a layer that waits starts no task and opens no connection (it once
+/// started the store's listener on the spot); the first request that waits starts it.
+#[tokio::test]
+async fn building_a_waiting_layer_starts_no_task() {
+    let (db, _) = migrated().await;
+    let pool = instance_pool(&db).await;
+    let store = PostgresStore::new(pool.clone());
+    let metrics = tokio::runtime::Handle::current().metrics();
+    let (tasks, connections) = (metrics.num_alive_tasks(), pool.size());
+    let layer = IdempotencyLayer::new(store)
+        .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(5)))
+        .expect("a wait");
+    tokio::task::yield_now().await;
+    assert_eq!(metrics.num_alive_tasks(), tasks, "a task was started");
+    assert_eq!(pool.size(), connections, "a connection was opened");
+    drop(layer);
+}
+
 /// Issue 34.3: a hundred duplicates wait for one key in flight, each reading it twice or more;
 /// the key's row is updated once for them all (the mark) and once by the completion, not once
 /// per waiter's read.
@@ -52,7 +70,9 @@ async fn a_storm_of_waiters_marks_the_key_once() {
     let store = ObservedStore::new(PostgresStore::new(instance_pool(&db).await));
     let probe = Probe::default();
     let server = TestServer::start(app(
-        IdempotencyLayer::new(store.clone()).with_in_flight_wait(Duration::from_secs(20)),
+        IdempotencyLayer::new(store.clone())
+            .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(20)))
+            .expect("a wait"),
         probe.clone(),
     ))
     .await;
@@ -104,13 +124,15 @@ fn a_layer_built_outside_a_runtime_still_wakes_its_waiters() {
         (db, a, b)
     });
     let b_store = ObservedStore::new(PostgresStore::new(b_pool));
-    let b_layer =
-        IdempotencyLayer::new(b_store.clone()).with_in_flight_wait(Duration::from_secs(5));
+    let b_layer = IdempotencyLayer::new(b_store.clone())
+        .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(5)))
+        .expect("a wait");
     runtime.block_on(async move {
         let probe = Probe::default();
         let a = TestServer::start(app(
             IdempotencyLayer::new(PostgresStore::new(a_pool))
-                .with_in_flight_wait(Duration::from_secs(5)),
+                .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(5)))
+                .expect("a wait"),
             probe.clone(),
         ))
         .await;
@@ -155,7 +177,8 @@ async fn the_fallback_completion_of_a_transactional_claim_is_announced() {
     let store = store.transactional();
     // A layer that waits has the store announce settled keys.
     let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
-        .with_in_flight_wait(std::time::Duration::from_secs(1));
+        .with_in_flight_wait(InFlightWait::up_to(std::time::Duration::from_secs(1)))
+        .expect("a wait");
     let mut listener = PgListener::connect_with(db.pool()).await.expect("listener");
     listener
         .listen("idempotency_settled")
@@ -214,7 +237,8 @@ async fn a_claim_taken_over_starts_unmarked() {
     // As a layer that waits has it: its statements announce marked keys.
     // A layer that waits has the store announce settled keys.
     let _layer = tower_idempotency::IdempotencyLayer::new(store.clone())
-        .with_in_flight_wait(std::time::Duration::from_secs(1));
+        .with_in_flight_wait(InFlightWait::up_to(std::time::Duration::from_secs(1)))
+        .expect("a wait");
     let request = claim_request(7, 7);
     assert!(matches!(
         store.claim(&request).await,

@@ -39,22 +39,22 @@ const PROTOCOL: &[(&str, &[&str])] = &[
         &["a_key_reaches_across_endpoints_only_when_scoped_so"],
     ),
     (
-        "key missing where `required()`",
+        "key missing where `KeySource::required()`",
         &["missing_key_is_400_when_required"],
     ),
     (
-        "key malformed, empty, over 255 characters, repeated, or against `with_key_rule`",
+        "key malformed, empty, over 255 characters, repeated, or against `KeySource::with_rule`",
         &[
             "malformed_keys_are_400",
             "a_key_that_breaks_the_rule_is_400_and_stores_nothing",
         ],
     ),
     (
-        "body over `max_body_bytes` (declared or streamed)",
+        "body over `Limits::with_max_request_bytes` (declared or streamed)",
         &["oversize_bodies_are_413"],
     ),
     (
-        "body slower than `body_timeout`",
+        "body slower than `Limits::with_body_timeout`",
         &[
             "stalled_body_is_408_after_the_body_timeout",
             "trickled_body_is_408_after_the_body_timeout",
@@ -84,11 +84,11 @@ const PROTOCOL: &[(&str, &[&str])] = &[
         ],
     ),
     (
-        "handler still running after `max_handler_time` (10 min)",
+        "handler still running after `Limits::with_max_handler_time` (10 min)",
         &["a_hung_handler_is_stopped_and_its_key_taken_over"],
     ),
     (
-        "response larger than `max_response_bytes`",
+        "response larger than `Limits::with_max_response_bytes`",
         &["a_response_too_large_to_store_is_never_rerun"],
     ),
     (

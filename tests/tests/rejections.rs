@@ -13,7 +13,10 @@ use idempotency_tests::{
     server::TestServer,
     suite::Reply,
 };
-use tower_idempotency::{IdempotencyLayer, Rejection, RejectionKind, store::MemoryStore};
+use tower_idempotency::{
+    IDEMPOTENT_REPLAYED, IdempotencyLayer, KeySource, Rejection, RejectionKind, Rendering,
+    store::MemoryStore,
+};
 
 /// The app's error envelope: `{"error": {"code", "message", "retryable"}}`.
 fn envelope(rejection: &Rejection) -> Response<Bytes> {
@@ -48,7 +51,8 @@ async fn tag_rejections(request: Request, next: Next) -> axum::response::Respons
 }
 
 async fn serve(layer: IdempotencyLayer<MemoryStore>, probe: Probe) -> TestServer {
-    let router: Router = app(layer.required(), probe).layer(middleware::from_fn(tag_rejections));
+    let router: Router = app(layer.with_key(KeySource::default().required()), probe)
+        .layer(middleware::from_fn(tag_rejections));
     TestServer::start(router).await
 }
 
@@ -68,7 +72,7 @@ fn post(server: &TestServer, key: Option<&str>, body: &'static str) -> reqwest::
 async fn an_apps_own_envelope_renders_every_refusal() {
     let probe = Probe::default();
     let server = serve(
-        IdempotencyLayer::new(MemoryStore::new()).with_rejection_response(envelope),
+        IdempotencyLayer::new(MemoryStore::new()).with_rendering(Rendering::custom(envelope)),
         probe.clone(),
     )
     .await;
@@ -108,8 +112,9 @@ async fn an_apps_own_envelope_renders_every_refusal() {
 #[tokio::test]
 async fn problem_types_point_at_the_apps_documentation() {
     let server = serve(
-        IdempotencyLayer::new(MemoryStore::new())
-            .with_problem_type_base("https://api.example.com/docs/errors#"),
+        IdempotencyLayer::new(MemoryStore::new()).with_rendering(
+            Rendering::problem_details().with_type_base("https://api.example.com/docs/errors#"),
+        ),
         Probe::default(),
     )
     .await;
@@ -123,6 +128,25 @@ async fn problem_types_point_at_the_apps_documentation() {
     assert_eq!(problem["status"], 400);
     assert_eq!(problem["title"], RejectionKind::KeyMissing.title());
     assert!(problem["detail"].is_string());
+}
+
+/// Issue 35.4: the replay marker is spelled as the API spells it, and only so.
+#[tokio::test]
+async fn the_replay_marker_is_spelled_as_the_api_spells_it() {
+    let spelled = axum::http::HeaderName::from_static("idempotency-replayed");
+    let rendering = Rendering::problem_details().with_replayed_header(spelled.clone());
+    let server = serve(
+        IdempotencyLayer::new(MemoryStore::new()).with_rendering(rendering),
+        Probe::default(),
+    )
+    .await;
+    let first = Reply::of(post(&server, Some("k1"), r#"{"amount":1}"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(first.headers.get(&spelled).is_none());
+    let replay = Reply::of(post(&server, Some("k1"), r#"{"amount":1}"#)).await;
+    assert_eq!(replay.headers[&spelled], "true");
+    assert!(replay.headers.get(&IDEMPOTENT_REPLAYED).is_none());
+    assert_eq!(replay.body, first.body);
 }
 
 /// The default is an RFC 9457 document: the four members, of the right JSON types, the status

@@ -22,7 +22,7 @@ use idempotency_tests::requests::replayed;
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer};
-use tower_idempotency::{IdempotencyLayer, Scope};
+use tower_idempotency::{IdempotencyLayer, KeySource, Scope};
 
 fn charge(key: &str) -> http::request::Builder {
     Request::post("/v1/charges").header("idempotency-key", key)
@@ -131,7 +131,7 @@ async fn an_outer_layer_sees_the_rejection_in_the_response_extensions() {
         .layer(
             IdempotencyLayer::memory()
                 .with_scope(Scope::single_tenant())
-                .required(),
+                .with_key(KeySource::default().required()),
         )
         .layer(axum::middleware::map_response(
             |mut response: Response<Body>| async move {

@@ -20,7 +20,7 @@ use tokio::{
     net::TcpStream,
     process::Command,
 };
-use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
+use tower_idempotency::{IdempotencyLayer, KeySource, store::PostgresStore};
 
 #[tokio::test]
 async fn the_writes_and_the_record_commit_together() {
@@ -273,12 +273,14 @@ async fn the_extractor_refuses_clearly_outside_transactional_mode() {
     let app = Router::new()
         .route("/lease/needs-tx", route_post(needs_tx))
         .route("/lease/optional", route_post(optional_tx))
-        .layer(IdempotencyLayer::new(lease).required())
+        .layer(IdempotencyLayer::new(lease).with_key(KeySource::default().required()))
         .merge(
             Router::new()
                 .route("/tx/twice", route_post(takes_it_twice))
                 .route("/tx/optional", route_post(optional_tx))
-                .layer(IdempotencyLayer::new(transactional).required()),
+                .layer(
+                    IdempotencyLayer::new(transactional).with_key(KeySource::default().required()),
+                ),
         )
         .layer(axum::middleware::from_fn(
             |mut request: axum::extract::Request, next: axum::middleware::Next| async move {

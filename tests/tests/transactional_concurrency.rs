@@ -16,7 +16,7 @@ use idempotency_tests::{
 };
 use sqlx::{Executor, postgres::PgPoolOptions};
 use tokio::{io::AsyncWriteExt, net::TcpStream, task::JoinSet};
-use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
+use tower_idempotency::{IdempotencyLayer, KeySource, store::PostgresStore};
 
 /// Issue 28.0: a retry of a completed key gets its replay even while another request holds
 /// the key's advisory lock (a concurrent lookup of the same key, here held by hand): only a
@@ -68,7 +68,9 @@ async fn concurrent_replays_of_completed_keys_are_never_409() {
     let store = PostgresStore::new(db.pool().clone()).transactional();
     store.migrate().await.expect("migrate");
     let probe = Probe::default();
-    let layer = IdempotencyLayer::new(store).required().with_replay_cache(0);
+    let layer = IdempotencyLayer::new(store)
+        .with_key(KeySource::default().required())
+        .with_replay_cache(0);
     let server = TestServer::start(tx_app(layer, probe.clone(), db.pool().clone())).await;
     let client = reqwest::Client::new();
     for k in 0..KEYS {
@@ -139,8 +141,8 @@ async fn racing_instances_write_one_row() {
         .connect_with(t.db.options().clone())
         .await
         .expect("second pool");
-    let other_layer =
-        IdempotencyLayer::new(PostgresStore::new(other_pool.clone()).transactional()).required();
+    let other_layer = IdempotencyLayer::new(PostgresStore::new(other_pool.clone()).transactional())
+        .with_key(KeySource::default().required());
     let other = TestServer::start(tx_app(other_layer, Probe::default(), other_pool)).await;
     let mut requests = JoinSet::new();
     for i in 0..50 {

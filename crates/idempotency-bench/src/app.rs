@@ -24,7 +24,9 @@ use axum::{
 };
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
-use tower_idempotency::{IdempotencyLayer, IdempotentTx, Principal, store::PostgresStore};
+use tower_idempotency::{
+    IdempotencyLayer, IdempotentTx, InFlightWait, Principal, store::PostgresStore,
+};
 
 /// The path every app serves.
 pub(crate) const CHARGES_PATH: &str = "/v1/charges";
@@ -161,13 +163,19 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
     let routes = match (app, pool) {
         (App::Bare, Some(pool)) => charges(pool),
         (App::Lease, Some(pool)) => charges(pool.clone()).layer(IdempotencyLayer::postgres(pool)),
-        (App::LeaseWait, Some(pool)) => charges(pool.clone())
-            .layer(IdempotencyLayer::postgres(pool).with_in_flight_wait(IN_FLIGHT_WAIT)),
+        (App::LeaseWait, Some(pool)) => charges(pool.clone()).layer(
+            IdempotencyLayer::postgres(pool)
+                .with_in_flight_wait(InFlightWait::up_to(IN_FLIGHT_WAIT))
+                .expect("a wait"),
+        ),
         (App::SlowLease, Some(pool)) => {
             slow_charges(pool.clone()).layer(IdempotencyLayer::postgres(pool))
         }
-        (App::SlowLeaseWait, Some(pool)) => slow_charges(pool.clone())
-            .layer(IdempotencyLayer::postgres(pool).with_in_flight_wait(IN_FLIGHT_WAIT)),
+        (App::SlowLeaseWait, Some(pool)) => slow_charges(pool.clone()).layer(
+            IdempotencyLayer::postgres(pool)
+                .with_in_flight_wait(InFlightWait::up_to(IN_FLIGHT_WAIT))
+                .expect("a wait"),
+        ),
         (App::LeaseNoCache, Some(pool)) => {
             charges(pool.clone()).layer(IdempotencyLayer::postgres(pool).with_replay_cache(0))
         }

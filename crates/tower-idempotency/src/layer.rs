@@ -12,7 +12,7 @@ use crate::{
     scope::Scope,
     service::{Idempotency, Shared, Waiting},
     settings::{Config, ConfigError, InFlightWait, Limits, MAX_DURATION, MIN_LEASE},
-    store::{MemoryStore, Store},
+    store::{InFlightWatch, MemoryStore, Store},
 };
 
 /// Applies [`Idempotency`] to a service: the entry point of the crate.
@@ -259,6 +259,11 @@ impl<St: Store> IdempotencyLayer<St> {
     /// [`ConfigError::Zero`] for a zero wait or a zero number of waiters.
     pub fn with_in_flight_wait(mut self, wait: InFlightWait) -> Result<Self, ConfigError> {
         self.config_mut().in_flight_wait = Some(wait.validated()?);
+        if let InFlightWatch::Notified(notifier) =
+            self.shared.store.capabilities().in_flight_watch()
+        {
+            notifier.expect_waiters();
+        }
         Ok(self)
     }
 

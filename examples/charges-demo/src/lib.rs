@@ -70,7 +70,7 @@ use axum::{
 use http::Method;
 use sqlx::PgPool;
 use tower_idempotency::{
-    ConfigError, IdempotencyLayer, Scope,
+    ConfigError, IdempotencyLayer, InFlightWait, KeySource, Limits, Rendering, Scope,
     store::{MemoryStore, PostgresStore, Store},
 };
 
@@ -96,7 +96,7 @@ pub struct Settings {
     /// The simulated card-processor latency of every charge (default none).
     pub processing_delay: Duration,
     /// How long a duplicate of a charge in flight waits for its answer (default none: `409`).
-    pub in_flight_wait: Duration,
+    pub in_flight_wait: Option<Duration>,
 }
 
 impl Default for Settings {
@@ -105,7 +105,7 @@ impl Default for Settings {
             key_ttl: Duration::from_secs(24 * 60 * 60),
             lease: Duration::from_secs(30),
             processing_delay: Duration::ZERO,
-            in_flight_wait: Duration::ZERO,
+            in_flight_wait: None,
         }
     }
 }
@@ -119,20 +119,23 @@ impl Default for Settings {
 ///
 /// # Errors
 ///
-/// [`ConfigError`] when the TTL or lease is zero.
+/// [`ConfigError`] when the TTL, the lease or the in-flight wait is zero.
 pub fn idempotency_layer<St: Store>(
     store: St,
     settings: &Settings,
 ) -> Result<IdempotencyLayer<St>, ConfigError> {
-    IdempotencyLayer::new(store)
-        .with_rejection_response(refusals::render)
+    let layer = IdempotencyLayer::new(store)
+        .with_rendering(Rendering::custom(refusals::render))
         .with_scope(Scope::principal_extension().across_endpoints())
-        .required()
+        .with_key(KeySource::default().required())
         .with_methods([Method::POST])?
-        .with_max_body_bytes(MAX_CHARGE_BODY_BYTES)?
+        .with_limits(Limits::default().with_max_request_bytes(MAX_CHARGE_BODY_BYTES))?
         .with_ttl(settings.key_ttl)?
-        .with_lease(settings.lease)
-        .map(|layer| layer.with_in_flight_wait(settings.in_flight_wait))
+        .with_lease(settings.lease)?;
+    match settings.in_flight_wait {
+        Some(wait) => layer.with_in_flight_wait(InFlightWait::up_to(wait)),
+        None => Ok(layer),
+    }
 }
 
 /// Everything [`app`] serves from: the ledger, the card processor and the idempotency layer

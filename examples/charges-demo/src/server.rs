@@ -111,7 +111,9 @@ impl Args {
             key_ttl: Duration::from_secs(self.key_ttl_secs),
             lease: Duration::from_secs(self.lease_secs),
             processing_delay: Duration::from_millis(self.processing_delay_ms),
-            in_flight_wait: Duration::from_millis(self.in_flight_wait_ms),
+            // The flag's 0 is "no waiting"; the layer itself takes no zero wait.
+            in_flight_wait: (self.in_flight_wait_ms > 0)
+                .then(|| Duration::from_millis(self.in_flight_wait_ms)),
         }
     }
 }
@@ -194,7 +196,7 @@ where
         processing_delay_ms = settings.processing_delay.as_millis(),
         key_ttl_secs = settings.key_ttl.as_secs(),
         lease_secs = settings.lease.as_secs(),
-        in_flight_wait_ms = settings.in_flight_wait.as_millis(),
+        in_flight_wait_ms = settings.in_flight_wait.map_or(0, |wait| wait.as_millis()),
         "ready"
     );
     announce(addr).map_err(RunError::Serve)?;
@@ -438,7 +440,7 @@ mod tests {
                 key_ttl: Duration::from_secs(600),
                 lease: Duration::from_secs(10),
                 processing_delay: Duration::from_millis(1500),
-                in_flight_wait: Duration::from_millis(2500),
+                in_flight_wait: Some(Duration::from_millis(2500)),
             }
         );
         assert!(parse(&["--lease-secs", "0"]).is_err());

@@ -5,7 +5,7 @@ use axum::middleware::{self, Next};
 use axum::{Json, Router, extract::Request, http::StatusCode, response::Response, routing::post};
 use serde_json::{Value, json};
 use tower_idempotency::store::continuously_delete_expired;
-use tower_idempotency::{IdempotencyLayer, Principal, sqlx::PgPool};
+use tower_idempotency::{IdempotencyLayer, KeySource, Principal, sqlx::PgPool};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -19,7 +19,7 @@ async fn main() -> Result<(), Error> {
 
 /// `POST /v1/charges`: each key runs once per account, and its retries replay the response.
 pub async fn app(pool: PgPool) -> Result<Router, Error> {
-    let layer = IdempotencyLayer::postgres(pool).required();
+    let layer = IdempotencyLayer::postgres(pool).with_key(KeySource::default().required());
     layer.store().migrate().await?; // schema `idempotency`, with its own migrations table
     let expiry = continuously_delete_expired(layer.store().clone(), Duration::from_secs(60), 1000);
     tokio::spawn(expiry);

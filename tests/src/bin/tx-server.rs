@@ -7,7 +7,7 @@ use std::io::Write;
 
 use idempotency_tests::app::{CHARGES_TABLE, Probe, tx_app};
 use sqlx::Executor;
-use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
+use tower_idempotency::{IdempotencyLayer, KeySource, store::PostgresStore};
 
 #[tokio::main]
 async fn main() {
@@ -18,7 +18,11 @@ async fn main() {
     pool.execute(CHARGES_TABLE).await.expect("charges table");
     let layer = IdempotencyLayer::new(PostgresStore::new(pool.clone()).transactional());
     layer.store().migrate().await.expect("migrate");
-    let app = tx_app(layer.required(), Probe::default(), pool);
+    let app = tx_app(
+        layer.with_key(KeySource::default().required()),
+        Probe::default(),
+        pool,
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

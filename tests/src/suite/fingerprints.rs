@@ -3,7 +3,7 @@
 //! limit on the body the layer reads to fingerprint it.
 
 use http::StatusCode;
-use tower_idempotency::FingerprintMode;
+use tower_idempotency::{Fingerprinting, Limits};
 
 use super::{Backend, Harness, Reply, charge_json};
 
@@ -73,10 +73,11 @@ pub async fn reordered_parameters_are_the_same_request<B: Backend>() {
     assert_eq!(h.probe.executions(), 2);
 }
 
-/// `FingerprintMode::Raw`: the body's bytes are the payload, so the same parameters reordered
+/// `Fingerprinting::raw()`: the body's bytes are the payload, so the same parameters reordered
 /// are another request (`422`), and only the same bytes replay.
 pub async fn raw_fingerprints_compare_bytes<B: Backend>() {
-    let h = Harness::<B>::with(|layer| layer.with_fingerprint(FingerprintMode::Raw)).await;
+    let h = Harness::<B>::with(|layer| layer.with_fingerprint(Fingerprinting::raw()).expect("raw"))
+        .await;
     let json = |body: &'static str| {
         h.post("/charges", Some("k-raw"))
             .header("content-type", "application/json")
@@ -97,10 +98,10 @@ pub async fn raw_fingerprints_compare_bytes<B: Backend>() {
 /// in may not.
 pub async fn fingerprints_leave_out_fields_and_take_in_headers<B: Backend>() {
     let h = Harness::<B>::with(|layer| {
-        layer
-            .with_fingerprint_excluding(["/client_sent_at", "/meta/trace"])
-            .expect("pointers")
-            .with_fingerprint_headers([http::HeaderName::from_static("stripe-version")])
+        let fingerprinting = Fingerprinting::semantic()
+            .excluding(["/client_sent_at", "/meta/trace"])
+            .with_headers([http::HeaderName::from_static("stripe-version")]);
+        layer.with_fingerprint(fingerprinting).expect("pointers")
     })
     .await;
     let json = |sent: &str, trace: &str, version: &str| {
@@ -134,7 +135,12 @@ pub async fn fingerprints_leave_out_fields_and_take_in_headers<B: Backend>() {
 
 /// Bodies over the limit are 413, whether declared or streamed, and free the key.
 pub async fn oversize_bodies_are_413<B: Backend>() {
-    let h = Harness::<B>::with(|layer| layer.with_max_body_bytes(1024).expect("limit")).await;
+    let h = Harness::<B>::with(|layer| {
+        layer
+            .with_limits(Limits::default().with_max_request_bytes(1024))
+            .expect("limit")
+    })
+    .await;
     let declared = Reply::of(h.post("/charges", Some("k-big")).body(vec![b'a'; 1025])).await;
     declared.assert_problem(413, "BodyTooLarge");
 

@@ -3,6 +3,7 @@
 
 use http::{HeaderValue, StatusCode};
 use tokio::task::JoinSet;
+use tower_idempotency::{KeyRule, KeySource};
 
 use super::{Backend, CHARGE, Harness, Reply};
 
@@ -63,7 +64,7 @@ pub async fn malformed_keys_are_400<B: Backend>() {
 
 /// `required()` makes a missing key 400; other methods still pass through.
 pub async fn missing_key_is_400_when_required<B: Backend>() {
-    let h = Harness::<B>::with(|layer| layer.required()).await;
+    let h = Harness::<B>::with(|layer| layer.with_key(KeySource::default().required())).await;
     Reply::of(h.post("/charges", None).body(CHARGE))
         .await
         .assert_problem(400, "KeyMissing");
@@ -92,7 +93,9 @@ pub async fn keyless_and_uncovered_requests_pass_through<B: Backend>() {
 /// Issue 30.1: an API keeps its own header name; `Idempotency-Key` is then just another header.
 pub async fn a_key_in_the_apis_own_header_is_honoured<B: Backend>() {
     let h = Harness::<B>::with(|layer| {
-        layer.with_header(http::HeaderName::from_static("x-idempotency-key"))
+        layer.with_key(KeySource::header(http::HeaderName::from_static(
+            "x-idempotency-key",
+        )))
     })
     .await;
     let post = || {
@@ -117,10 +120,10 @@ pub async fn a_key_in_the_apis_own_header_is_honoured<B: Backend>() {
 /// once, however often it is delivered, one after another or at once.
 pub async fn a_webhook_keyed_by_its_event_id_is_applied_once<B: Backend>() {
     let h = Harness::<B>::with(|layer| {
-        layer.with_key_from_request(|_, body| {
+        layer.with_key(KeySource::from_request(|_, body| {
             let event: serde_json::Value = serde_json::from_slice(body).ok()?;
             Some(event.get("id")?.as_str()?.to_owned())
-        })
+        }))
     })
     .await;
     let deliver = |event: &str| {
@@ -158,7 +161,8 @@ pub async fn a_webhook_keyed_by_its_event_id_is_applied_once<B: Backend>() {
 /// Issue 30.2: a key that breaks the app's rule is a `400` naming it, and reaches no store.
 pub async fn a_key_that_breaks_the_rule_is_400_and_stores_nothing<B: Backend>() {
     let h =
-        Harness::<B>::with(|layer| layer.with_key_rule(tower_idempotency::KeyRule::uuid())).await;
+        Harness::<B>::with(|layer| layer.with_key(KeySource::default().with_rule(KeyRule::uuid())))
+            .await;
     let refused = Reply::of(h.post("/charges", Some("order-1042")).body(CHARGE)).await;
     refused.assert_problem(400, "KeyInvalid");
     assert!(

@@ -2,6 +2,7 @@
 //! expire, handlers that hang past the maximum handler time.
 
 use std::time::Duration;
+use tower_idempotency::Limits;
 
 use http::StatusCode;
 use tower_idempotency::store::{ClaimStatus, KeyState, Store};
@@ -119,7 +120,7 @@ pub async fn a_ttl_shorter_than_the_lease_still_expires_records<B: Backend>() {
 pub async fn a_hung_handler_is_stopped_and_its_key_taken_over<B: Backend>() {
     let h = Harness::<B>::with(|layer| {
         layer
-            .with_max_handler_time(Duration::from_millis(300))
+            .with_limits(Limits::default().with_max_handler_time(Duration::from_millis(300)))
             .expect("valid")
     })
     .await;

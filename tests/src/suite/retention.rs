@@ -2,7 +2,7 @@
 //! failing bodies, responses too large to keep.
 
 use http::StatusCode;
-use tower_idempotency::RetentionPolicy;
+use tower_idempotency::{Limits, RetentionPolicy};
 
 use super::{Backend, Harness, Reply};
 
@@ -94,7 +94,12 @@ pub async fn a_response_body_that_fails_releases_the_key<B: Backend>() {
 
 /// A response too large to keep is delivered whole; a retry gets its status, not a re-run.
 pub async fn a_response_too_large_to_store_is_never_rerun<B: Backend>() {
-    let h = Harness::<B>::with(|layer| layer.with_max_response_bytes(1024)).await;
+    let h = Harness::<B>::with(|layer| {
+        layer
+            .with_limits(Limits::default().with_max_response_bytes(1024))
+            .expect("a limit")
+    })
+    .await;
     let first = Reply::of(h.post("/large?bytes=100000", Some("k-large")).body("x")).await;
     assert_eq!(first.status, StatusCode::OK);
     assert_eq!(first.body.len(), 100_000);

@@ -5,14 +5,19 @@ use std::time::Duration;
 
 use http::StatusCode;
 use tokio::{io::AsyncWriteExt, net::TcpStream};
-use tower_idempotency::StoreFailure;
+use tower_idempotency::{InFlightWait, Limits, StoreFailure};
 
 use super::{Backend, CHARGE, Harness, Reply};
 
 /// Issue 29.3: with waiting on, a duplicate of a key in flight waits for the first request
 /// and gets its replay, never a `409`; the handler runs once.
 pub async fn a_waiting_duplicate_gets_the_first_ones_replay<B: Backend>() {
-    let h = Harness::<B>::with(|layer| layer.with_in_flight_wait(Duration::from_secs(10))).await;
+    let h = Harness::<B>::with(|layer| {
+        layer
+            .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(10)))
+            .expect("a wait")
+    })
+    .await;
     let post = || h.post("/charges", Some("k-wait")).body(CHARGE);
     let first = tokio::spawn(Reply::of(post().header("x-test-gate", "1")));
     h.probe.started(1).await;
@@ -32,7 +37,12 @@ pub async fn a_waiting_duplicate_gets_the_first_ones_replay<B: Backend>() {
 /// Issue 29.3: when the first request is released (a `400`: nothing was done), the waiting
 /// duplicate runs itself.
 pub async fn a_waiting_duplicate_runs_when_the_first_is_released<B: Backend>() {
-    let h = Harness::<B>::with(|layer| layer.with_in_flight_wait(Duration::from_secs(10))).await;
+    let h = Harness::<B>::with(|layer| {
+        layer
+            .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(10)))
+            .expect("a wait")
+    })
+    .await;
     let post = || h.post("/status/400", Some("k-released")).body(CHARGE);
     let first = tokio::spawn(Reply::of(post().header("x-test-gate", "1")));
     h.probe.started(1).await;
@@ -49,7 +59,12 @@ pub async fn a_waiting_duplicate_runs_when_the_first_is_released<B: Backend>() {
 
 /// Issue 29.3: a wait that runs out is a `409`, as without waiting.
 pub async fn a_wait_that_runs_out_is_409<B: Backend>() {
-    let h = Harness::<B>::with(|layer| layer.with_in_flight_wait(Duration::from_millis(300))).await;
+    let h = Harness::<B>::with(|layer| {
+        layer
+            .with_in_flight_wait(InFlightWait::up_to(Duration::from_millis(300)))
+            .expect("a wait")
+    })
+    .await;
     let post = || h.post("/charges", Some("k-wait-out")).body(CHARGE);
     let first = tokio::spawn(Reply::of(post().header("x-test-gate", "1")));
     h.probe.started(1).await;
@@ -81,8 +96,10 @@ async fn send_duplicate(h: &Harness<impl Backend>, key: &str) -> TcpStream {
 pub async fn waiters_that_hang_up_hold_nothing<B: Backend>() {
     let h = Harness::<B>::with(|layer| {
         layer
-            .with_max_detached(2)
-            .with_in_flight_wait(Duration::from_secs(5))
+            .with_limits(Limits::default().with_max_detached(2))
+            .expect("a limit")
+            .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(5)))
+            .expect("a wait")
     })
     .await;
     let post = || {
@@ -120,7 +137,8 @@ pub async fn a_failed_read_while_waiting_is_409<B: Backend>() {
     for failure in [StoreFailure::FailOpen, StoreFailure::default()] {
         let h = Harness::<B>::with(|layer| {
             layer
-                .with_in_flight_wait(Duration::from_secs(10))
+                .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(10)))
+                .expect("a wait")
                 .with_store_failure(failure)
         })
         .await;
@@ -144,8 +162,9 @@ pub async fn a_failed_read_while_waiting_is_409<B: Backend>() {
 pub async fn a_takeover_by_a_waiter_that_hung_up_stays_a_takeover<B: Backend>() {
     let h = Harness::<B>::with(|layer| {
         layer
-            .with_in_flight_wait(Duration::from_secs(20))
-            .with_max_handler_time(Duration::from_millis(300))
+            .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(20)))
+            .expect("a wait")
+            .with_limits(Limits::default().with_max_handler_time(Duration::from_millis(300)))
             .expect("valid")
     })
     .await;
@@ -179,8 +198,9 @@ pub async fn a_takeover_by_a_waiter_that_hung_up_stays_a_takeover<B: Backend>() 
 pub async fn a_waiter_takes_a_stopped_handlers_key_over_at_once<B: Backend>() {
     let h = Harness::<B>::with(|layer| {
         layer
-            .with_in_flight_wait(Duration::from_secs(20))
-            .with_max_handler_time(Duration::from_millis(300))
+            .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(20)))
+            .expect("a wait")
+            .with_limits(Limits::default().with_max_handler_time(Duration::from_millis(300)))
             .expect("valid")
     })
     .await;

@@ -62,7 +62,7 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "lease-wait",
-        about: "lease mode with duplicates waiting for their key (with_in_flight_wait(5 s)), so \
+        about: "lease mode with duplicates waiting for their key (InFlightWait::up_to(5 s)), so \
                 every completion also announces its key (pg_notify in the batched completion) and \
                 one pooled connection listens; a new key per request, so nobody waits",
         baseline: Some("lease"),
@@ -162,7 +162,7 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "duplicate-storm",
-        about: "the same storm with waiting on (with_in_flight_wait(5 s)): the duplicates wait for \
+        about: "the same storm with waiting on (InFlightWait::up_to(5 s)): the duplicates wait for \
                 the first answer, woken by LISTEN/NOTIFY, and must all be replays of it",
         baseline: Some("duplicate-storm-no-wait"),
         runner: Runner::Storm(Storm {

@@ -116,7 +116,7 @@ impl KeySource {
     /// The key in a request's header (`Err`, the `400`, when it is required and absent,
     /// malformed or breaks the rule), or [`KeyLookup::InBody`] when the app takes it from the
     /// request.
-    pub(crate) fn from_head(
+    pub(crate) fn find_in_head(
         &self,
         method: &Method,
         path: &str,
@@ -133,7 +133,7 @@ impl KeySource {
 
     /// The key the app's function takes from the whole request: `Ok(None)` without one (`Err`,
     /// the `400`, when it is required, malformed or breaks the rule).
-    pub(crate) fn from_whole_request(
+    pub(crate) fn find_in_request(
         &self,
         parts: &Parts,
         path: &str,

@@ -51,7 +51,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             };
             let key = match self.key.take() {
                 Some(key) => key,
-                None => match config.key.from_whole_request(
+                None => match config.key.find_in_request(
                     &parts,
                     request_uri(&parts.extensions, &parts.uri).path(),
                     &body,

@@ -162,7 +162,7 @@ where
         let path = request_uri(request.extensions(), request.uri()).path();
         let key = match config
             .key
-            .from_head(request.method(), path, request.headers())
+            .find_in_head(request.method(), path, request.headers())
         {
             Ok(KeyLookup::Found(key)) => Some(key),
             Ok(KeyLookup::InBody) => None,

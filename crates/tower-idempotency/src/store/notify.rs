@@ -43,6 +43,8 @@ struct Inner {
     not_live: AtomicBool,
     /// Called as each request starts waiting (see [`Notifier::start_on_wait`]).
     on_wait: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Set once a layer that waits is built on the store.
+    waiters_expected: AtomicBool,
 }
 
 /// How often a waiter reads its key while notifications cannot be relied on.
@@ -115,6 +117,17 @@ impl Notifier {
         if let Some(start) = self.0.on_wait.get() {
             start();
         }
+    }
+
+    /// Tells the store a layer that waits is built on it, so it announces what it settles for
+    /// waiters anywhere: a flag, no task (see [`start_on_wait`](Self::start_on_wait)).
+    pub(crate) fn expect_waiters(&self) {
+        self.0.waiters_expected.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a layer that waits is built on the store.
+    pub(crate) fn waiters_expected(&self) -> bool {
+        self.0.waiters_expected.load(Ordering::Relaxed)
     }
 
     /// Starts waiting for `key`: every notification from now on wakes the subscription.

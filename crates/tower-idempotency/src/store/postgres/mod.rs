@@ -160,11 +160,10 @@ impl PostgresStore {
     /// A store on `pool`, in lease mode. Call [`migrate`](Self::migrate) once before use.
     pub fn new(pool: PgPool) -> Self {
         let notifications = Arc::new(Notifications::default());
-        // A layer that waits, built outside a runtime, has its first waiter start the listener.
+        // Building a layer starts nothing: the first waiter starts the listener.
         let (weak, listen_on) = (Arc::downgrade(&notifications), pool.clone());
         notifications.notifier.start_on_wait(move || {
             if let Some(notifications) = weak.upgrade() {
-                notifications.emit.store(true, Ordering::Relaxed);
                 notifications.listen(&listen_on);
             }
         });

@@ -7,14 +7,15 @@ use super::*;
 /// keys, and the listener that wakes this process's waiters.
 #[derive(Debug, Default)]
 pub(super) struct Notifications {
-    pub(super) emit: AtomicBool,
     pub(super) listening: AtomicBool,
     pub(super) notifier: Notifier,
 }
 
 impl Notifications {
+    /// Whether statements announce the keys they settle: once a layer that waits is built on
+    /// the store, for its waiters here or in another instance.
     pub(super) fn emit(&self) -> bool {
-        self.emit.load(Ordering::Relaxed)
+        self.notifier.waiters_expected()
     }
 
     /// Starts the listener, once, if there is a runtime to run it on (else at the next call:

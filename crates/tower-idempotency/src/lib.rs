@@ -60,7 +60,6 @@
 )]
 
 mod body;
-mod cache;
 mod chain;
 mod config;
 mod context;

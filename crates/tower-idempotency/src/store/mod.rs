@@ -1,4 +1,5 @@
-//! Where keys are claimed and responses kept: the [`Store`] protocol and its two backends.
+//! Where keys are claimed and responses kept: the [`Store`] protocol, its two backends, and
+//! [`CachingStore`], which answers repeated retries from memory in front of either.
 //!
 //! ```
 //! use std::time::Duration;

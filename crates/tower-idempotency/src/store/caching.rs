@@ -27,11 +27,6 @@
 //! }
 //! # }
 //! ```
-//!
-//! A completed record never changes until it expires, so a copy is exact; each copy expires
-//! when its record does (the inner store says when), and the cache is bounded in bytes,
-//! evicting the least recently useful copies. It is filled when the store answers a retry with
-//! a replay, so requests that are never retried cost it nothing.
 
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -45,11 +40,28 @@ use crate::{config::ConfigError, fingerprint::Fingerprint, record::Record, scope
 const DEFAULT_MAX_BYTES: usize = 16 * 1024 * 1024;
 
 /// A [`Store`] that answers retries of completed keys from a copy kept in this process, and
-/// forwards everything else to the store it wraps; see the [module docs](self).
+/// forwards everything else to the store it wraps.
+///
+/// A completed record never changes until it expires, so a copy is exact; each copy expires
+/// when its record does (the inner store says when), and the cache is bounded in bytes,
+/// evicting the least recently useful copies. It is filled when the store answers a retry with
+/// a replay, so requests that are never retried cost it nothing. Clones share the cache.
 ///
 /// [`IdempotencyLayer::postgres`](crate::IdempotencyLayer::postgres) puts one of 16 MiB in front
-/// of its [`PostgresStore`](super::PostgresStore). A [`MemoryStore`](super::MemoryStore) needs
-/// none: its records are in process already. Clones share the cache.
+/// of its [`PostgresStore`](super::PostgresStore); wrap any other store yourself. A
+/// [`MemoryStore`](super::MemoryStore) needs none: its records are in process already.
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")] {
+/// use tower_idempotency::{IdempotencyLayer, sqlx::PgPool};
+/// use tower_idempotency::store::{CachingStore, PostgresStore};
+///
+/// let pool = PgPool::connect_lazy("postgres://localhost/app").expect("a valid URL");
+/// // Transactional mode, with repeated retries answered from memory.
+/// let store = CachingStore::new(PostgresStore::new(pool).transactional());
+/// let layer = IdempotencyLayer::new(store).required();
+/// # }
+/// ```
 pub struct CachingStore<S> {
     inner: S,
     cache: Arc<ReplayCache>,

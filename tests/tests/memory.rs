@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idempotency_tests::suite::Backend;
+use idempotency_tests::{store::ObservedStore, suite::Backend};
 use tower_idempotency::{InFlightWait, store::MemoryStore};
 
 /// A memory store holding at most `MAX_BYTES` of records (`0`: unbounded, `MemoryStore::new`).
@@ -18,6 +18,12 @@ async fn advance(by: Duration) {
 
 impl<const MAX_BYTES: usize> Backend for Memory<MAX_BYTES> {
     type Store = MemoryStore;
+    // In process already: a cache would only hold a second copy of its records.
+    type Layered = ObservedStore<MemoryStore>;
+
+    fn layered(store: ObservedStore<MemoryStore>) -> Self::Layered {
+        store
+    }
 
     async fn start() -> Self {
         Self(match MAX_BYTES {
@@ -47,13 +53,16 @@ type Unbounded = Memory<0>;
 
 idempotency_tests::store_suite!(Unbounded);
 
-/// A copy kept for replays expires with its record: the same key then runs again.
+/// A copy a `CachingStore` keeps for replays expires with its record (both on the tokio
+/// clock): the same key then runs again.
 #[tokio::test(flavor = "current_thread")]
 async fn cached_replays_expire_with_their_records() {
     use idempotency_tests::suite::{Harness, Reply};
+    use tower_idempotency::{IdempotencyLayer, store::CachingStore};
 
     idempotency_tests::init_tracing();
-    let h = Harness::<Unbounded>::start().await;
+    let h = Harness::<Unbounded>::serving(|store| IdempotencyLayer::new(CachingStore::new(store)))
+        .await;
     let post = || h.post("/charges", Some("k-cached")).body("{}");
     let first = Reply::of(post()).await;
     assert!(
@@ -75,7 +84,7 @@ async fn a_full_memory_store_refuses_new_keys_and_keeps_replaying() {
     use idempotency_tests::suite::{Harness, Reply};
 
     idempotency_tests::init_tracing();
-    // No more than 4 KiB of records; the layer keeps no copy of a memory store's records.
+    // No more than 4 KiB of records, and no CachingStore in front keeping copies.
     let h = Harness::<Memory<4096>>::start().await;
     let charge = |key: String| h.post("/charges", Some(&key)).body(r#"{"amount":100}"#);
     let mut kept = Vec::new();
@@ -96,7 +105,7 @@ async fn a_full_memory_store_refuses_new_keys_and_keeps_replaying() {
         "the refused key ran nothing"
     );
 
-    // Every kept response is still replayed, from the store (the replay cache is off).
+    // Every kept response is still replayed, from the store.
     for (i, first) in kept.iter().enumerate() {
         let retry = Reply::of(charge(format!("k-{i}"))).await;
         assert!(retry.replayed());

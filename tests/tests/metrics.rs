@@ -146,8 +146,8 @@ async fn outcomes_rejections_and_store_latency_are_recorded() {
     assert_eq!(counter(&m, names::REQUESTS, ("outcome", "released")), 1);
     assert_eq!(counter(&m, names::REJECTIONS, ("kind", "mismatch")), 1);
     assert_eq!(counter(&m, names::REJECTIONS, ("kind", "key_invalid")), 1);
-    // A claim for each of the four keyed requests (a memory store has no replay cache in front
-    // of it), one complete, one release.
+    // A claim for each of the four keyed requests (no CachingStore in front of the memory
+    // store), one complete, one release.
     assert_eq!(histogram_samples(&m, names::STORE_SECONDS), 4 + 1 + 1);
     assert_eq!(histogram_samples(&m, names::STORED_BODY_BYTES), 1);
 

@@ -56,13 +56,27 @@ mod postgres_only {
     };
     use sqlx::Executor;
     use tokio::task::JoinSet;
-    use tower_idempotency::{IdempotencyLayer, InFlightWait, store::PostgresStore};
+    use tower_idempotency::{
+        IdempotencyLayer, InFlightWait,
+        store::{CachingStore, PostgresStore},
+    };
 
     /// The store protocol's checks, as a third-party store runs them (`store::conformance`),
     /// on PostgreSQL's clock: leases of one second lapse for real.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn keeps_the_store_protocol() {
         let (_db, store) = migrated().await;
+        let short = Duration::from_secs(1);
+        tower_idempotency::store::conformance::check(&store, short).await;
+        tower_idempotency::store::conformance::check_expired_deletion(&store, short).await;
+    }
+
+    /// The same checks through the `CachingStore` `IdempotencyLayer::postgres` puts in front:
+    /// its copies expire with their records on PostgreSQL's clock, and it forwards the rest.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keeps_the_store_protocol_behind_a_cache() {
+        let (_db, store) = migrated().await;
+        let store = CachingStore::new(store);
         let short = Duration::from_secs(1);
         tower_idempotency::store::conformance::check(&store, short).await;
         tower_idempotency::store::conformance::check_expired_deletion(&store, short).await;

@@ -247,8 +247,7 @@ async fn a_response_the_database_refuses_keeps_its_key_past_the_lease() {
     let probe = Probe::default();
     let layer = IdempotencyLayer::new(store)
         .with_lease(lease)
-        .expect("lease")
-        .with_replay_cache(0);
+        .expect("lease");
     let server = TestServer::start(app(layer, probe.clone())).await;
     let client = reqwest::Client::new();
     let first = Reply::of(post(&client, &server, "k-refused")).await;

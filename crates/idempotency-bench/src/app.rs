@@ -67,8 +67,8 @@ pub(crate) enum App {
     /// [`SlowLease`](Self::SlowLease) with duplicates waiting for the first request
     /// (`with_in_flight_wait(IN_FLIGHT_WAIT)`).
     SlowLeaseWait,
-    /// The same with the in-process replay cache off (`with_replay_cache(0)`): every replay
-    /// reads the store.
+    /// The same without the `CachingStore` in front
+    /// (`IdempotencyLayer::new(PostgresStore::new(pool))`): every replay reads the store.
     LeaseNoCache,
     /// The same as [`Lease`](Self::Lease) on a store in partitioned mode
     /// (`PostgresStore::partitioned(PARTITION_WIDTH)`).
@@ -177,7 +177,7 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
                 .expect("a wait"),
         ),
         (App::LeaseNoCache, Some(pool)) => {
-            charges(pool.clone()).layer(IdempotencyLayer::postgres(pool).with_replay_cache(0))
+            charges(pool.clone()).layer(IdempotencyLayer::new(PostgresStore::new(pool)))
         }
         (App::LeasePartitioned, Some(pool)) => {
             let store = partitioned_store(&pool);

@@ -3,8 +3,9 @@ use std::{fmt, sync::Arc, time::Duration};
 use http::{HeaderName, Method};
 use tower_layer::Layer;
 
+#[cfg(feature = "postgres")]
+use crate::store::{CachingStore, PostgresStore};
 use crate::{
-    cache::ReplayCache,
     fingerprint::Fingerprinting,
     key::KeySource,
     policy::{Disconnect, RetentionPolicy, StoreFailure},
@@ -75,9 +76,6 @@ pub struct IdempotencyLayer<St> {
     pub(crate) shared: Shared<St>,
 }
 
-/// The default size of the replay cache.
-const DEFAULT_REPLAY_CACHE_BYTES: usize = 16 * 1024 * 1024;
-
 impl<St: Store> IdempotencyLayer<St> {
     /// A layer keeping its keys in `store`, with the default settings:
     ///
@@ -96,20 +94,13 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_disconnect`](Self::with_disconnect) | [`Disconnect::RunToCompletion`] |
     /// | [`with_rendering`](Self::with_rendering) | [`Rendering::problem_details`]: RFC 9457 problem documents, replays marked `Idempotent-Replayed: true` |
     /// | [`with_in_flight_wait`](Self::with_in_flight_wait) | none: a duplicate of a key in flight gets `409` at once |
-    /// | [`with_replay_cache`](Self::with_replay_cache) | 16 MiB of replayed records kept in process; none for a store that is itself in process ([`Capabilities::in_process`](crate::store::Capabilities::in_process)) |
     pub fn new(store: St) -> Self {
-        let cache = if store.capabilities().is_in_process() {
-            0
-        } else {
-            DEFAULT_REPLAY_CACHE_BYTES
-        };
         // The store's watch is only cloned here: a store that wakes waiters from a task of its
         // own starts it when the first request waits.
         let waiting = Waiting::new(store.capabilities().in_flight_watch().clone());
         let shared = Shared {
             store: Arc::new(store),
             config: Arc::new(Config::default()),
-            cache: Arc::new(ReplayCache::new(cache)),
             detached: Arc::default(),
             waiting: Arc::new(waiting),
         };
@@ -267,17 +258,6 @@ impl<St: Store> IdempotencyLayer<St> {
         Ok(self)
     }
 
-    /// How many bytes of completed records to keep in this process for replays (default 16 MiB,
-    /// or none when the store [keeps its records in process](crate::store::Capabilities::in_process), as
-    /// [`MemoryStore`] does; `0` turns the cache off). A record is copied the first time the
-    /// store answers a retry with it, and answers further retries reaching this instance without
-    /// a store round trip. Completed records never change, and each copy expires with its
-    /// record, so a cached replay is the same as the store's.
-    pub fn with_replay_cache(mut self, max_bytes: usize) -> Self {
-        self.shared.cache = Arc::new(ReplayCache::new(max_bytes));
-        self
-    }
-
     /// What this layer's configuration says to an OpenAPI document (feature `utoipa`): the key
     /// header, the refusals, the replay header and the TTL; see [`openapi`](crate::openapi).
     #[cfg(feature = "utoipa")]
@@ -294,12 +274,13 @@ impl IdempotencyLayer<MemoryStore> {
 }
 
 #[cfg(feature = "postgres")]
-impl IdempotencyLayer<crate::store::PostgresStore> {
-    /// A layer on a [`PostgresStore`](crate::store::PostgresStore) over `pool`. Apply the store's
-    /// migrations once at start-up with
-    /// [`PostgresStore::migrate`](crate::store::PostgresStore::migrate).
+impl IdempotencyLayer<CachingStore<PostgresStore>> {
+    /// A layer on a [`PostgresStore`] over `pool`, behind a [`CachingStore`] of 16 MiB so that
+    /// retries reaching this instance again are answered without a round trip. Apply the
+    /// store's migrations once at start-up: `layer.store().inner().migrate()`
+    /// ([`PostgresStore::migrate`]).
     pub fn postgres(pool: sqlx::PgPool) -> Self {
-        Self::new(crate::store::PostgresStore::new(pool))
+        Self::new(CachingStore::new(PostgresStore::new(pool)))
     }
 }
 
@@ -331,28 +312,6 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_memory_store_gets_no_replay_cache_unless_asked() {
-        let (key, fingerprint) = (
-            crate::ScopeKey::from_bytes([1; 32]),
-            crate::Fingerprint::from_bytes([2; 32]),
-        );
-        let record = crate::Record::from_parts(http::StatusCode::OK, Default::default(), None);
-        let caches = |layer: IdempotencyLayer<MemoryStore>| {
-            let cache = &layer.shared.cache;
-            cache.insert(key, fingerprint, &record, Duration::from_secs(60));
-            cache.get(&key, &fingerprint).is_some()
-        };
-        // Its records are in process already: a cache would be a second copy of them.
-        assert!(!caches(IdempotencyLayer::memory()));
-        assert!(!caches(IdempotencyLayer::new(MemoryStore::with_max_bytes(
-            1 << 20
-        ))));
-        assert!(caches(
-            IdempotencyLayer::memory().with_replay_cache(1 << 20)
-        ));
-    }
 
     #[test]
     fn ttl_and_lease_apply_in_either_order() {

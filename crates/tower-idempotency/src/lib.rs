@@ -12,6 +12,7 @@
 //! [`IdempotentTx`]: IdempotentTx
 //! [`PostgresStore`]: store::PostgresStore
 //! [`MemoryStore`]: store::MemoryStore
+//! [`CachingStore`]: store::CachingStore
 //! [`Store`]: store::Store
 //! [redis]: https://github.com/tower-idempotency/tower-idempotency/tree/main/examples/redis-store
 //! [demo]: https://github.com/tower-idempotency/tower-idempotency/blob/main/examples/charges-demo/README.md
@@ -60,7 +61,6 @@
 )]
 
 mod body;
-mod cache;
 mod chain;
 mod context;
 mod fingerprint;

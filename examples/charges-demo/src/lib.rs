@@ -71,7 +71,7 @@ use http::Method;
 use sqlx::PgPool;
 use tower_idempotency::{
     ConfigError, IdempotencyLayer, InFlightWait, KeySource, Limits, Rendering, Scope,
-    store::{MemoryStore, PostgresStore, Store},
+    store::{CachingStore, MemoryStore, PostgresStore, Store},
 };
 
 pub use routes::{DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT};
@@ -191,14 +191,15 @@ impl AppState<MemoryLedger, MemoryStore> {
     }
 }
 
-impl AppState<PostgresLedger, PostgresStore> {
+impl AppState<PostgresLedger, CachingStore<PostgresStore>> {
     /// Keys, charges and refunds in PostgreSQL, on `pool`. Apply [`migrate`] first.
     ///
     /// The store runs in tower-idempotency's [transactional
     /// mode](tower_idempotency::guide::modes): each charge's or refund's rows, its idempotency
     /// claim and its stored response commit in one transaction. Each request in flight holds one
     /// of the pool's connections for as long as it is processed (the processing delay included);
-    /// size the pool for the concurrency you expect.
+    /// size the pool for the concurrency you expect. Completed records are kept in process too
+    /// ([`CachingStore`]), so a retry reaching this instance again is answered without a query.
     ///
     /// # Errors
     ///
@@ -206,7 +207,10 @@ impl AppState<PostgresLedger, PostgresStore> {
     pub fn postgres(pool: PgPool, settings: &Settings) -> Result<Self, ConfigError> {
         Ok(Self::new(
             PostgresLedger::new(pool.clone()),
-            idempotency_layer(PostgresStore::new(pool).transactional(), settings)?,
+            idempotency_layer(
+                CachingStore::new(PostgresStore::new(pool).transactional()),
+                settings,
+            )?,
             CardProcessor::new(settings.processing_delay),
         ))
     }

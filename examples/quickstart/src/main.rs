@@ -20,7 +20,7 @@ async fn main() -> Result<(), Error> {
 /// `POST /v1/charges`: each key runs once per account, and its retries replay the response.
 pub async fn app(pool: PgPool) -> Result<Router, Error> {
     let layer = IdempotencyLayer::postgres(pool).with_key(KeySource::default().required());
-    layer.store().migrate().await?; // schema `idempotency`, with its own migrations table
+    layer.store().inner().migrate().await?; // schema `idempotency`, own migrations table
     let expiry = continuously_delete_expired(layer.store().clone(), Duration::from_secs(60), 1000);
     tokio::spawn(expiry);
     Ok(Router::new()

@@ -5,7 +5,10 @@ use std::time::Duration;
 use tower_idempotency::Limits;
 
 use http::StatusCode;
-use tower_idempotency::store::{ClaimStatus, KeyState, Store};
+use tower_idempotency::{
+    IdempotencyLayer,
+    store::{ClaimStatus, KeyState, Store},
+};
 
 use super::{Backend, CHARGE, Harness, Reply, claim_request};
 
@@ -70,8 +73,8 @@ pub async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out<B: Bac
 /// A record past its TTL is gone: the key is new again.
 pub async fn expired_records_are_new<B: Backend>() {
     // The backend expires records behind the layer's back (PostgreSQL: by rewriting their
-    // expiry), which an in-process copy cannot see; in production both expire together.
-    let h = Harness::<B>::with(|layer| layer.with_replay_cache(0)).await;
+    // expiry), which a CachingStore's copy cannot see; in production both expire together.
+    let h = Harness::<B>::serving(IdempotencyLayer::new).await;
     let first = Reply::of(h.post("/charges", Some("k-ttl")).body(CHARGE)).await;
     assert!(
         Reply::of(h.post("/charges", Some("k-ttl")).body(CHARGE))
@@ -90,12 +93,12 @@ pub async fn expired_records_are_new<B: Backend>() {
 /// past its TTL too; a completed record expires at its TTL counted from its claim, not after
 /// the lease.
 pub async fn a_ttl_shorter_than_the_lease_still_expires_records<B: Backend>() {
-    let h = Harness::<B>::with(|layer| {
-        layer
+    // No cache in front, as above.
+    let h = Harness::<B>::serving(|store| {
+        IdempotencyLayer::new(store)
             .with_ttl(Duration::from_secs(2))
             .and_then(|layer| layer.with_lease(Duration::from_secs(30)))
             .expect("valid settings")
-            .with_replay_cache(0)
     })
     .await;
     let post = || h.post("/charges", Some("k-short")).body(CHARGE);

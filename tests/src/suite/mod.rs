@@ -61,15 +61,24 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Whether a claim in flight is an open transaction (PostgreSQL's transactional mode) rather
     /// than a lease: it then ends with its holder, with no lease to lapse.
     const TRANSACTIONAL: bool = false;
+
+    /// The store the suite's layer is given: the observed store as users get it by default,
+    /// behind a [`CachingStore`](tower_idempotency::store::CachingStore) for PostgreSQL (as
+    /// `IdempotencyLayer::postgres` puts it), bare for a store that is in process already.
+    type Layered: Store;
+
+    /// [`Layered`](Self::Layered) around `store`.
+    fn layered(store: ObservedStore<Self::Store>) -> Self::Layered;
 }
 
-type Layer<B> = IdempotencyLayer<ObservedStore<<B as Backend>::Store>>;
+/// The layer users get by default for the backend's store.
+type Layer<B> = IdempotencyLayer<<B as Backend>::Layered>;
 
 /// One backend, one app on a real socket, one HTTP client.
 pub struct Harness<B: Backend> {
     /// The backend.
     pub backend: B,
-    /// The store the layer uses, observed.
+    /// The backend's store, observed: what reaches it past any cache in front.
     pub store: ObservedStore<B::Store>,
     /// What the handlers did.
     pub probe: Probe,
@@ -85,12 +94,20 @@ impl<B: Backend> Harness<B> {
         Self::with(|layer| layer).await
     }
 
-    /// The app with the layer as `configure` makes it.
+    /// The app with the default layer as `configure` makes it.
     pub async fn with(configure: impl FnOnce(Layer<B>) -> Layer<B>) -> Self {
+        Self::serving(|store| configure(IdempotencyLayer::new(B::layered(store)))).await
+    }
+
+    /// The app with the layer `make` builds on the observed store: for a scenario that needs
+    /// another store in front than users get by default (none, or a cache).
+    pub async fn serving<St: Store>(
+        make: impl FnOnce(ObservedStore<B::Store>) -> IdempotencyLayer<St>,
+    ) -> Self {
         let backend = B::start().await;
         let store = ObservedStore::new(backend.store());
         let probe = Probe::default();
-        let layer = configure(IdempotencyLayer::new(store.clone()));
+        let layer = make(store.clone());
         let server = TestServer::start(app(layer, probe.clone())).await;
         Self {
             backend,

@@ -4,10 +4,10 @@
 use std::{future::Future, time::Duration};
 
 use sqlx::Executor;
-use tower_idempotency::store::PostgresStore;
+use tower_idempotency::store::{CachingStore, PostgresStore};
 
 use super::Backend;
-use crate::db::TestDb;
+use crate::{db::TestDb, store::ObservedStore};
 
 /// A `PostgresStore` on a test database of its own, which the suite runs in both of the
 /// store's modes: as [`InLeaseMode`] and as [`InTransactionalMode`]. Leases and expiry act on
@@ -80,6 +80,13 @@ pub type InTransactionalMode<F> = InMode<F, true>;
 impl<F: PostgresFixture, const TRANSACTIONAL: bool> Backend for InMode<F, TRANSACTIONAL> {
     type Store = PostgresStore;
     const TRANSACTIONAL: bool = TRANSACTIONAL;
+    // Cached in transactional mode too, which keeps the cache's forwarding of claims that
+    // carry a transaction under test.
+    type Layered = CachingStore<ObservedStore<PostgresStore>>;
+
+    fn layered(store: ObservedStore<PostgresStore>) -> Self::Layered {
+        CachingStore::new(store)
+    }
 
     async fn start() -> Self {
         Self(F::start().await)

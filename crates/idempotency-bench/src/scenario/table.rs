@@ -19,7 +19,7 @@ const RANDOM_REPLAYS: Workload = Workload {
     body: BodySize::Small,
 };
 
-/// Retries of 16 pre-filled completed records per connection, in turn: the replay cache.
+/// Retries of 16 pre-filled completed records per connection, in turn: the `CachingStore`.
 const CACHED_REPLAYS: Workload = Workload {
     keys: Keys::Filled {
         working_set: Some(16),
@@ -85,7 +85,7 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "replay",
         about: "the lease server answering retries of keys it completed before the window, with the default \
-                16 MiB replay cache: each key's first retry reads the store, the others are answered \
+                16 MiB CachingStore: each key's first retry reads the store, the others are answered \
                 from memory",
         baseline: Some("bare"),
         runner: Runner::Http(Http::new(
@@ -294,7 +294,7 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "empty-replay-store",
-        about: "replays through the store (replay cache off: with_replay_cache(0)), each a random \
+        about: "replays through a bare store (no CachingStore in front), each a random \
                 record among the 1,000 of the empty store",
         baseline: None,
         runner: Runner::Http(Http::new(App::LeaseNoCache, RANDOM_REPLAYS).on(Database::Empty)),
@@ -312,7 +312,7 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "empty-replay-cached",
-        about: "replays with the default 16 MiB replay cache: each connection retries 16 records of \
+        about: "replays with the default 16 MiB CachingStore: each connection retries 16 records of \
                 the empty store in turn, so all but each key's first retry come from memory",
         baseline: None,
         runner: Runner::Http(Http::new(App::Lease, CACHED_REPLAYS).on(Database::Empty)),

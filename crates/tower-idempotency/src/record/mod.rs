@@ -76,7 +76,8 @@ pub static IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent
 #[derive(Debug, Clone, PartialEq)]
 pub struct Record(Arc<Parts>);
 
-/// Shared, so that the copies a store, the replay cache and a replay make cost a count.
+/// Shared, so that the copies a store, a [`CachingStore`](crate::store::CachingStore) and a
+/// replay make cost a count.
 #[derive(Debug, PartialEq)]
 struct Parts {
     status: StatusCode,

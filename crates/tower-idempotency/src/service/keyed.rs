@@ -1,6 +1,5 @@
-//! A keyed request on its way: its body buffered and fingerprinted, its key looked up (the
-//! replay cache, then the store's atomic claim), and the handler run, the replay sent, or the
-//! request refused.
+//! A keyed request on its way: its body buffered and fingerprinted, its key claimed in the
+//! store's atomic step, and the handler run, the replay sent, or the request refused.
 
 use std::{future::Future, pin::pin, sync::Arc, task::Poll};
 
@@ -15,7 +14,6 @@ use super::{
 };
 use crate::{
     body::{self, Buffered, RequestBody, ResponseBody},
-    cache::Hit,
     chain::Chain,
     context::IdempotencyContext,
     fingerprint::Fingerprint,
@@ -203,8 +201,8 @@ fn buffer_request<B: HttpBody>(
 }
 
 impl<St: Store> Shared<St> {
-    /// The key's state: from the replay cache, else the store's claim, waiting for a key in
-    /// flight as long as the layer allows.
+    /// The key's state from the store's claim, waiting for a key in flight as long as the
+    /// layer allows.
     #[expect(
         clippy::manual_async_fn,
         reason = "the future stays small (see the service module)"
@@ -216,20 +214,17 @@ impl<St: Store> Shared<St> {
         hang_up: Option<&'a HangUp>,
     ) -> impl Future<Output = Result<KeyState<St::Claim>, Unclaimed<St::Error>>> + 'a {
         async move {
-            let state = match self.cached(scope_key, fingerprint) {
-                Some(state) => state,
-                None if self.overloaded() => {
-                    // Handlers still finishing for clients that hung up may hold what any store
-                    // work needs (in transactional mode, every pooled connection): refuse at
-                    // once rather than queue behind them.
-                    outcome(Outcome::Overloaded);
-                    return Err(Unclaimed::Refused(Rejection::overloaded()));
-                }
-                None => self
-                    .claim(scope_key, fingerprint)
-                    .await
-                    .map_err(Unclaimed::StoreFailed)?,
-            };
+            if self.overloaded() {
+                // Handlers still finishing for clients that hung up may hold what any store
+                // work needs (in transactional mode, every pooled connection): refuse at once
+                // rather than queue behind them.
+                outcome(Outcome::Overloaded);
+                return Err(Unclaimed::Refused(Rejection::overloaded()));
+            }
+            let state = self
+                .claim(scope_key, fingerprint)
+                .await
+                .map_err(Unclaimed::StoreFailed)?;
             match state {
                 KeyState::InFlight { .. } if self.config.in_flight_wait.is_some() => self
                     .wait_while_in_flight(scope_key, fingerprint, hang_up)
@@ -253,23 +248,7 @@ impl<St: Store> Shared<St> {
         self.detached.count() >= limit
     }
 
-    /// The key's state if the replay cache knows it.
-    pub(super) fn cached(
-        &self,
-        key: ScopeKey,
-        fingerprint: Fingerprint,
-    ) -> Option<KeyState<St::Claim>> {
-        match self.cache.get(&key, &fingerprint)? {
-            Hit::Replay(record) => Some(KeyState::Completed {
-                record,
-                expires_in: None,
-            }),
-            Hit::Mismatch => Some(KeyState::Mismatch),
-        }
-    }
-
-    /// The key's state from the store's atomic claim; a completed record it returns is cached
-    /// for the next retry.
+    /// The key's state from the store's atomic claim.
     pub(super) async fn claim(
         &self,
         key: ScopeKey,
@@ -293,14 +272,6 @@ impl<St: Store> Shared<St> {
             ttl: self.config.ttl,
             waiting,
         };
-        let state = metrics::timed("claim", self.store.claim(&request)).await?;
-        if let KeyState::Completed {
-            record,
-            expires_in: Some(expires_in),
-        } = &state
-        {
-            self.cache.insert(key, fingerprint, record, *expires_in);
-        }
-        Ok(state)
+        metrics::timed("claim", self.store.claim(&request)).await
     }
 }

@@ -22,7 +22,6 @@ use tracing::Instrument;
 
 use crate::{
     body::{BoxError, RequestBody, ResponseBody},
-    cache::ReplayCache,
     future::{Detach, Detached, HangUp, ResponseFuture},
     key::{IdempotencyKey, KeyLookup},
     policy::Disconnect,
@@ -87,7 +86,6 @@ pub struct Idempotency<S, St> {
 pub(crate) struct Shared<St> {
     pub(crate) store: Arc<St>,
     pub(crate) config: Arc<Config>,
-    pub(crate) cache: Arc<ReplayCache>,
     pub(crate) detached: Arc<Detached>,
     pub(crate) waiting: Arc<Waiting>,
 }
@@ -97,7 +95,6 @@ impl<St> Clone for Shared<St> {
         Self {
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
-            cache: Arc::clone(&self.cache),
             detached: Arc::clone(&self.detached),
             waiting: Arc::clone(&self.waiting),
         }

@@ -31,13 +31,11 @@ pub trait ClaimHandle: Send + Sync + 'static {
 /// What a store can do, as [`Store::capabilities`](super::Store::capabilities) tells the layer.
 ///
 /// [`Capabilities::new`] is what the defaults describe: a store whose claims hold nothing
-/// scarce, that keeps its records behind a network round trip, and whose waiters read a key
-/// again every 100 ms.
+/// scarce and whose waiters read a key again every 100 ms.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Capabilities {
     detached_limit: Option<usize>,
-    in_process: bool,
     in_flight_watch: InFlightWatch,
 }
 
@@ -52,7 +50,6 @@ impl Capabilities {
     pub fn new() -> Self {
         Self {
             detached_limit: None,
-            in_process: false,
             in_flight_watch: InFlightWatch::Polled(DEFAULT_POLLING),
         }
     }
@@ -65,15 +62,6 @@ impl Capabilities {
     #[must_use]
     pub fn with_detached_limit(mut self, limit: usize) -> Self {
         self.detached_limit = Some(limit);
-        self
-    }
-
-    /// Declares that the store keeps its records in this process, so that answering a retry
-    /// from it costs no more than the layer's replay cache would: the layer then keeps no
-    /// second copy of replayed records unless the app asks for one.
-    #[must_use]
-    pub fn in_process(mut self) -> Self {
-        self.in_process = true;
         self
     }
 
@@ -90,11 +78,6 @@ impl Capabilities {
     /// See [`with_detached_limit`](Self::with_detached_limit).
     pub fn detached_limit(&self) -> Option<usize> {
         self.detached_limit
-    }
-
-    /// See [`in_process`](Self::in_process).
-    pub fn is_in_process(&self) -> bool {
-        self.in_process
     }
 
     /// See [`with_in_flight_watch`](Self::with_in_flight_watch).

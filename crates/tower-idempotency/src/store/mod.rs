@@ -1,4 +1,5 @@
-//! Where keys are claimed and responses kept: the [`Store`] protocol and its two backends.
+//! Where keys are claimed and responses kept: the [`Store`] protocol, its two backends, and
+//! [`CachingStore`], which answers repeated retries from memory in front of either.
 //!
 //! ```
 //! use std::time::Duration;
@@ -56,6 +57,7 @@ use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
 #[cfg(feature = "postgres")]
 mod batch;
+mod caching;
 mod capabilities;
 #[cfg(feature = "conformance")]
 pub mod conformance;
@@ -64,6 +66,7 @@ mod notify;
 #[cfg(feature = "postgres")]
 mod postgres;
 
+pub use caching::CachingStore;
 pub use capabilities::{Capabilities, ClaimHandle};
 pub use memory::{MemoryStore, MemoryStoreError};
 pub use notify::{InFlightWatch, Notifier, POLL_WHILE_NOT_LIVE};
@@ -114,9 +117,8 @@ pub enum KeyState<C> {
     Completed {
         /// The stored response.
         record: Record,
-        /// How long the record has before it expires, if the store knows: the layer may then
-        /// keep a copy in process for further retries, never beyond that
-        /// ([`with_replay_cache`](crate::IdempotencyLayer::with_replay_cache)).
+        /// How long the record has before it expires, if the store knows: a [`CachingStore`]
+        /// in front may then keep a copy in process for further retries, never beyond that.
         expires_in: Option<Duration>,
     },
     /// The key belongs to a request with another fingerprint.
@@ -216,8 +218,7 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// What the store can do besides the protocol: how many handlers it carries for clients
-    /// that hung up, whether it keeps its records in process, how waiters learn that a key
-    /// settled. The default, [`Capabilities::new`], declares nothing.
+    /// that hung up, how waiters learn that a key settled. The default, [`Capabilities::new`], declares nothing.
     fn capabilities(&self) -> Capabilities {
         Capabilities::new()
     }

@@ -267,12 +267,9 @@ impl Store for MemoryStore {
         Ok(status)
     }
 
-    /// In process: a replay is read from this process's memory, so the layer's replay cache
-    /// would only hold a second copy (and, for a [bounded](MemoryStore::with_max_bytes) store,
-    /// memory beyond its limit). Waiters are woken in process, as keys settle.
+    /// Waiters are woken in process, as keys settle.
     fn capabilities(&self) -> Capabilities {
         Capabilities::new()
-            .in_process()
             .with_in_flight_watch(InFlightWatch::Notified(self.inner.notifier.clone()))
     }
 }

@@ -54,15 +54,13 @@ use std::{future::Future, time::Duration};
 
 use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
-#[cfg(feature = "postgres")]
-mod batch;
 mod capabilities;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod memory;
 mod notify;
 #[cfg(feature = "postgres")]
-mod postgres;
+pub(crate) mod postgres;
 
 pub use capabilities::{Capabilities, ClaimHandle};
 pub use memory::{MemoryStore, MemoryStoreError};

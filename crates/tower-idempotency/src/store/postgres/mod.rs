@@ -20,11 +20,12 @@ use sqlx::{
 
 use super::{
     Capabilities, ClaimHandle, ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch,
-    KeyState, Notifier, Store, batch::Batcher,
+    KeyState, Notifier, Store,
 };
-use crate::{record::Record, scope::ScopeKey, transaction::TxSlot};
+use crate::{record::Record, scope::ScopeKey};
 
 mod attempt;
+mod batch;
 mod claim;
 mod error;
 mod expiry;
@@ -38,6 +39,7 @@ mod statement;
 mod transaction;
 
 use attempt::*;
+use batch::Batcher;
 use fenced::*;
 use group_commit::*;
 use notify::*;
@@ -51,6 +53,7 @@ pub use partitions::PartitionMaintenance;
 pub use settings::{
     MAX_PARTITIONS_AHEAD, MIN_IN_FLIGHT_POLLING, MIN_PARTITION_WIDTH, PostgresConfigError,
 };
+pub(crate) use transaction::{LentTx, TxSlot};
 
 /// The [`Store`] for production: PostgreSQL, shared by every instance of the application.
 ///
@@ -388,11 +391,7 @@ impl Store for PostgresStore {
             }
             Fallback::Fence(held) => return self.complete_lease(&held, record).await,
         }
-        let slot = &tx_claim.slot;
-        let Some(mut tx) = slot
-            .take()
-            .map_err(|_| PostgresStoreError::TransactionHeld)?
-        else {
+        let Some(mut tx) = tx_claim.slot.take_back()? else {
             return Ok(ClaimStatus::Lost);
         };
         let stored = self
@@ -450,11 +449,7 @@ impl Store for PostgresStore {
             Fallback::Fence(held) => return self.release_lease(&held).await,
         }
         // Rolling back undoes the claim and the handler's writes together.
-        let Some(tx) = tx_claim
-            .slot
-            .take()
-            .map_err(|_| PostgresStoreError::TransactionHeld)?
-        else {
+        let Some(tx) = tx_claim.slot.take_back()? else {
             return Ok(ClaimStatus::Lost);
         };
         self.timed("release", tx.rollback()).await?;

@@ -1,6 +1,6 @@
 //! What can go wrong in the PostgreSQL store.
 
-use super::*;
+use std::{fmt, time::Duration};
 
 /// A [`PostgresStore`] operation failed.
 #[derive(Debug)]

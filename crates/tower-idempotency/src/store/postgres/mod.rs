@@ -1,28 +1,17 @@
 use std::{
-    collections::HashMap,
-    fmt,
-    future::Future,
-    pin::Pin,
     sync::{
         Arc, LazyLock,
-        atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicI64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
 
-use bytes::Bytes;
-use futures_util::FutureExt;
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
-use sqlx::{
-    AssertSqlSafe, PgPool, Postgres, Row, migrate::Migrator, pool::PoolConnection, postgres::PgRow,
-    types::Uuid,
-};
+use sqlx::{PgPool, migrate::Migrator};
 
 use super::{
-    Capabilities, ClaimHandle, ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch,
-    KeyState, Notifier, Store,
+    Capabilities, ClaimHandle, ClaimRequest, ClaimStatus, Fence, InFlightWatch, KeyState, Store,
 };
-use crate::{record::Record, scope::ScopeKey};
+use crate::record::Record;
 
 mod attempt;
 mod batch;
@@ -38,15 +27,13 @@ mod sql;
 mod statement;
 mod transaction;
 
-use attempt::*;
 use batch::Batcher;
-use fenced::*;
-use group_commit::*;
-use notify::*;
-use partitions::*;
-use sql::*;
-use statement::*;
-use transaction::*;
+use fenced::{complete_statement, fenced_statement};
+use group_commit::{Batched, ClaimBatcher, MAX_BATCH};
+use notify::Notifications;
+use partitions::Partitioning;
+use sql::{FENCED, FENCED_PARTITIONED, Fenced};
+use transaction::{Fallback, TxClaim};
 
 pub use error::PostgresStoreError;
 pub use partitions::PartitionMaintenance;

@@ -1,6 +1,10 @@
 //! Partitioned mode's upkeep: partitions created ahead, expired ones detached and dropped.
 
-use super::*;
+use std::time::Duration;
+
+use sqlx::{AssertSqlSafe, Row};
+
+use super::{PostgresStore, PostgresStoreError};
 
 /// Partitioned mode's settings.
 #[derive(Clone, Copy, Debug)]

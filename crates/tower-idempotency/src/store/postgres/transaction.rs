@@ -4,13 +4,20 @@
 
 use std::{
     ops::{Deref, DerefMut},
-    sync::atomic::AtomicBool,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
 };
 
 use sqlx::PgConnection;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use super::*;
+use super::{PostgresStore, PostgresStoreError};
+use crate::{
+    record::Record,
+    store::{ClaimRequest, ClaimStatus, Fence, KeyState},
+};
 
 /// The transaction a transactional claim holds.
 pub(crate) type PgTransaction = sqlx::Transaction<'static, sqlx::Postgres>;

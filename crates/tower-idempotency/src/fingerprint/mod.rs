@@ -15,7 +15,7 @@ mod pointer;
 mod properties;
 mod token;
 
-use std::{borrow::Cow, fmt};
+use std::fmt;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};

@@ -181,7 +181,14 @@ pub async fn check_expired_deletion<St: ExpiredDeletion>(store: &St, short: Dura
 
 mod rules;
 
-use rules::*;
+use rules::{
+    a_completed_claim_is_final, a_completed_key_replays_its_record_exactly,
+    a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out,
+    a_new_key_is_acquired_and_its_duplicates_refused,
+    a_released_key_is_free_and_its_claim_fenced_out, a_renewed_lease_does_not_lapse,
+    an_abandoned_claim_is_taken_over_at_once, an_expired_record_is_new,
+    racing_requests_acquire_a_key_once,
+};
 
 /// Calls `attempt` until it answers, every tenth of `short`, for at most twenty `short`s plus
 /// ten seconds.

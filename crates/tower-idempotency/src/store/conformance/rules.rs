@@ -1,6 +1,16 @@
 //! The rules [`check`](super::check) holds a store to, one function each.
 
-use super::*;
+use std::time::Duration;
+
+use http::{HeaderMap, StatusCode};
+
+use super::{
+    Keys, LONG, RACERS, acquire, describe, held, lost, ok, other_payload, poll, record, records,
+};
+use crate::{
+    record::Record,
+    store::{ClaimRequest, KeyState, Store},
+};
 
 pub(super) async fn a_new_key_is_acquired_and_its_duplicates_refused<St: Store>(
     store: &St,

@@ -177,7 +177,7 @@ impl PostgresStore {
 
     /// Switches to partitioned mode: records are kept in `idempotency.partitioned_records`,
     /// range-partitioned by expiry time into partitions `width` wide, and expiry
-    /// ([`ExpiredDeletion::delete_expired`]) detaches and drops whole partitions instead of
+    /// ([`ExpiredDeletion::delete_expired`](crate::store::ExpiredDeletion::delete_expired)) detaches and drops whole partitions instead of
     /// deleting rows: no row-by-row work, no table bloat, no vacuum debt, whatever the volume.
     ///
     /// Partitions are created 2 days ahead by default

@@ -1,7 +1,13 @@
 //! Running a store statement: prepared with bound parameters, or inlined as one simple query
 //! for PgBouncer; bounded by the store's timeout.
 
-use super::*;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use sqlx::{AssertSqlSafe, Postgres, postgres::PgRow, types::Uuid};
+
+use super::{PostgresStore, PostgresStoreError};
+use crate::{scope::ScopeKey, store::ClaimStatus};
 
 /// The key a record is stored under: the first 128 bits of its scope key, as a `uuid` (see
 /// the migration `20261123000001_uuid_scope_keys.sql` for why and why that is enough).

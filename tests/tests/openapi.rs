@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use http::HeaderName;
 use serde_json::Value;
-use tower_idempotency::{IdempotencyLayer, KeyRule, KeySource, Scope, store::MemoryStore};
+use tower_idempotency::{
+    IdempotencyLayer, KeyRule, KeySource, Rendering, Scope, store::MemoryStore,
+};
 use utoipa::openapi::{
     HttpMethod, OpenApi, OpenApiBuilder, PathItem, PathsBuilder, ResponseBuilder,
     path::OperationBuilder,
@@ -93,6 +95,10 @@ fn the_settings_are_published() {
         .with_ttl(Duration::from_secs(7 * 24 * 3600))
         .expect("ttl")
         .with_scope(Scope::principal_extension().across_endpoints())
+        .with_rendering(
+            Rendering::problem_details()
+                .with_replayed_header(HeaderName::from_static("idempotency-replayed")),
+        )
         .openapi()
         .apply_to(&mut doc, ["/v1/orders"]);
     let doc = as_json(&doc);
@@ -107,6 +113,16 @@ fn the_settings_are_published() {
     assert!(said.contains("UUIDs"), "{said}");
     assert_eq!(post["x-idempotency"]["ttl_seconds"], 7 * 24 * 3600);
     assert_eq!(post["x-idempotency"]["scope"], "principal");
+    assert_eq!(
+        post["x-idempotency"]["replayed_header"],
+        "Idempotency-Replayed"
+    );
+    assert_eq!(
+        post["x-idempotency"]["refusals"]["422"][0],
+        "fingerprint-mismatch"
+    );
+    let replayed = &post["responses"]["200"]["headers"]["Idempotency-Replayed"];
+    assert_eq!(replayed["schema"]["enum"][0], "true");
     // Only the paths named.
     assert!(
         doc["paths"]["/v1/internal"]["post"]

@@ -31,13 +31,14 @@
 //! * the key's header parameter: its name, whether it is required, its limits (255 characters,
 //!   `format: uuid` under [`KeyRule::uuid`](crate::KeyRule::uuid)), and a description saying how
 //!   long a response is kept for replay (the TTL, in words) and how far a key reaches;
-//! * the `Idempotent-Replayed` header on each of the operation's responses, and
+//! * the replay header (`Idempotent-Replayed`, or as [`Rendering`](crate::Rendering) names it) on
+//!   each of the operation's responses, and
 //!   `Idempotent-Replay-Body` (a replay whose body was too large to keep);
 //! * the layer's refusals (`400`, `409`, `413`, `422`, `503`) with their problem schema
 //!   (`IdempotencyProblem`, RFC 9457, with its `code` member), where the operation does not
 //!   document that status itself;
 //! * an `x-idempotency` extension with the same facts for tools: header, required, TTL in
-//!   seconds, scope.
+//!   seconds, scope, the replay header's name, and each status's refusals by their `code`.
 //!
 //! An app that renders its refusals itself
 //! ([`Rendering::custom`](crate::Rendering::custom)) gives their
@@ -276,9 +277,11 @@ impl IdempotencyApi {
             "ttl_seconds": self.ttl.as_secs(),
             "scope": if self.across_endpoints { "principal" } else { "principal and endpoint" },
             "key_rule": self.rule.as_ref().map(|(name, _)| name),
+            "replayed_header": self.replayed,
+            // By the stable codes clients switch on (`RejectionKind::code`).
             "refusals": self.refusals().iter().map(|(status, kinds)| {
-                let labels: Vec<&str> = kinds.iter().map(|kind| kind.label()).collect();
-                (status.to_string(), serde_json::json!(labels))
+                let codes: Vec<&str> = kinds.iter().map(|kind| kind.code()).collect();
+                (status.to_string(), serde_json::json!(codes))
             }).collect::<serde_json::Map<_, _>>(),
         });
         operation

@@ -115,12 +115,14 @@ fn fixed<const N: usize>(field: &[u8]) -> [u8; N] {
     field.try_into().unwrap_or([0; N])
 }
 
-/// What each envelope authenticates besides its contents.
-fn associated_data(scope_key: &ScopeKey, key_id: u32) -> Vec<u8> {
-    let mut data = Vec::with_capacity(DOMAIN.len() + 32 + 4);
-    data.extend_from_slice(DOMAIN);
-    data.extend_from_slice(scope_key.as_bytes());
-    data.extend_from_slice(&key_id.to_be_bytes());
+/// What each envelope authenticates besides its contents, on the stack.
+fn associated_data(scope_key: &ScopeKey, key_id: u32) -> [u8; DOMAIN.len() + 32 + 4] {
+    let mut data = [0; DOMAIN.len() + 32 + 4];
+    let (domain, rest) = data.split_at_mut(DOMAIN.len());
+    let (key, id) = rest.split_at_mut(32);
+    domain.copy_from_slice(DOMAIN);
+    key.copy_from_slice(scope_key.as_bytes());
+    id.copy_from_slice(&key_id.to_be_bytes());
     data
 }
 

@@ -1,69 +1,4 @@
-//! Stored responses sealed at rest: [`SealingStore`] wraps any store and seals each record's
-//! headers and body with AES-256-GCM before the store sees them.
-//!
-//! ```
-//! use std::time::Duration;
-//! use tower_idempotency::store::{
-//!     ClaimRequest, KeyState, MemoryStore, SealingKeys, SealingStore, Store,
-//! };
-//! use tower_idempotency::{Fingerprint, Record, ScopeKey};
-//!
-//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
-//! # async fn main() {
-//! let inner = MemoryStore::new();
-//! // In production the key comes from a secret store, never from the code.
-//! let store = SealingStore::new(inner.clone(), SealingKeys::new(1, [7; 32]));
-//! let request = ClaimRequest {
-//!     key: ScopeKey::from_bytes([1; 32]),
-//!     fingerprint: Fingerprint::from_bytes([2; 32]),
-//!     lease: Duration::from_secs(30),
-//!     ttl: Duration::from_secs(86_400),
-//!     waiting: false,
-//! };
-//! let Ok(KeyState::Acquired { claim, .. }) = store.claim(&request).await else { panic!() };
-//! let record = Record::from_parts(http::StatusCode::CREATED, Default::default(), Some("card 4242".into()));
-//! store.complete(&claim, &record).await.unwrap();
-//!
-//! // The wrapped store holds the status and an envelope; the retry gets the record back.
-//! let Ok(KeyState::Completed { record: kept, .. }) = inner.claim(&request).await else { panic!() };
-//! assert_eq!(kept.status(), 201);
-//! assert!(!kept.body().unwrap().windows(4).any(|w| w == b"4242"));
-//! let Ok(KeyState::Completed { record: replayed, .. }) = store.claim(&request).await else { panic!() };
-//! assert_eq!(replayed, record);
-//! # }
-//! ```
-//!
-//! Use it as any store: `IdempotencyLayer::new(SealingStore::new(store, keys))`.
-//!
-//! # What is sealed
-//!
-//! The stored response's headers and body, together ([`Record::to_bytes`]), in the envelope
-//! described in `envelope.rs`: a version byte, the key id, a random 96-bit nonce, the ciphertext
-//! and its tag. The scope key is authenticated with it, so a record copied under another key
-//! does not open. What stays clear, because stores and operators need it: the **status**
-//! (checked against the sealed one when opened), the scope key's hash, the request
-//! fingerprint, the fencing token and the timestamps.
-//!
-//! # When a record does not open
-//!
-//! A record sealed under a key id the store was not given, changed bytes, a record moved under
-//! another scope key, or a record that is not sealed at all (stored before sealing was turned
-//! on) is an error carrying [`RecordUnopenable`]. The layer answers it `500`
-//! ([`RejectionKind::RecordUnopenable`](crate::RejectionKind::RecordUnopenable)) and counts it,
-//! whatever its [`StoreFailure`](crate::StoreFailure): it neither replays nor runs the handler
-//! again, since the original request did run. Turning sealing on therefore makes the keys
-//! completed before it answer `500` until they expire: turn it on with a fresh table, or
-//! after one TTL without traffic.
-//!
-//! # Rotating keys
-//!
-//! 1. Add the new key under a new id as the sealing key and keep the old one:
-//!    `SealingKeys::new(2, new).with_old_key(1, old)?`; deploy everywhere.
-//! 2. Wait one TTL (plus its retention grace): records sealed under key 1 have expired.
-//! 3. Drop the old key: `SealingKeys::new(2, new)`.
-//!
-//! During a rolling deploy an instance that does not know key 2 yet answers `500` for records
-//! sealed under it: deploy step 1 with key 2 as an old key first when that matters.
+//! Stored responses sealed at rest: see [`SealingStore`].
 
 use std::{error::Error as StdError, fmt, sync::Arc, time::Duration};
 
@@ -80,7 +15,72 @@ pub use keys::{DuplicateKeyId, SealingKeys};
 
 use envelope::Unsealable;
 
-/// A store whose records are sealed at rest; see the [module docs](self).
+/// A store that seals each record's headers and body with AES-256-GCM before the store it
+/// wraps sees them.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::store::{
+///     ClaimRequest, KeyState, MemoryStore, SealingKeys, SealingStore, Store,
+/// };
+/// use tower_idempotency::{Fingerprint, Record, ScopeKey};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// let inner = MemoryStore::new();
+/// // In production the key comes from a secret store, never from the code.
+/// let store = SealingStore::new(inner.clone(), SealingKeys::new(1, [7; 32]));
+/// let request = ClaimRequest {
+///     key: ScopeKey::from_bytes([1; 32]),
+///     fingerprint: Fingerprint::from_bytes([2; 32]),
+///     lease: Duration::from_secs(30),
+///     ttl: Duration::from_secs(86_400),
+///     waiting: false,
+/// };
+/// let Ok(KeyState::Acquired { claim, .. }) = store.claim(&request).await else { panic!() };
+/// let record = Record::from_parts(http::StatusCode::CREATED, Default::default(), Some("card 4242".into()));
+/// store.complete(&claim, &record).await.unwrap();
+///
+/// // The wrapped store holds the status and an envelope; the retry gets the record back.
+/// let Ok(KeyState::Completed { record: kept, .. }) = inner.claim(&request).await else { panic!() };
+/// assert_eq!(kept.status(), 201);
+/// assert!(!kept.body().unwrap().windows(4).any(|w| w == b"4242"));
+/// let Ok(KeyState::Completed { record: replayed, .. }) = store.claim(&request).await else { panic!() };
+/// assert_eq!(replayed, record);
+/// # }
+/// ```
+///
+/// Use it as any store: `IdempotencyLayer::new(SealingStore::new(store, keys))`.
+///
+/// # What is sealed
+///
+/// The stored response's headers and body, together ([`Record::to_bytes`]), in the envelope
+/// described in `envelope.rs`: a version byte, the key id, a random 96-bit nonce, the ciphertext
+/// and its tag. The scope key is authenticated with it, so a record copied under another key
+/// does not open. What stays clear, because stores and operators need it: the **status**
+/// (checked against the sealed one when opened), the scope key's hash, the request
+/// fingerprint, the fencing token and the timestamps.
+///
+/// # When a record does not open
+///
+/// A record sealed under a key id the store was not given, changed bytes, a record moved under
+/// another scope key, or a record that is not sealed at all (stored before sealing was turned
+/// on) is an error carrying [`RecordUnopenable`]. The layer answers it `500`
+/// ([`RejectionKind::RecordUnopenable`](crate::RejectionKind::RecordUnopenable)) and counts it,
+/// whatever its [`StoreFailure`](crate::StoreFailure): it neither replays nor runs the handler
+/// again, since the original request did run. Turning sealing on therefore makes the keys
+/// completed before it answer `500` until they expire: turn it on with a fresh table, or
+/// after one TTL without traffic.
+///
+/// # Rotating keys
+///
+/// 1. Add the new key under a new id as the sealing key and keep the old one:
+///    `SealingKeys::new(2, new).with_old_key(1, old)?`; deploy everywhere.
+/// 2. Wait one TTL (plus its retention grace): records sealed under key 1 have expired.
+/// 3. Drop the old key: `SealingKeys::new(2, new)`.
+///
+/// During a rolling deploy an instance that does not know key 2 yet answers `500` for records
+/// sealed under it: deploy step 1 with key 2 as an old key first when that matters.
 #[derive(Debug, Clone)]
 pub struct SealingStore<S> {
     inner: S,

@@ -25,7 +25,8 @@ use axum::{
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use tower_idempotency::{
-    IdempotencyLayer, IdempotentTx, InFlightWait, Principal, store::PostgresStore,
+    IdempotencyLayer, IdempotentTx, InFlightWait, Principal,
+    store::{MemoryStore, PostgresStore, SealingKeys, SealingStore},
 };
 
 /// The path every app serves.
@@ -89,6 +90,10 @@ pub(crate) enum App {
     AnyBodyBare,
     /// That handler behind `IdempotencyLayer::memory()`: the layer's own cost for the body.
     AnyBodyMemory,
+    /// A no-I/O handler answering [`KIB`] of JSON, behind `IdempotencyLayer::memory()`.
+    MemoryKib,
+    /// The same behind a `SealingStore` over the memory store: every replay opens its record.
+    MemoryKibSealed,
 }
 
 impl App {
@@ -107,7 +112,9 @@ impl App {
             | Self::Memory
             | Self::MemoryBareBusy
             | Self::AnyBodyBare
-            | Self::AnyBodyMemory => false,
+            | Self::AnyBodyMemory
+            | Self::MemoryKib
+            | Self::MemoryKibSealed => false,
         }
     }
 
@@ -127,6 +134,8 @@ impl App {
             Self::MemoryBareBusy => "memory-bare-busy",
             Self::AnyBodyBare => "any-body-bare",
             Self::AnyBodyMemory => "any-body-memory",
+            Self::MemoryKib => "memory-kib",
+            Self::MemoryKibSealed => "memory-kib-sealed",
         }
     }
 
@@ -145,7 +154,9 @@ impl App {
             | Self::Memory
             | Self::MemoryBareBusy
             | Self::AnyBodyBare
-            | Self::AnyBodyMemory => None,
+            | Self::AnyBodyMemory
+            | Self::MemoryKib
+            | Self::MemoryKibSealed => None,
         }
     }
 }
@@ -193,6 +204,14 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
         (App::MemoryBareBusy, _) => no_io().layer(middleware::from_fn(busy)),
         (App::AnyBodyBare, _) => any_body(),
         (App::AnyBodyMemory, _) => any_body().layer(IdempotencyLayer::memory()),
+        (App::MemoryKib, _) => kib().layer(IdempotencyLayer::memory()),
+        (App::MemoryKibSealed, _) => {
+            let keys = SealingKeys::new(1, SEAL_KEY);
+            kib().layer(IdempotencyLayer::new(SealingStore::new(
+                MemoryStore::new(),
+                keys,
+            )))
+        }
         (
             App::Bare
             | App::Lease
@@ -233,6 +252,12 @@ async fn slowly(request: Request, next: Next) -> Response {
 fn no_io() -> Router {
     Router::new()
         .route(CHARGES_PATH, post(create_charge_in_memory))
+        .with_state(Arc::new(AtomicU64::new(0)))
+}
+
+fn kib() -> Router {
+    Router::new()
+        .route(CHARGES_PATH, post(create_kib_charge_in_memory))
         .with_state(Arc::new(AtomicU64::new(0)))
 }
 
@@ -322,6 +347,26 @@ async fn create_charge_in_memory(
     created(i64::try_from(id).unwrap_or(i64::MAX), &principal, new)
 }
 
+/// The charge of [`create_charge_in_memory`] with a `description` that pads it to [`KIB`].
+async fn create_kib_charge_in_memory(
+    State(ids): State<Arc<AtomicU64>>,
+    Extension(principal): Extension<Principal>,
+    Json(new): Json<NewCharge>,
+) -> (StatusCode, [(header::HeaderName, &'static str); 1], String) {
+    let id = ids.fetch_add(1, Ordering::Relaxed) + 1;
+    let mut json = format!(
+        r#"{{"id":"ch_{id}","object":"charge","account":"{}","amount":{},"currency":"{}","description":""#,
+        principal.as_str(),
+        new.amount,
+        new.currency
+    );
+    let pad = KIB.saturating_sub(json.len() + 2);
+    json.extend(std::iter::repeat_n('x', pad));
+    json.push_str(r#""}"#);
+    let content_type = [(header::CONTENT_TYPE, "application/json")];
+    (StatusCode::CREATED, content_type, json)
+}
+
 /// Reads the whole body, whatever its type, and answers with a charge of fixed amount, parsing
 /// nothing: the body's cost is left to the layer in front.
 async fn create_charge_from_any_body(
@@ -349,6 +394,12 @@ fn created(id: i64, principal: &Principal, new: NewCharge) -> (StatusCode, Json<
         }),
     )
 }
+
+/// The size of [`App::MemoryKib`]'s answers.
+const KIB: usize = 1024;
+
+/// The key of [`App::MemoryKibSealed`]: a benchmark's, not a secret.
+const SEAL_KEY: [u8; 32] = [0x5e; 32];
 
 /// How long [`App::MemoryBareBusy`] keeps the CPU busy per request.
 const BUSY: Duration = Duration::from_micros(1);

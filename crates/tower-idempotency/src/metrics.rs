@@ -36,7 +36,7 @@
 //!
 //! | metric | type | labels | an alert on it means |
 //! |---|---|---|---|
-//! | `idempotency_requests_total` | counter | `outcome`: `acquired`, `takeover`, `replayed`, `conflict`, `mismatch`, `released`, `abandoned`, `overloaded`, `store_error` | a rising `replayed` share: clients time out before the server answers (raise their timeout); `takeover`: handlers outlive their lease or processes crash; `mismatch`: a client reuses keys for new requests; `abandoned`: handlers hang past their maximum time; `overloaded`: too many handlers run on for clients that hung up; `store_error`: the store is failing |
+//! | `idempotency_requests_total` | counter | `outcome`: `acquired`, `takeover`, `replayed`, `conflict`, `mismatch`, `released`, `abandoned`, `overloaded`, `store_error`, `unopenable` | a rising `replayed` share: clients time out before the server answers (raise their timeout); `takeover`: handlers outlive their lease or processes crash; `mismatch`: a client reuses keys for new requests; `abandoned`: handlers hang past their maximum time; `overloaded`: too many handlers run on for clients that hung up; `store_error`: the store is failing |
 //! | `idempotency_rejections_total` | counter | `kind`: the [`RejectionKind`](crate::RejectionKind) in snake case | `key_missing`/`key_invalid`: a client integration is broken; `body_too_large`/`body_timeout`: limits too tight or abuse; `principal_missing`: the auth layer is misplaced |
 //! | `idempotency_store_seconds` | histogram | `operation`: `claim`, `complete`, `release`, `renew` | the store is slow: every keyed request pays `claim` |
 //! | `idempotency_lease_renewals_total` | counter | `result`: `held`, `lost`, `error` | `lost`: a holder kept running after another took its key over |
@@ -45,6 +45,7 @@
 //! | `idempotency_expired_deleted_total` | counter | | expiry keeps up (compare with the rate of new keys) |
 //! | `idempotency_expiry_errors_total` | counter | | the expiry loop is failing: the table grows |
 //! | `idempotency_in_flight_waits_total` | counter | `result`: `replayed`, `acquired`, `mismatch`, `timed_out`, `full`, `hung_up`, `store_error` | duplicates that waited for their key ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)): `timed_out`, the wait is shorter than the handlers; `full`, more duplicates wait than `with_max_waiting` allows; `hung_up`, the client left while waiting (nothing was claimed); `store_error`, a re-read failed and the duplicate got `409` |
+//! | `idempotency_records_unopenable_total` | counter | | any: a stored response did not open ([`RecordUnopenable`](crate::store::RecordUnopenable)) and its retry got `500`; keys missing after a rotation, or altered rows |
 
 /// Keyed requests by outcome.
 pub const REQUESTS: &str = "idempotency_requests_total";
@@ -64,6 +65,8 @@ pub const STORE_BATCH_SIZE: &str = "idempotency_store_batch_size";
 pub const EXPIRED_DELETED: &str = "idempotency_expired_deleted_total";
 /// Failed expiry batches.
 pub const EXPIRY_ERRORS: &str = "idempotency_expiry_errors_total";
+/// Stored records that did not open.
+pub const RECORDS_UNOPENABLE: &str = "idempotency_records_unopenable_total";
 
 #[cfg(feature = "metrics")]
 mod record {
@@ -108,6 +111,10 @@ mod record {
     pub(crate) fn waited(result: &'static str) {
         metrics::counter!(super::IN_FLIGHT_WAITS, "result" => result).increment(1);
     }
+
+    pub(crate) fn record_unopenable() {
+        metrics::counter!(super::RECORDS_UNOPENABLE).increment(1);
+    }
 }
 
 #[cfg(not(feature = "metrics"))]
@@ -123,6 +130,7 @@ mod record {
     pub(crate) fn expired_deleted(_: u64) {}
     pub(crate) fn expiry_error() {}
     pub(crate) fn waited(_: &'static str) {}
+    pub(crate) fn record_unopenable() {}
 }
 
 #[cfg(feature = "postgres")]
@@ -130,7 +138,8 @@ pub(crate) use record::batch;
 #[cfg(feature = "metrics")]
 use record::store_operation;
 pub(crate) use record::{
-    expired_deleted, expiry_error, outcome, rejected, renewal, stored_body, waited,
+    expired_deleted, expiry_error, outcome, record_unopenable, rejected, renewal, stored_body,
+    waited,
 };
 
 /// Times a store operation.

@@ -39,6 +39,9 @@ pub enum RejectionKind {
     /// `500`: transactional mode, the handler answered success although one of its statements
     /// had failed in the request's transaction. Nothing was committed and the key is free again.
     TransactionAborted,
+    /// `500`: the key's stored response could not be opened (it is sealed under a key the
+    /// server lacks, or was altered); the request had run, so it is neither replayed nor rerun.
+    RecordUnopenable,
     /// `503`: the idempotency store could not be reached. Retry after `Retry-After`.
     StoreUnavailable,
     /// `503`: too many handlers are still finishing for clients that hung up; nothing was run.
@@ -51,7 +54,7 @@ pub enum RejectionKind {
 
 impl RejectionKind {
     /// Every kind, in the order of the [`Rejection`] table.
-    pub(crate) const ALL: [Self; 13] = [
+    pub(crate) const ALL: [Self; 14] = [
         Self::KeyMissing,
         Self::KeyInvalid,
         Self::BodyUnreadable,
@@ -62,6 +65,7 @@ impl RejectionKind {
         Self::PrincipalMissing,
         Self::HandlerPanicked,
         Self::TransactionAborted,
+        Self::RecordUnopenable,
         Self::StoreUnavailable,
         Self::Overloaded,
         Self::HandlerTimedOut,
@@ -75,9 +79,10 @@ impl RejectionKind {
             Self::InFlight => StatusCode::CONFLICT,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::PrincipalMissing | Self::HandlerPanicked | Self::TransactionAborted => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Self::PrincipalMissing
+            | Self::HandlerPanicked
+            | Self::TransactionAborted
+            | Self::RecordUnopenable => StatusCode::INTERNAL_SERVER_ERROR,
             Self::StoreUnavailable | Self::Overloaded | Self::HandlerTimedOut => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -97,6 +102,7 @@ impl RejectionKind {
             Self::PrincipalMissing => "Idempotency scope is unavailable",
             Self::HandlerPanicked => "The request failed",
             Self::TransactionAborted => "The request failed and nothing was committed",
+            Self::RecordUnopenable => "The stored response could not be opened",
             Self::StoreUnavailable => "Idempotency store is unavailable",
             Self::Overloaded => "Too many requests are still finishing",
             Self::HandlerTimedOut => "The request took too long and was stopped",
@@ -116,6 +122,7 @@ impl RejectionKind {
             Self::PrincipalMissing => "principal_missing",
             Self::HandlerPanicked => "handler_panicked",
             Self::TransactionAborted => "transaction_aborted",
+            Self::RecordUnopenable => "record_unopenable",
             Self::StoreUnavailable => "store_unavailable",
             Self::Overloaded => "overloaded",
             Self::HandlerTimedOut => "handler_timed_out",
@@ -137,6 +144,7 @@ impl RejectionKind {
             Self::PrincipalMissing => "principal-missing",
             Self::HandlerPanicked => "handler-panicked",
             Self::TransactionAborted => "transaction-aborted",
+            Self::RecordUnopenable => "record-unopenable",
             Self::StoreUnavailable => "store-unavailable",
             Self::Overloaded => "overloaded",
             Self::HandlerTimedOut => "handler-timed-out",
@@ -156,6 +164,7 @@ impl RejectionKind {
             Self::PrincipalMissing => "PrincipalMissing",
             Self::HandlerPanicked => "HandlerPanicked",
             Self::TransactionAborted => "TransactionAborted",
+            Self::RecordUnopenable => "RecordUnopenable",
             Self::StoreUnavailable => "StoreUnavailable",
             Self::Overloaded => "Overloaded",
             Self::HandlerTimedOut => "HandlerTimedOut",
@@ -197,6 +206,7 @@ impl RejectionKind {
 /// | [`PrincipalMissing`](RejectionKind::PrincipalMissing) | 500 | `principal-missing` | no principal to scope the key to (a misconfiguration) |
 /// | [`HandlerPanicked`](RejectionKind::HandlerPanicked) | 500 | `handler-panicked` | the handler panicked; the key is released |
 /// | [`TransactionAborted`](RejectionKind::TransactionAborted) | 500 | `transaction-aborted` | transactional mode: the handler answered success over a transaction one of its statements had failed; nothing committed, the key is released |
+/// | [`RecordUnopenable`](RejectionKind::RecordUnopenable) | 500 | `record-unopenable` | the key's stored response does not open ([`RecordUnopenable`](crate::store::RecordUnopenable)): sealed under an unknown key, altered, or moved; nothing replayed or run |
 /// | [`StoreUnavailable`](RejectionKind::StoreUnavailable) | 503 | `store-unavailable` | the store failed and the layer fails closed (`Retry-After`) |
 /// | [`Overloaded`](RejectionKind::Overloaded) | 503 | `overloaded` | too many handlers still run for clients that hung up ([`Limits::with_max_detached`](crate::Limits::with_max_detached)); nothing run (`Retry-After`) |
 /// | [`HandlerTimedOut`](RejectionKind::HandlerTimedOut) | 503 | `handler-timed-out` | the handler ran past [`Limits::with_max_handler_time`](crate::Limits::with_max_handler_time) and was stopped; its key is given up (`Retry-After: 1`) |
@@ -415,6 +425,16 @@ impl Rejection {
             RejectionKind::TransactionAborted,
             "the request failed on the server and nothing was committed; it is safe to retry \
              with the same Idempotency-Key",
+        )
+    }
+
+    /// `500`: the key completed but its stored response does not open.
+    pub(crate) fn record_unopenable() -> Self {
+        Self::new(
+            RejectionKind::RecordUnopenable,
+            "this Idempotency-Key's request was processed, but its stored response could not be \
+             opened, so it is not replayed and the request was not processed again; contact the \
+             API provider",
         )
     }
 

@@ -71,7 +71,7 @@ use http::Method;
 use sqlx::PgPool;
 use tower_idempotency::{
     ConfigError, IdempotencyLayer, InFlightWait, KeySource, Limits, Rendering, Scope,
-    store::{CachingStore, MemoryStore, PostgresStore, Store},
+    store::{CachingStore, MemoryStore, PostgresStore, SealingKeys, SealingStore, Store},
 };
 
 pub use routes::{DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT};
@@ -173,6 +173,27 @@ impl<L: Ledger, St: Store> AppState<L, St> {
     /// ([`continuously_delete_expired`](tower_idempotency::store::continuously_delete_expired)).
     pub fn idempotency_store(&self) -> &St {
         self.idempotency.store()
+    }
+
+    /// The same app with its stored responses sealed with `keys` (`--seal-key`).
+    ///
+    /// # Errors
+    ///
+    /// As [`idempotency_layer`].
+    pub fn sealed(
+        self,
+        keys: SealingKeys,
+        settings: &Settings,
+    ) -> Result<AppState<L, SealingStore<St>>, ConfigError>
+    where
+        St: Clone,
+    {
+        let store = SealingStore::new(self.idempotency.store().clone(), keys);
+        Ok(AppState::new(
+            self.ledger,
+            idempotency_layer(store, settings)?,
+            self.processor,
+        ))
     }
 }
 

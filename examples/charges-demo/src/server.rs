@@ -10,6 +10,7 @@
 //! | `--key-ttl-secs N` | `IDEMPOTENCY_KEY_TTL_SECS` | `86400` |
 //! | `--lease-secs N` | `IDEMPOTENCY_LEASE_SECS` | `30` |
 //! | `--in-flight-wait-ms N` | `IDEMPOTENCY_IN_FLIGHT_WAIT_MS` | `0`: a duplicate of a charge in flight gets `409` at once |
+//! | `--seal-key BASE64` | `CHARGES_DEMO_SEAL_KEY` | none: stored responses in clear; with 32 bytes in base64, sealed ([`SealingStore`](tower_idempotency::store::SealingStore), key id 1) |
 //!
 //! When it is ready the server prints exactly one line to standard output, `listening on ADDR`
 //! with the address it bound (so `--listen 127.0.0.1:0` tells which port it got); logs go to
@@ -25,6 +26,7 @@ use std::{
 };
 
 use axum::{Router, routing::get};
+use base64::{Engine, engine::general_purpose::STANDARD};
 use clap::Parser;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use sqlx::{
@@ -34,7 +36,7 @@ use sqlx::{
 use tokio::net::TcpListener;
 use tower_idempotency::{
     ConfigError,
-    store::{ExpiredDeletion, continuously_delete_expired},
+    store::{ExpiredDeletion, SealingKeys, Store, continuously_delete_expired},
 };
 
 use crate::{AppState, Settings, app, ledger::Ledger};
@@ -102,9 +104,39 @@ pub struct Args {
         value_name = "N"
     )]
     pub in_flight_wait_ms: u64,
+
+    /// Seals stored responses with this AES-256 key (32 bytes, base64); without it, they are
+    /// stored in clear.
+    #[arg(
+        long,
+        env = "CHARGES_DEMO_SEAL_KEY",
+        hide_env_values = true,
+        value_name = "BASE64"
+    )]
+    pub seal_key: Option<String>,
 }
 
+/// The key id of `--seal-key`: the demo has one key; an app that rotates numbers its keys.
+const SEAL_KEY_ID: u32 = 1;
+
 impl Args {
+    /// The sealing keys of `--seal-key`, if given. The key itself is never echoed.
+    ///
+    /// # Errors
+    ///
+    /// [`RunError::SealKey`] unless it is 32 bytes in standard base64.
+    pub fn seal_keys(&self) -> Result<Option<SealingKeys>, RunError> {
+        let Some(encoded) = &self.seal_key else {
+            return Ok(None);
+        };
+        let key = STANDARD
+            .decode(encoded.trim())
+            .ok()
+            .and_then(|bytes| <[u8; 32]>::try_from(bytes).ok())
+            .ok_or(RunError::SealKey)?;
+        Ok(Some(SealingKeys::new(SEAL_KEY_ID, key)))
+    }
+
     /// The [`Settings`] these options give.
     pub fn settings(&self) -> Settings {
         Settings {
@@ -126,6 +158,7 @@ impl Args {
 /// migration, an address that cannot be bound.
 pub async fn run(args: Args) -> Result<(), RunError> {
     let settings = args.settings();
+    let seal = args.seal_keys()?;
     let Some(url) = &args.database_url else {
         // This must stay the first log line of the embedded mode.
         tracing::info!(
@@ -133,7 +166,7 @@ pub async fn run(args: Args) -> Result<(), RunError> {
              (everything is lost on exit, and keys are not shared between instances)"
         );
         let state = AppState::memory(&settings).map_err(RunError::Config)?;
-        return serve(args.listen, state, &settings).await;
+        return serve_sealed(args.listen, state, &settings, seal).await;
     };
 
     let options = PgConnectOptions::from_str(url).map_err(RunError::DatabaseUrl)?;
@@ -163,9 +196,34 @@ pub async fn run(args: Args) -> Result<(), RunError> {
     crate::migrate(&pool).await.map_err(RunError::Migrate)?;
     tracing::info!("migrations applied: idempotency._sqlx_migrations and _sqlx_migrations");
     let state = AppState::postgres(pool.clone(), &settings).map_err(RunError::Config)?;
-    let served = serve(args.listen, state, &settings).await;
+    let served = serve_sealed(args.listen, state, &settings, seal).await;
     pool.close().await;
     served
+}
+
+/// [`serve`], the store wrapped in a [`SealingStore`](tower_idempotency::store::SealingStore)
+/// when `seal` has keys.
+async fn serve_sealed<L, St>(
+    listen: SocketAddr,
+    state: AppState<L, St>,
+    settings: &Settings,
+    seal: Option<SealingKeys>,
+) -> Result<(), RunError>
+where
+    L: Ledger,
+    St: Store + ExpiredDeletion + Clone,
+{
+    match seal {
+        Some(keys) => {
+            tracing::info!(
+                key_id = SEAL_KEY_ID,
+                "stored responses are sealed (AES-256-GCM)"
+            );
+            let state = state.sealed(keys, settings).map_err(RunError::Config)?;
+            serve(listen, state, settings).await
+        }
+        None => serve(listen, state, settings).await,
+    }
 }
 
 async fn serve<L, St>(
@@ -300,6 +358,8 @@ fn describe(options: &PgConnectOptions) -> String {
 pub enum RunError {
     /// The TTL or lease is invalid.
     Config(ConfigError),
+    /// `--seal-key` is not 32 bytes in base64.
+    SealKey,
     /// `DATABASE_URL` is not a PostgreSQL URL.
     DatabaseUrl(sqlx::Error),
     /// PostgreSQL could not be reached.
@@ -325,6 +385,10 @@ impl fmt::Display for RunError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Config(_) => f.write_str("invalid settings"),
+            Self::SealKey => f.write_str(
+                "--seal-key (CHARGES_DEMO_SEAL_KEY) must be 32 bytes in standard base64, such as \
+                 the output of `openssl rand -base64 32`",
+            ),
             Self::DatabaseUrl(_) => f.write_str("DATABASE_URL is not a valid PostgreSQL URL"),
             Self::Connect(error) => {
                 f.write_str("cannot connect to PostgreSQL")?;
@@ -351,6 +415,7 @@ impl std::error::Error for RunError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Config(error) => Some(error),
+            Self::SealKey => None,
             // A refusal from PostgreSQL is in this error's own message (see `Display`).
             Self::Connect(error) if error.as_database_error().is_some() => None,
             Self::DatabaseUrl(error) | Self::Connect(error) => Some(error),
@@ -444,6 +509,17 @@ mod tests {
             }
         );
         assert!(parse(&["--lease-secs", "0"]).is_err());
+        assert_eq!(args.seal_keys().unwrap().map(|k| k.sealing_key_id()), None);
+        let sealed = parse(&["--seal-key", &"A".repeat(43)]).unwrap();
+        assert!(
+            sealed.seal_keys().is_err(),
+            "43 characters are not 32 bytes"
+        );
+        let sealed = parse(&["--seal-key", &format!("{}=", "A".repeat(43))]).unwrap();
+        assert_eq!(
+            sealed.seal_keys().unwrap().map(|k| k.sealing_key_id()),
+            Some(1)
+        );
         assert!(parse(&["--listen", "not an address"]).is_err());
     }
 

@@ -27,6 +27,13 @@ const CACHED_REPLAYS: Workload = Workload {
     body: BodySize::Small,
 };
 
+/// Retries of 16 keys per connection completed before the window (1 KiB answers in the apps
+/// that use it).
+const KIB_REPLAYS: Workload = Workload {
+    keys: Keys::Completed { per_connection: 16 },
+    body: BodySize::Small,
+};
+
 /// Requests per key in the duplicate storms.
 const STORM_SIZE: usize = 32;
 
@@ -97,6 +104,23 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         )),
         scale: false,
         targets: &[Target::Throughput(1.5), Target::P99(1.0)],
+    },
+    Scenario {
+        name: "replay-kib",
+        about: "retries of keys completed before the window, on the memory store (which the replay \
+                cache does not double), each answer 1 KiB of JSON: the baseline of replay-sealed",
+        baseline: None,
+        runner: Runner::Http(Http::new(App::MemoryKib, KIB_REPLAYS)),
+        scale: false,
+        targets: &[],
+    },
+    Scenario {
+        name: "replay-sealed",
+        about: "the same behind SealingStore (AES-256-GCM): every replay opens its 1 KiB record",
+        baseline: Some("replay-kib"),
+        runner: Runner::Http(Http::new(App::MemoryKibSealed, KIB_REPLAYS)),
+        scale: false,
+        targets: &[Target::Throughput(0.95)],
     },
     Scenario {
         name: "memory-bare",

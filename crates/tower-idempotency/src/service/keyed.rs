@@ -24,7 +24,7 @@ use crate::{
     problem::Rejection,
     scope::ScopeKey,
     settings::Config,
-    store::{ClaimRequest, KeyState, Store},
+    store::{ClaimRequest, KeyState, RecordUnopenable, Store},
 };
 
 impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
@@ -134,12 +134,19 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
     }
 
     /// The store failed at claim time: `503`, or the handler without protection (fail-open).
+    /// A record the store holds but cannot open is `500` under either policy: the request ran.
     pub(super) async fn store_failed(
         self,
         error: &St::Error,
         parts: Parts,
         body: Bytes,
     ) -> Served<S::ResBody, S::Error> {
+        if let Some(why) = RecordUnopenable::find(error) {
+            outcome(Outcome::Unopenable);
+            metrics::record_unopenable();
+            tracing::error!(error = %Chain(error), %why, "idempotency record does not open");
+            return Ok(reject(&self.shared.config, Rejection::record_unopenable()));
+        }
         outcome(Outcome::StoreError);
         tracing::error!(error = %Chain(error), "idempotency store unavailable");
         let config = Arc::clone(&self.shared.config);

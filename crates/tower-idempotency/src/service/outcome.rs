@@ -43,6 +43,8 @@ pub(crate) enum Outcome {
     Overloaded,
     /// The store failed at claim time.
     StoreError,
+    /// The key's stored response did not open: `500`.
+    Unopenable,
 }
 
 impl Outcome {
@@ -57,6 +59,7 @@ impl Outcome {
             Self::Abandoned => "abandoned",
             Self::Overloaded => "overloaded",
             Self::StoreError => "store_error",
+            Self::Unopenable => "unopenable",
         }
     }
 }

@@ -80,10 +80,17 @@ enum Case {
     Panic,
     Overloaded,
     Hang,
+    /// A record sealed under a key the layer's store lacks.
+    #[cfg(feature = "sealing")]
+    Unopenable,
 }
 
 /// The response to the request that meets `case`.
 async fn provoke(case: Case) -> Response<Bytes> {
+    #[cfg(feature = "sealing")]
+    if let Case::Unopenable = case {
+        return unopenable().await;
+    }
     let started = Arc::new(Notify::new());
     let layer = match case {
         Case::NoKey => layer().with_key(KeySource::default().required()),
@@ -140,15 +147,45 @@ async fn provoke(case: Case) -> Response<Bytes> {
         Case::Hang => request("/hang", key, body("{}")),
         _ => request("/", key, body("a body")),
     };
-    let response = service.oneshot(request).await.expect("response");
+    collected(service.oneshot(request).await.expect("response")).await
+}
+
+async fn collected<B: http_body::Body<Error: std::fmt::Debug>>(
+    response: Response<B>,
+) -> Response<Bytes> {
     let (parts, body) = response.into_parts();
     let bytes = body.collect().await.expect("body").to_bytes();
     Response::from_parts(parts, bytes)
 }
 
+/// A retry whose record was sealed under key 1, to a layer that knows only key 2.
+#[cfg(feature = "sealing")]
+async fn unopenable() -> Response<Bytes> {
+    use crate::store::{SealingKeys, SealingStore};
+
+    let inner = MemoryStore::new();
+    let sealed = |key_id| {
+        let store = SealingStore::new(inner.clone(), SealingKeys::new(key_id, [key_id as u8; 32]));
+        IdempotencyLayer::new(store)
+            .with_scope(Scope::single_tenant())
+            .layer(handler(Arc::default()))
+    };
+    let first = sealed(1).oneshot(request("/", Some("k"), body("{}")));
+    assert_eq!(first.await.expect("first").status(), StatusCode::CREATED);
+    collected(
+        sealed(2)
+            .oneshot(request("/", Some("k"), body("{}")))
+            .await
+            .expect("retry"),
+    )
+    .await
+}
+
 #[tokio::test(start_paused = true)]
 async fn every_refusal_carries_its_code() {
     let table = [
+        #[cfg(feature = "sealing")]
+        (Case::Unopenable, 500, "record-unopenable"),
         (Case::NoKey, 400, "missing-key"),
         (Case::EmptyKey, 400, "invalid-key"),
         (Case::NoPrincipal, 500, "principal-missing"),

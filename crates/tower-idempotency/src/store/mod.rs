@@ -63,6 +63,9 @@ mod memory;
 mod notify;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
+#[cfg(feature = "sealing")]
+mod sealing;
+mod unopenable;
 
 pub use caching::CachingStore;
 pub use capabilities::{Capabilities, ClaimHandle};
@@ -73,6 +76,9 @@ pub use postgres::{
     MAX_PARTITIONS_AHEAD, MIN_IN_FLIGHT_POLLING, MIN_PARTITION_WIDTH, PartitionMaintenance,
     PgClaim, PostgresConfigError, PostgresStore, PostgresStoreError,
 };
+#[cfg(feature = "sealing")]
+pub use sealing::{DuplicateKeyId, SealedClaim, SealingError, SealingKeys, SealingStore};
+pub use unopenable::RecordUnopenable;
 
 /// What the layer asks a store to claim.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -46,9 +46,16 @@ async fn without_a_database_it_says_so_first_and_serves_from_memory() {
 /// Runs the binary against `database_url`, expecting it to give up: its exit code, standard
 /// output and standard error.
 async fn failed_start(database_url: &str) -> (Option<i32>, String, String) {
+    failed_start_with(&["--database-url", database_url], &[]).await
+}
+
+/// Runs the binary with `args` (and `env`), expecting it to give up, as [`failed_start`].
+async fn failed_start_with(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
     let mut child = Command::new(BINARY)
-        .args(["--listen", "127.0.0.1:0", "--database-url", database_url])
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
         .env_clear()
+        .envs(env.iter().copied())
         .env("RUST_LOG", "info")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -174,4 +181,50 @@ async fn options_come_from_the_environment_and_a_flag_wins() {
     ] {
         assert!(ready.contains(setting), "{setting} in {ready}");
     }
+}
+
+/// Issue 37.4: a seal key that is not 32 bytes of base64 stops start-up, naming the flag and
+/// never echoing the key; a valid one seals, and replays are unchanged.
+#[tokio::test]
+async fn an_invalid_seal_key_fails_start_up_and_a_valid_one_seals() {
+    for (args, env) in [
+        (vec!["--seal-key", "c2hvcnQtc2VjcmV0"], vec![]),
+        (
+            vec![],
+            vec![("CHARGES_DEMO_SEAL_KEY", "not base64 secret!")],
+        ),
+    ] {
+        let (code, stdout, stderr) = failed_start_with(&args, &env).await;
+        assert_eq!(code, Some(1), "{stderr}");
+        assert_eq!(stdout, "", "it never announced itself");
+        assert!(stderr.contains("--seal-key"), "{stderr}");
+        assert!(
+            !stderr.contains("c2hvcnQtc2VjcmV0") && !stderr.contains("secret!"),
+            "{stderr}"
+        );
+    }
+
+    let key = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+    let server = Server::start_with_env(
+        &["--listen", "127.0.0.1:0"],
+        &[("CHARGES_DEMO_SEAL_KEY", key)],
+    )
+    .await;
+    let charge = || {
+        client()
+            .post(server.url("/v1/charges"))
+            .basic_auth("sk_test_sealed", Some(""))
+            .header("Idempotency-Key", "sealed-1")
+            .form(&[("amount", "100"), ("currency", "usd")])
+            .send()
+    };
+    let first = charge().await.expect("charge");
+    assert_eq!(first.status(), 200);
+    let first = first.text().await.expect("body");
+    let replay = charge().await.expect("replay");
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.text().await.expect("body"), first);
+    let (code, logs) = server.stop().await;
+    assert_eq!(code, Some(0));
+    assert!(logs.iter().any(|line| line.contains("sealed")), "{logs:#?}");
 }

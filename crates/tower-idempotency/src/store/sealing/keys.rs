@@ -1,0 +1,89 @@
+//! The keys a [`SealingStore`](super::SealingStore) seals and opens records with.
+
+use std::fmt;
+
+use aes_gcm::{Aes256Gcm, KeyInit};
+
+/// The AES-256 keys of a [`SealingStore`](super::SealingStore), each under a key id stored
+/// with every record: one that seals new records, and older ones that only open.
+///
+/// ```
+/// use tower_idempotency::store::SealingKeys;
+///
+/// // Key 2 seals from now on; records sealed under key 1 still open.
+/// let keys = SealingKeys::new(2, [7; 32]).with_old_key(1, [6; 32]).unwrap();
+/// assert_eq!(keys.sealing_key_id(), 2);
+/// // Key bytes never reach a log.
+/// assert_eq!(format!("{keys:?}"), "SealingKeys { sealing: 2, opening: [2, 1] }");
+/// ```
+///
+/// Only the expanded ciphers are kept; they are wiped when the keys are dropped.
+#[derive(Clone)]
+pub struct SealingKeys {
+    /// The sealing key first, then the old ones in the order given.
+    keys: Vec<(u32, Aes256Gcm)>,
+}
+
+impl SealingKeys {
+    /// Keys whose key `key_id` seals new records (and opens them).
+    pub fn new(key_id: u32, key: [u8; 32]) -> Self {
+        Self {
+            keys: vec![(key_id, Aes256Gcm::new(&key.into()))],
+        }
+    }
+
+    /// Adds a key that only opens records sealed under `key_id` before a rotation.
+    ///
+    /// # Errors
+    ///
+    /// [`DuplicateKeyId`] when `key_id` already names a key: two keys under one id would leave
+    /// records sealed under the other unopenable.
+    pub fn with_old_key(mut self, key_id: u32, key: [u8; 32]) -> Result<Self, DuplicateKeyId> {
+        if self.cipher(key_id).is_some() {
+            return Err(DuplicateKeyId(key_id));
+        }
+        self.keys.push((key_id, Aes256Gcm::new(&key.into())));
+        Ok(self)
+    }
+
+    /// The id of the key that seals new records.
+    pub fn sealing_key_id(&self) -> u32 {
+        self.keys[0].0
+    }
+
+    /// The key that seals new records, with its id.
+    pub(super) fn sealing(&self) -> (u32, &Aes256Gcm) {
+        let (id, cipher) = &self.keys[0];
+        (*id, cipher)
+    }
+
+    /// The key stored under `key_id`, if given.
+    pub(super) fn cipher(&self, key_id: u32) -> Option<&Aes256Gcm> {
+        self.keys
+            .iter()
+            .find(|(id, _)| *id == key_id)
+            .map(|(_, cipher)| cipher)
+    }
+}
+
+impl fmt::Debug for SealingKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ids: Vec<u32> = self.keys.iter().map(|(id, _)| *id).collect();
+        f.debug_struct("SealingKeys")
+            .field("sealing", &self.sealing_key_id())
+            .field("opening", &ids)
+            .finish()
+    }
+}
+
+/// Two keys were given one key id ([`SealingKeys::with_old_key`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DuplicateKeyId(pub u32);
+
+impl fmt::Display for DuplicateKeyId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "two sealing keys were given key id {}", self.0)
+    }
+}
+
+impl std::error::Error for DuplicateKeyId {}

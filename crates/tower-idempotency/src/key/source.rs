@@ -126,8 +126,9 @@ impl KeySource {
             return Ok(KeyLookup::InBody);
         };
         let found = IdempotencyKey::from_header(headers, name);
-        let source = format!("an {} header", header_title(name.as_str()));
-        let key = self.accept(found, method, path, &source)?;
+        // Where the key was looked for is only written out for a refusal.
+        let source = || format!("an {} header", header_title(name.as_str()));
+        let key = self.accept(found, method, path, source)?;
         Ok(key.map_or(KeyLookup::Absent, KeyLookup::Found))
     }
 
@@ -143,7 +144,7 @@ impl KeySource {
             return Ok(None);
         };
         let found = key_of(parts, body).map(IdempotencyKey::new).transpose();
-        let source = "an idempotency key in the request";
+        let source = || "an idempotency key in the request".to_owned();
         self.accept(found, &parts.method, path, source)
     }
 
@@ -154,7 +155,7 @@ impl KeySource {
         found: Result<Option<IdempotencyKey>, KeyError>,
         method: &Method,
         path: &str,
-        source: &str,
+        source: impl FnOnce() -> String,
     ) -> Result<Option<IdempotencyKey>, Rejection> {
         match found {
             Ok(Some(key)) => match &self.rule {
@@ -164,7 +165,7 @@ impl KeySource {
                 )),
                 _ => Ok(Some(key)),
             },
-            Ok(None) if self.required => Err(Rejection::key_missing(method, path, source)),
+            Ok(None) if self.required => Err(Rejection::key_missing(method, path, &source())),
             Ok(None) => Ok(None),
             Err(error) => Err(Rejection::key_invalid(&error)),
         }

@@ -246,13 +246,18 @@ impl<St: Store> Shared<St> {
     /// of [`Limits::with_max_detached`](crate::Limits::with_max_detached) and the store's
     /// [`detached_limit`](crate::store::Capabilities::detached_limit).
     pub(super) fn overloaded(&self) -> bool {
+        let detached = self.detached.count();
+        // Every limit is at least one: with none detached, the store need not be asked.
+        if detached == 0 {
+            return false;
+        }
         let configured = self.config.limits.max_detached;
         let limit = self
             .store
             .capabilities()
             .detached_limit()
             .map_or(configured, |store| store.min(configured));
-        self.detached.count() >= limit
+        detached >= limit
     }
 
     /// The key's state from the store's atomic claim.

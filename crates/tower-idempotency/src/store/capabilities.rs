@@ -58,10 +58,11 @@ impl Capabilities {
     /// before new requests would starve, because each claim holds something scarce: PostgreSQL's
     /// transactional mode, where each claim holds a pooled connection, declares half its pool.
     /// The layer refuses new keys past the smaller of this and
-    /// [`Limits::with_max_detached`](crate::Limits::with_max_detached).
+    /// [`Limits::with_max_detached`](crate::Limits::with_max_detached). A limit of zero is
+    /// taken as one, as every limit is at least one.
     #[must_use]
     pub fn with_detached_limit(mut self, limit: usize) -> Self {
-        self.detached_limit = Some(limit);
+        self.detached_limit = Some(limit.max(1));
         self
     }
 

@@ -65,6 +65,7 @@ mod memory;
 mod notify;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod steps;
 
 pub use caching::CachingStore;
 pub use capabilities::{Capabilities, ClaimHandle};
@@ -75,6 +76,7 @@ pub use postgres::{
     MAX_PARTITIONS_AHEAD, MIN_IN_FLIGHT_POLLING, MIN_PARTITION_WIDTH, PartitionMaintenance,
     PgClaim, PostgresConfigError, PostgresStore, PostgresStoreError,
 };
+pub use steps::{StepLog, StepLogError, StepRecord};
 
 /// What the layer asks a store to claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -167,8 +169,12 @@ pub struct Fence {
     pub token: i64,
 }
 
-/// A fence carries nothing of the handler's.
-impl ClaimHandle for Fence {}
+/// A fence carries nothing of the handler's, and is its own fence.
+impl ClaimHandle for Fence {
+    fn fence(&self) -> Option<Fence> {
+        Some(*self)
+    }
+}
 
 /// A backend that claims keys atomically and keeps completed responses.
 ///

@@ -28,7 +28,10 @@
 //! * a completed claim cannot be completed again, released or renewed: the record stays;
 //! * a record past its TTL is new, whatever its payload;
 //! * 64 concurrent [`claim`](Store::claim)s of one key acquire it exactly once, whether they
-//!   carry the same payload or not, and never disturb other keys.
+//!   carry the same payload or not, and never disturb other keys;
+//! * for a store whose capabilities offer a [`StepLog`](super::StepLog): steps come back in
+//!   order after a takeover, a stale holder records none, they survive a release for the same
+//!   payload only, and they expire with their record.
 //!
 //! [`check_expired_deletion`] adds the rules of [`ExpiredDeletion`]: batches are bounded,
 //! expired records go, live ones (and claims whose lease outlives their TTL) stay.
@@ -94,6 +97,7 @@ pub async fn check<St: Store + Clone>(store: &St, short: Duration) {
     a_completed_claim_is_final(store, &keys).await;
     an_expired_record_is_new(store, &keys, short).await;
     racing_requests_acquire_a_key_once(store, &keys).await;
+    steps::steps_are_kept(store, &keys, short).await;
 }
 
 /// Runs the rules of [`ExpiredDeletion`] against `store`; panics at the first one broken.
@@ -180,6 +184,7 @@ pub async fn check_expired_deletion<St: ExpiredDeletion>(store: &St, short: Dura
 }
 
 mod rules;
+mod steps;
 
 use rules::*;
 

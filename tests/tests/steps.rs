@@ -143,6 +143,39 @@ async fn hold(downstream: &Downstream, headers: &HeaderMap) {
     }
 }
 
+/// `authorize`, then (held where `x-hold` says) `ledger` as a row of `test_ledger` written in
+/// the step's own transaction.
+async fn charge_in_transaction(
+    State(downstream): State<Arc<Downstream>>,
+    headers: HeaderMap,
+    steps: Steps,
+) -> Result<(StatusCode, String), StepError<StatusCode>> {
+    let d = Arc::clone(&downstream);
+    let authorization: String = steps
+        .run("authorize", move |key| async move {
+            Ok(format!("auth_{}", d.call("authorize", key.to_string())))
+        })
+        .await?;
+    hold(&downstream, &headers).await;
+    let entry: i64 = steps
+        .run_in_transaction("ledger", |tx: &mut sqlx::PgConnection, key| {
+            Box::pin(async move {
+                sqlx::query_scalar(
+                    "INSERT INTO test_ledger (downstream_key) VALUES ($1) RETURNING id",
+                )
+                .bind(key.to_string())
+                .fetch_one(tx)
+                .await
+                .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)
+            })
+        })
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        format!("{authorization} entry_{entry}"),
+    ))
+}
+
 /// The downstream keys of `authorize` and `ledger`, without running either.
 async fn keys(steps: Steps) -> String {
     format!(
@@ -174,6 +207,7 @@ fn instance<St: Store>(store: St, secret: &[u8], downstream: Arc<Downstream>) ->
     Router::new()
         .route("/charges", routing::post(charge))
         .route("/keys", routing::post(keys))
+        .route("/charges-in-tx", routing::post(charge_in_transaction))
         .with_state(downstream)
         .layer(layer)
         .layer(middleware::from_fn(authenticate))
@@ -409,6 +443,52 @@ mod postgres {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stale_holder_cannot_record_a_step() {
         bounded(super::a_stale_holder_cannot_record_a_step::<Postgres>()).await;
+    }
+
+    /// A step run in its own transaction: the stale holder's row is rolled back with its
+    /// refused record; the holder's row commits with its record, once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stale_holders_transaction_is_rolled_back() {
+        bounded(async {
+            let p = Pair::<Postgres>::start().await;
+            let pool = p.backend.0.pool();
+            pool.execute("CREATE TABLE test_ledger (id bigserial, downstream_key text)")
+                .await
+                .unwrap();
+            let rows = || async {
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM test_ledger")
+                    .fetch_one(pool)
+                    .await
+                    .unwrap()
+            };
+            let send = |server: &TestServer, hold: &'static str| {
+                let request = post(&p.client, server, "/charges-in-tx", "k-tx");
+                tokio::spawn(request.header("x-hold", hold).send())
+            };
+            let stale = send(&p.a, "a");
+            p.downstream.reached().await;
+            p.crash_a().await;
+            let fresh = send(&p.b, "b");
+            p.downstream.reached().await;
+
+            p.downstream.go_a.add_permits(1);
+            let stale = stale.await.unwrap().unwrap();
+            assert_eq!(stale.status(), StatusCode::CONFLICT);
+            assert_eq!(rows().await, 0, "the stale holder's write was rolled back");
+
+            p.downstream.go_b.add_permits(1);
+            let fresh = fresh.await.unwrap().unwrap();
+            assert_eq!(fresh.status(), StatusCode::CREATED);
+            assert_eq!(rows().await, 1);
+            let body = fresh.text().await.unwrap();
+            let replay = post(&p.client, &p.b, "/charges-in-tx", "k-tx")
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(replay.text().await.unwrap(), body);
+            assert_eq!(rows().await, 1);
+        })
+        .await;
     }
 }
 

@@ -1,7 +1,7 @@
 //! The memory store's [`StepLog`]: each key's finished steps beside its record in the key's
 //! shard, fenced under the shard's lock by the record's token and lease.
 
-use std::sync::Arc;
+use std::{collections::hash_map, sync::Arc};
 
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
@@ -59,12 +59,21 @@ impl Records {
             return None;
         }
         let expires_at = entry.expires_at;
-        let set = self.steps.entry(fence.key).or_insert_with(|| StepSet {
-            fingerprint: *fingerprint,
-            expires_at,
-            steps: Vec::new(),
-        });
-        let before = set.bytes();
+        let (set, before) = match self.steps.entry(fence.key) {
+            hash_map::Entry::Occupied(kept) => {
+                let set = kept.into_mut();
+                let before = set.bytes();
+                (set, before)
+            }
+            hash_map::Entry::Vacant(slot) => {
+                let set = slot.insert(StepSet {
+                    fingerprint: *fingerprint,
+                    expires_at,
+                    steps: Vec::new(),
+                });
+                (set, 0)
+            }
+        };
         // Another payload's steps (the key was released and claimed again) are not this one's.
         if set.fingerprint != *fingerprint || set.expired(now) {
             set.fingerprint = *fingerprint;
@@ -122,5 +131,60 @@ impl StepLog for MemoryStore {
             None => ClaimStatus::Lost,
         };
         Box::pin(std::future::ready(Ok(status)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{sync::atomic::Ordering, time::Duration};
+
+    use super::*;
+    use crate::{
+        scope::ScopeKey,
+        store::{ClaimRequest, ExpiredDeletion, KeyState, Store},
+    };
+
+    fn used(store: &MemoryStore) -> usize {
+        let budget = store.inner.budget.as_ref().expect("bounded");
+        budget.used.load(Ordering::Relaxed)
+    }
+
+    /// A key's steps count against a bounded store's limit, outlive the key's release, and
+    /// go (their bytes with them) when `delete_expired` finds them expired.
+    #[tokio::test(start_paused = true)]
+    async fn steps_are_counted_and_deleted_with_expiry() {
+        let store = MemoryStore::with_max_bytes(1 << 20);
+        let fingerprint = Fingerprint::from_bytes([2; 32]);
+        let request = ClaimRequest {
+            key: ScopeKey::from_bytes([1; 32]),
+            fingerprint,
+            lease: Duration::from_secs(1),
+            ttl: Duration::from_secs(10),
+            waiting: false,
+        };
+        let Ok(KeyState::Acquired { claim, .. }) = store.claim(&request).await else {
+            panic!("a new key is acquired");
+        };
+        let before = used(&store);
+        let step = StepRecord {
+            name: "authorize".to_owned(),
+            output: vec![b'1'; 1000].into(),
+        };
+        let status = store.record(&claim, &fingerprint, &step).await.unwrap();
+        assert_eq!(status, ClaimStatus::Held);
+        assert!(used(&store) >= before + 1000);
+        assert_eq!(store.release(&claim).await, Ok(ClaimStatus::Held));
+        let kept = store.recorded(&claim, &fingerprint).await.unwrap();
+        assert_eq!(kept, [step]);
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert_eq!(store.delete_expired(10).await, Ok(0));
+        assert_eq!(used(&store), 0);
+        assert!(
+            store
+                .recorded(&claim, &fingerprint)
+                .await
+                .unwrap()
+                .is_empty()
+        );
     }
 }

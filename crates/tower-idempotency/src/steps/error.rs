@@ -64,33 +64,33 @@ pub struct MissingSteps(pub(crate) Reason);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reason {
     /// The request ran without an idempotency key.
-    NoKey,
+    Unkeyed,
     /// The layer has no step secret.
-    NoSecret,
+    SecretUnset,
     /// The store keeps no steps.
-    NoStepLog,
+    NoLogInStore,
     /// The claim has no fence: PostgreSQL's transactional mode.
-    NoFence,
+    Unfenced,
 }
 
 impl fmt::Display for MissingSteps {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self.0 {
-            Reason::NoKey => {
+            Reason::Unkeyed => {
                 "this handler needs Steps, but the request was not run under an idempotency key: \
                  put the route behind the IdempotencyLayer, make sure it covers this method \
                  (IdempotencyLayer::with_methods) and make the key required \
                  (KeySource::required)"
             }
-            Reason::NoSecret => {
+            Reason::SecretUnset => {
                 "this handler needs Steps, but the IdempotencyLayer has no step secret: set \
                  one with IdempotencyLayer::with_step_secret (the same on every instance)"
             }
-            Reason::NoStepLog => {
+            Reason::NoLogInStore => {
                 "this handler needs Steps, but the idempotency store keeps no steps (its \
                  capabilities have no step log): use MemoryStore or PostgresStore"
             }
-            Reason::NoFence => {
+            Reason::Unfenced => {
                 "this handler needs Steps, but its claim records none: PostgreSQL's \
                  transactional mode commits the handler's writes with its response, so it \
                  needs no steps; use lease mode for Steps"

@@ -2,48 +2,8 @@
 //! records its result with the key's claim, and hands it back to a request that takes the key
 //! over after a crash, which goes on at the first unfinished step.
 //!
-//! ```
-//! # #[cfg(feature = "axum")]
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use axum::{Router, body::Body, http::{Request, StatusCode}, routing::post};
-//! use tower::ServiceExt;
-//! use tower_idempotency::{IdempotencyLayer, KeySource, Principal, StepError, Steps};
-//!
-//! async fn create_charge(steps: Steps) -> Result<String, StepError<StatusCode>> {
-//!     // Once per idempotency key: a retry after a crash gets the recorded id back.
-//!     let authorization: String = steps
-//!         .run("authorize", |key| async move {
-//!             // Send `key` as the card processor's idempotency key: a call interrupted and
-//!             // sent again carries the same one.
-//!             Ok(format!("auth_{}", &key.to_string()[..8]))
-//!         })
-//!         .await?;
-//!     let entry: u64 = steps.run("ledger", |_key| async { Ok(42) }).await?;
-//!     Ok(format!("{authorization} {entry}"))
-//! }
-//!
-//! // In production, the same secret on every instance, from your secret store.
-//! let secret = b"an example secret, 32 bytes long".to_vec();
-//! let layer = IdempotencyLayer::memory()
-//!     .with_key(KeySource::default().required())
-//!     .with_step_secret(secret)?;
-//! let app = Router::new().route("/v1/charges", post(create_charge)).layer(layer);
-//!
-//! let mut request = Request::post("/v1/charges")
-//!     .header("idempotency-key", "k1")
-//!     .body(Body::empty())?;
-//! request.extensions_mut().insert(Principal::new("acct_1")?);
-//! assert_eq!(app.oneshot(request).await?.status(), StatusCode::OK);
-//! # Ok(()) }
-//! # #[cfg(not(feature = "axum"))]
-//! # fn main() {}
-//! ```
-//!
-//! Steps apply in lease mode ([`MemoryStore`](crate::store::MemoryStore),
-//! [`PostgresStore`](crate::store::PostgresStore) without `transactional`), on a layer with a
-//! [step secret](crate::IdempotencyLayer::with_step_secret). See the
-//! [modes guide](crate::guide::modes#steps) for when to use them.
+//! The module is private: [`Steps`] and its errors are re-exported at the crate root, and
+//! the example is on [`Steps`], where docs.rs shows it.
 
 use std::{
     fmt,
@@ -71,10 +31,55 @@ pub use key::DownstreamKey;
 
 use error::Reason;
 
-/// The steps of the handler running under a claimed key (see the [module docs](self)).
+/// The steps of the handler running under a claimed key: each named step runs once per
+/// idempotency key, its result recorded with the key's claim.
 ///
-/// The layer hands it to the handler through the request extensions (with the `axum`
-/// feature, it is an extractor). Clones share the request's steps.
+/// The layer hands it to the handler through the request extensions
+/// ([`IdempotencyContext::steps`](crate::IdempotencyContext::steps); with the `axum` feature,
+/// it is an extractor). Clones share the request's steps.
+///
+/// ```
+/// # #[cfg(feature = "axum")]
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use axum::{Router, body::Body, http::{Request, StatusCode}, routing::post};
+/// use tower::ServiceExt;
+/// use tower_idempotency::{IdempotencyLayer, KeySource, Principal, StepError, Steps};
+///
+/// async fn create_charge(steps: Steps) -> Result<String, StepError<StatusCode>> {
+///     // Once per idempotency key: a retry after a crash gets the recorded id back.
+///     let authorization: String = steps
+///         .run("authorize", |key| async move {
+///             // Send `key` as the card processor's idempotency key: a call interrupted and
+///             // sent again carries the same one.
+///             Ok(format!("auth_{}", &key.to_string()[..8]))
+///         })
+///         .await?;
+///     let entry: u64 = steps.run("ledger", |_key| async { Ok(42) }).await?;
+///     Ok(format!("{authorization} {entry}"))
+/// }
+///
+/// // In production, the same secret on every instance, from your secret store.
+/// let secret = b"an example secret, 32 bytes long".to_vec();
+/// let layer = IdempotencyLayer::memory()
+///     .with_key(KeySource::default().required())
+///     .with_step_secret(secret)?;
+/// let app = Router::new().route("/v1/charges", post(create_charge)).layer(layer);
+///
+/// let mut request = Request::post("/v1/charges")
+///     .header("idempotency-key", "k1")
+///     .body(Body::empty())?;
+/// request.extensions_mut().insert(Principal::new("acct_1")?);
+/// assert_eq!(app.oneshot(request).await?.status(), StatusCode::OK);
+/// # Ok(()) }
+/// # #[cfg(not(feature = "axum"))]
+/// # fn main() {}
+/// ```
+///
+/// Steps apply in lease mode ([`MemoryStore`](crate::store::MemoryStore),
+/// [`PostgresStore`](crate::store::PostgresStore) without `transactional`), on a layer with a
+/// [step secret](crate::IdempotencyLayer::with_step_secret). See the
+/// [modes guide](crate::guide::modes#steps) for when to use them.
 #[derive(Clone)]
 pub struct Steps {
     shared: Arc<Shared>,
@@ -188,12 +193,12 @@ pub(crate) fn offer<St: Store>(
     claim: &St::Claim,
     fingerprint: Fingerprint,
 ) -> Result<Steps, MissingSteps> {
-    let secret = secret.ok_or(MissingSteps(Reason::NoSecret))?;
-    let fence = claim.fence().ok_or(MissingSteps(Reason::NoFence))?;
+    let secret = secret.ok_or(MissingSteps(Reason::SecretUnset))?;
+    let fence = claim.fence().ok_or(MissingSteps(Reason::Unfenced))?;
     let capabilities = store.capabilities();
     let log = capabilities
         .step_log()
-        .ok_or(MissingSteps(Reason::NoStepLog))?;
+        .ok_or(MissingSteps(Reason::NoLogInStore))?;
     Ok(Steps {
         shared: Arc::new(Shared {
             log: Arc::clone(log),
@@ -206,7 +211,7 @@ pub(crate) fn offer<St: Store>(
 }
 
 /// Why a request run without a key has no [`Steps`].
-pub(crate) const NO_KEY: MissingSteps = MissingSteps(Reason::NoKey);
+pub(crate) const NO_KEY: MissingSteps = MissingSteps(Reason::Unkeyed);
 
 #[cfg(feature = "axum")]
 mod axum_impl {

@@ -125,7 +125,13 @@ mod record {
     pub(crate) fn waited(_: &'static str) {}
 }
 
-pub(crate) use record::*;
+#[cfg(feature = "postgres")]
+pub(crate) use record::batch;
+#[cfg(feature = "metrics")]
+use record::store_operation;
+pub(crate) use record::{
+    expired_deleted, expiry_error, outcome, rejected, renewal, stored_body, waited,
+};
 
 /// Times a store operation.
 #[cfg(feature = "metrics")]

@@ -4,58 +4,17 @@
 use std::{
     fmt,
     ops::{Deref, DerefMut},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::Arc,
 };
 
 use sqlx::PgConnection;
-use tokio::sync::{Mutex, OwnedMutexGuard};
 
-/// The transaction a transactional claim holds.
-pub(crate) type PgTransaction = sqlx::Transaction<'static, sqlx::Postgres>;
-
-/// The open transaction of a transactionally claimed key, shared by the claim and the handler.
-#[derive(Debug)]
-pub(crate) struct TxSlot {
-    tx: Arc<Mutex<Option<PgTransaction>>>,
-    used: AtomicBool,
-}
-
-impl TxSlot {
-    pub(crate) fn new(tx: PgTransaction) -> Self {
-        Self {
-            tx: Arc::new(Mutex::new(Some(tx))),
-            used: AtomicBool::new(false),
-        }
-    }
-
-    /// Takes the transaction back from the handler to commit or roll it back: `Err` while the
-    /// handler still holds it, `Ok(None)` once the claim was settled.
-    pub(crate) fn take(&self) -> Result<Option<PgTransaction>, HandlerHoldsTx> {
-        Ok(self.tx.try_lock().map_err(|_| HandlerHoldsTx)?.take())
-    }
-
-    /// Whether the claim was committed or rolled back already.
-    pub(crate) fn is_settled(&self) -> bool {
-        self.tx.try_lock().is_ok_and(|tx| tx.is_none())
-    }
-
-    /// Whether the handler took the transaction.
-    pub(crate) fn was_used(&self) -> bool {
-        self.used.load(Ordering::Acquire)
-    }
-}
-
-/// The handler still holds the transaction.
-#[derive(Debug)]
-pub(crate) struct HandlerHoldsTx;
+use crate::store::postgres::{LentTx, TxSlot};
 
 /// The request's open transaction, in transactional mode: write through it with
 /// `.execute(&mut *tx)`. See the [modes guide](crate::guide::modes).
 pub struct IdempotentTx {
-    guard: OwnedMutexGuard<Option<PgTransaction>>,
+    tx: LentTx,
 }
 
 impl IdempotentTx {
@@ -69,14 +28,8 @@ impl IdempotentTx {
         let slot = extensions
             .get::<Arc<TxSlot>>()
             .ok_or(TxUnavailable::NotTransactional)?;
-        let guard = Arc::clone(&slot.tx)
-            .try_lock_owned()
-            .map_err(|_| TxUnavailable::AlreadyTaken)?;
-        if guard.is_none() {
-            return Err(TxUnavailable::AlreadyTaken);
-        }
-        slot.used.store(true, Ordering::Release);
-        Ok(Self { guard })
+        let tx = slot.lend().ok_or(TxUnavailable::AlreadyTaken)?;
+        Ok(Self { tx })
     }
 }
 
@@ -84,15 +37,13 @@ impl Deref for IdempotentTx {
     type Target = PgConnection;
 
     fn deref(&self) -> &PgConnection {
-        // Present from construction until the layer takes it back, which it can only do once
-        // this guard is dropped.
-        self.guard.as_ref().expect("transaction present while held")
+        &self.tx
     }
 }
 
 impl DerefMut for IdempotentTx {
     fn deref_mut(&mut self) -> &mut PgConnection {
-        self.guard.as_mut().expect("transaction present while held")
+        &mut self.tx
     }
 }
 

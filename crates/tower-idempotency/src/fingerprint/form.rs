@@ -1,6 +1,10 @@
 //! Form bodies and query strings as their decoded pairs, sorted by name, up to a bound.
 
-use super::*;
+use std::borrow::Cow;
+
+use sha2::{Digest, Sha256};
+
+use super::put_field;
 
 /// At most this many pairs of a form body or query string are decoded and sorted.
 pub(super) const MAX_FORM_PAIRS: usize = 10_000;
@@ -157,7 +161,7 @@ pub(super) fn form_decode(input: &[u8]) -> Cow<'_, [u8]> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fingerprint::testing::*;
+    use crate::fingerprint::{Fingerprint, FingerprintMode, testing::*};
 
     #[test]
     fn form_pairs_are_sorted_by_name_keeping_repeated_values_in_order() {

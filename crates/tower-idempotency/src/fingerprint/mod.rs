@@ -15,7 +15,7 @@ mod pointer;
 mod properties;
 mod token;
 
-use std::{borrow::Cow, fmt};
+use std::fmt;
 
 use http::{HeaderMap, HeaderValue, Method, Uri};
 use sha2::{Digest, Sha256};

@@ -53,13 +53,13 @@ const DEFAULT_MAX_BYTES: usize = 16 * 1024 * 1024;
 ///
 /// ```no_run
 /// # #[cfg(feature = "postgres")] {
-/// use tower_idempotency::{IdempotencyLayer, sqlx::PgPool};
+/// use tower_idempotency::{IdempotencyLayer, KeySource, sqlx::PgPool};
 /// use tower_idempotency::store::{CachingStore, PostgresStore};
 ///
 /// let pool = PgPool::connect_lazy("postgres://localhost/app").expect("a valid URL");
 /// // Transactional mode, with repeated retries answered from memory.
 /// let store = CachingStore::new(PostgresStore::new(pool).transactional());
-/// let layer = IdempotencyLayer::new(store).required();
+/// let layer = IdempotencyLayer::new(store).with_key(KeySource::default().required());
 /// # }
 /// ```
 pub struct CachingStore<S> {

@@ -55,16 +55,14 @@ use std::{future::Future, time::Duration};
 
 use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey};
 
-#[cfg(feature = "postgres")]
-mod batch;
 mod caching;
 mod capabilities;
-#[cfg(feature = "conformance")]
+#[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 mod memory;
 mod notify;
 #[cfg(feature = "postgres")]
-mod postgres;
+pub(crate) mod postgres;
 mod steps;
 
 pub use caching::CachingStore;
@@ -412,7 +410,6 @@ mod tests {
 
     /// A store that implements only the required operations keeps the whole protocol through
     /// the defaults: an abandoned claim is free at once (issue 34.8).
-    #[cfg(feature = "conformance")]
     #[tokio::test(start_paused = true)]
     async fn the_defaults_keep_the_protocol() {
         let store = Flaky {

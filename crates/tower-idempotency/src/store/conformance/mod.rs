@@ -26,7 +26,8 @@
 //!   a renewed lease does not lapse; an [abandoned](Store::abandon) claim is taken over at
 //!   once, without waiting for its lease;
 //! * a completed claim cannot be completed again, released or renewed: the record stays;
-//! * a record past its TTL is new, whatever its payload;
+//! * a record past its TTL is new, whatever its payload; a claim in flight outlives its TTL
+//!   while its lease is live (renewed too), and is new once the lease lapses;
 //! * 64 concurrent [`claim`](Store::claim)s of one key acquire it exactly once, whether they
 //!   carry the same payload or not, and never disturb other keys;
 //! * for a store whose capabilities offer a [`StepLog`](super::StepLog): steps come back in
@@ -48,7 +49,7 @@
 //! second suits stores whose clock is a database's `now()`; less makes the checks faster and
 //! more sensitive to a loaded machine). The checks wait with `tokio::time`, so a store whose
 //! clock is `tokio::time` too, as [`MemoryStore`](super::MemoryStore)'s is, runs them in no
-//! real time under `tokio::time::pause`. Otherwise [`check`] takes about eight times `short`,
+//! real time under `tokio::time::pause`. Otherwise [`check`] takes about twelve times `short`,
 //! [`check_expired_deletion`] four.
 //!
 //! The checks use keys of their own, random per run, so they can share a store (and its
@@ -96,6 +97,7 @@ pub async fn check<St: Store + Clone>(store: &St, short: Duration) {
     an_abandoned_claim_is_taken_over_at_once(store, &keys).await;
     a_completed_claim_is_final(store, &keys).await;
     an_expired_record_is_new(store, &keys, short).await;
+    a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses(store, &keys, short).await;
     racing_requests_acquire_a_key_once(store, &keys).await;
     steps::steps_are_kept(store, &keys, short).await;
 }
@@ -186,7 +188,15 @@ pub async fn check_expired_deletion<St: ExpiredDeletion>(store: &St, short: Dura
 mod rules;
 mod steps;
 
-use rules::*;
+use rules::{
+    a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses, a_completed_claim_is_final,
+    a_completed_key_replays_its_record_exactly,
+    a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out,
+    a_new_key_is_acquired_and_its_duplicates_refused,
+    a_released_key_is_free_and_its_claim_fenced_out, a_renewed_lease_does_not_lapse,
+    an_abandoned_claim_is_taken_over_at_once, an_expired_record_is_new,
+    racing_requests_acquire_a_key_once,
+};
 
 /// Calls `attempt` until it answers, every tenth of `short`, for at most twenty `short`s plus
 /// ten seconds.

@@ -1,6 +1,16 @@
 //! The rules [`check`](super::check) holds a store to, one function each.
 
-use super::*;
+use std::time::Duration;
+
+use http::{HeaderMap, StatusCode};
+
+use super::{
+    Keys, LONG, RACERS, acquire, describe, held, lost, ok, other_payload, poll, record, records,
+};
+use crate::{
+    record::Record,
+    store::{ClaimRequest, KeyState, Store},
+};
 
 pub(super) async fn a_new_key_is_acquired_and_its_duplicates_refused<St: Store>(
     store: &St,
@@ -221,6 +231,46 @@ pub(super) async fn an_expired_record_is_new<St: Store>(store: &St, keys: &Keys,
         !takeover,
         "{RULE}: an expired record's key must be new, not a takeover"
     );
+}
+
+pub(super) async fn a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses<St: Store>(
+    store: &St,
+    keys: &Keys,
+    short: Duration,
+) {
+    const RULE: &str = "a claim past its TTL is in flight until its lease lapses, then new";
+    let request = keys.request(short * 3, short);
+    let stale = acquire(RULE, store, &request).await;
+    tokio::time::sleep(short * 2).await;
+    let answer = ok(RULE, "claim", store.claim(&request).await);
+    assert!(
+        matches!(answer, KeyState::InFlight { .. }),
+        "{RULE}: a claim past its TTL under a live lease must be in flight, got {}",
+        describe(&answer)
+    );
+    // Renewed past its TTL, it holds the key for the new lease.
+    held(RULE, "renew", store.renew(&stale, short * 2).await);
+    tokio::time::sleep(short).await;
+    another_payload_is_a_mismatch(RULE, store, &request, "renewed past its TTL").await;
+    tokio::time::sleep(short).await;
+    let other = other_payload(&request);
+    let takeover = poll(RULE, short, || async {
+        match ok(RULE, "claim", store.claim(&other).await) {
+            KeyState::Acquired { takeover, .. } => Some(takeover),
+            KeyState::Mismatch => None,
+            answer => panic!(
+                "{RULE}: another payload for a claim past its TTL must be a mismatch until its \
+                 lease lapses, then new; got {}",
+                describe(&answer)
+            ),
+        }
+    })
+    .await;
+    assert!(
+        !takeover,
+        "{RULE}: a lapsed claim past its TTL is gone: its key must be new, not a takeover"
+    );
+    fenced_out(RULE, store, &stale).await;
 }
 
 pub(super) async fn racing_requests_acquire_a_key_once<St: Store + Clone>(store: &St, keys: &Keys) {

@@ -24,80 +24,6 @@ async fn acquire(store: &MemoryStore, request: &ClaimRequest) -> (Fence, bool) {
     }
 }
 
-#[test]
-fn a_kept_record_comes_back_exactly() {
-    let mut headers = http::HeaderMap::new();
-    headers.append("link", http::HeaderValue::from_static("<a>; rel=a"));
-    headers.append(
-        "content-type",
-        http::HeaderValue::from_static("application/json"),
-    );
-    headers.append("link", http::HeaderValue::from_static("<b>; rel=b"));
-    headers.append(
-        "x-binary",
-        http::HeaderValue::from_bytes(&[0x80, 0xff]).unwrap(),
-    );
-    for body in [None, Some(bytes::Bytes::new()), Some("{\"id\":1}".into())] {
-        for headers in [http::HeaderMap::new(), headers.clone()] {
-            let record = Record::from_parts(StatusCode::PAYMENT_REQUIRED, headers, body.clone());
-            let unpacked = Packed::pack(&record).unpack();
-            assert_eq!(unpacked, record);
-            let order: Vec<_> = unpacked.headers().iter().collect();
-            assert_eq!(order, record.headers().iter().collect::<Vec<_>>());
-        }
-    }
-}
-
-#[tokio::test(start_paused = true)]
-async fn lapsed_lease_is_taken_over_and_the_stale_holder_is_fenced_out() {
-    let store = MemoryStore::new();
-    let (stale, takeover) = acquire(&store, &request(1)).await;
-    assert!(!takeover);
-    tokio::time::advance(Duration::from_secs(29)).await;
-    assert!(matches!(
-        store.claim(&request(1)).await,
-        Ok(KeyState::InFlight { .. })
-    ));
-    tokio::time::advance(Duration::from_secs(2)).await;
-    let (fresh, takeover) = acquire(&store, &request(1)).await;
-    assert!(takeover);
-    assert!(fresh.token > stale.token);
-    assert_eq!(
-        store.complete(&stale, &record()).await,
-        Ok(ClaimStatus::Lost)
-    );
-    assert_eq!(store.release(&stale).await, Ok(ClaimStatus::Lost));
-    assert_eq!(
-        store.renew(&stale, Duration::from_secs(1)).await,
-        Ok(ClaimStatus::Lost)
-    );
-    assert_eq!(
-        store.complete(&fresh, &record()).await,
-        Ok(ClaimStatus::Held)
-    );
-    assert_eq!(
-        store.claim(&request(1)).await,
-        Ok(KeyState::Completed {
-            record: record(),
-            expires_in: Some(Duration::from_secs(3600))
-        })
-    );
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_lease_longer_than_the_ttl_keeps_the_record() {
-    let store = MemoryStore::new();
-    let mut long_lease = request(1);
-    long_lease.ttl = Duration::from_secs(10);
-    long_lease.lease = Duration::from_secs(60);
-    acquire(&store, &long_lease).await;
-    tokio::time::advance(Duration::from_secs(30)).await;
-    assert!(matches!(
-        store.claim(&long_lease).await,
-        Ok(KeyState::InFlight { .. })
-    ));
-}
-
 /// A TTL shorter than the lease.
 fn short_ttl(fingerprint: u8) -> ClaimRequest {
     ClaimRequest {
@@ -107,6 +33,8 @@ fn short_ttl(fingerprint: u8) -> ClaimRequest {
     }
 }
 
+/// The TTL counts from the claim, and a completed record outlives it under no lease. Not a
+/// conformance rule: `examples/redis-store` keeps a completed record as long as its lease.
 #[tokio::test(start_paused = true)]
 async fn a_completed_record_expires_at_its_ttl_though_the_lease_is_longer() {
     let store = MemoryStore::new();
@@ -127,80 +55,6 @@ async fn a_completed_record_expires_at_its_ttl_though_the_lease_is_longer() {
     tokio::time::advance(Duration::from_secs(1)).await;
     let (again, takeover) = acquire(&store, &short_ttl(1)).await;
     assert!(!takeover, "an expired record is new, not a takeover");
-    assert!(again.token > claim.token);
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses() {
-    let store = MemoryStore::new();
-    let (claim, _) = acquire(&store, &short_ttl(1)).await;
-    tokio::time::advance(Duration::from_secs(29)).await;
-    assert_eq!(
-        store.claim(&short_ttl(1)).await,
-        Ok(KeyState::InFlight {
-            lease_remaining: Some(Duration::from_secs(1))
-        })
-    );
-    assert_eq!(store.claim(&short_ttl(2)).await, Ok(KeyState::Mismatch));
-    assert_eq!(store.delete_expired(10).await, Ok(0));
-    assert_eq!(
-        store.renew(&claim, Duration::from_secs(30)).await,
-        Ok(ClaimStatus::Held)
-    );
-    tokio::time::advance(Duration::from_secs(29)).await;
-    assert!(matches!(
-        store.claim(&short_ttl(2)).await,
-        Ok(KeyState::Mismatch)
-    ));
-    // Lapsed, and past its TTL: dead, so the next claim is new.
-    tokio::time::advance(Duration::from_secs(1)).await;
-    let (_, takeover) = acquire(&store, &short_ttl(2)).await;
-    assert!(!takeover);
-    assert_eq!(
-        store.complete(&claim, &record()).await,
-        Ok(ClaimStatus::Lost)
-    );
-}
-
-#[tokio::test(start_paused = true)]
-async fn renewal_keeps_the_lease_alive() {
-    let store = MemoryStore::new();
-    let (claim, _) = acquire(&store, &request(1)).await;
-    for _ in 0..5 {
-        tokio::time::advance(Duration::from_secs(20)).await;
-        assert_eq!(
-            store.renew(&claim, Duration::from_secs(30)).await,
-            Ok(ClaimStatus::Held)
-        );
-    }
-    assert!(matches!(
-        store.claim(&request(1)).await,
-        Ok(KeyState::InFlight { .. })
-    ));
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_different_fingerprint_is_a_mismatch_until_expiry() {
-    let store = MemoryStore::new();
-    let (claim, _) = acquire(&store, &request(1)).await;
-    assert_eq!(store.claim(&request(2)).await, Ok(KeyState::Mismatch));
-    assert_eq!(
-        store.complete(&claim, &record()).await,
-        Ok(ClaimStatus::Held)
-    );
-    assert_eq!(store.claim(&request(2)).await, Ok(KeyState::Mismatch));
-    tokio::time::advance(Duration::from_secs(3600)).await;
-    let (_, takeover) = acquire(&store, &request(2)).await;
-    assert!(!takeover, "an expired record is new, not a takeover");
-}
-
-#[tokio::test(start_paused = true)]
-async fn released_keys_are_free_for_any_payload() {
-    let store = MemoryStore::new();
-    let (claim, _) = acquire(&store, &request(1)).await;
-    assert_eq!(store.release(&claim).await, Ok(ClaimStatus::Held));
-    let (again, takeover) = acquire(&store, &request(2)).await;
-    assert!(!takeover);
     assert!(again.token > claim.token);
 }
 
@@ -456,26 +310,10 @@ mod properties {
 
 /// The checks every store is held to; `tokio::time` is the memory store's clock, so they
 /// run in no real time.
-#[cfg(feature = "conformance")]
 #[tokio::test(start_paused = true)]
 async fn keeps_the_store_protocol() {
     for store in [MemoryStore::new(), MemoryStore::with_max_bytes(1 << 30)] {
         crate::store::conformance::check(&store, Duration::from_secs(1)).await;
         crate::store::conformance::check_expired_deletion(&store, Duration::from_secs(1)).await;
     }
-}
-
-#[tokio::test(start_paused = true)]
-async fn delete_expired_works_in_batches() {
-    let store = MemoryStore::new();
-    for i in 0..5u8 {
-        let mut req = request(1);
-        req.key = ScopeKey::from_bytes([i; 32]);
-        acquire(&store, &req).await;
-    }
-    assert_eq!(store.delete_expired(10).await, Ok(0));
-    tokio::time::advance(Duration::from_secs(3600)).await;
-    assert_eq!(store.delete_expired(3).await, Ok(3));
-    assert_eq!(store.delete_expired(3).await, Ok(2));
-    assert!(store.is_empty());
 }

@@ -1,7 +1,23 @@
 //! A lease-mode claim whose answer its caller may never read, and how what it claimed is found
 //! again by its claimant id or released.
 
-use super::*;
+use std::{
+    pin::Pin,
+    sync::{
+        LazyLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use sqlx::{postgres::PgRow, types::Uuid};
+
+use super::{
+    PostgresStore, PostgresStoreError,
+    sql::{RELEASE_CLAIMANT, RELEASE_CLAIMANT_PARTITIONED},
+    statement::{Param, Statement, stored_key},
+};
+use crate::{scope::ScopeKey, store::ClaimStatus};
 
 /// The most claim attempts settled in the background at once (see [`ClaimAttempt`]); past it,
 /// a lost claim is left to lapse with its lease, so an outage cannot pile up tasks.

@@ -1,6 +1,23 @@
 //! Claiming a key: the one-key statement in either mode, and reading its answer.
 
-use super::*;
+use std::{sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use sqlx::{Row, postgres::PgRow, types::Uuid};
+
+use super::{
+    PgClaim, PostgresStore, PostgresStoreError,
+    attempt::{ClaimAttempt, new_claimant},
+    group_commit::{Batched, claim_new_keys},
+    sql::{CLAIM_LEASE, CLAIM_LEASE_WAITING, CLAIM_PARTITIONED, CLAIM_TRANSACTIONAL},
+    statement::{Param, Statement, stored_key},
+    transaction::{Fallback, TxClaim, TxSlot},
+};
+use crate::{
+    record::Record,
+    store::{ClaimRequest, Fence, KeyState, Store},
+};
 
 /// How many times `claim` runs its statement when a racing commit hides the conflicting row.
 pub(super) const CLAIM_ATTEMPTS: usize = 5;

@@ -1,8 +1,8 @@
 //! What can go wrong in the PostgreSQL store.
 
-use super::*;
+use std::{fmt, time::Duration};
 
-/// A [`PostgresStore`] operation failed.
+/// A [`PostgresStore`](super::PostgresStore) operation failed.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum PostgresStoreError {
@@ -11,10 +11,10 @@ pub enum PostgresStoreError {
     /// Applying the migrations failed.
     Migrate(sqlx::migrate::MigrateError),
     /// The store's tables do not exist in this database: run
-    /// [`PostgresStore::migrate`] at start-up (or apply [`PostgresStore::migrator`]).
+    /// [`PostgresStore::migrate`](super::PostgresStore::migrate) at start-up (or apply [`PostgresStore::migrator`](super::PostgresStore::migrator)).
     NotMigrated(sqlx::Error),
     /// The operation did not finish within the store's timeout (see
-    /// [`PostgresStore::with_timeout`]), waiting for a pooled connection included.
+    /// [`PostgresStore::with_timeout`](super::PostgresStore::with_timeout)), waiting for a pooled connection included.
     Timeout {
         /// Which operation: `claim`, `renew`, `complete`, `release` or `delete_expired`.
         operation: &'static str,

@@ -1,6 +1,14 @@
 //! Deleting expired records in bounded batches (partitioned mode drops whole partitions).
 
-use super::*;
+use std::sync::atomic::Ordering;
+
+use sqlx::Row;
+
+use super::{
+    PostgresStore, PostgresStoreError,
+    statement::{Param, Statement},
+};
+use crate::store::ExpiredDeletion;
 
 /// One batch of expiry: the oldest expired records from `$2` (microseconds since the Unix
 /// epoch) on. Bounded and non-blocking: rows another transaction has locked are skipped, not

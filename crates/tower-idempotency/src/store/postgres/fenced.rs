@@ -1,6 +1,16 @@
 //! The operations on a held claim in lease mode, each fenced by the claim's token.
 
-use super::*;
+use std::{sync::Arc, time::Duration};
+
+use super::{
+    PostgresStore, PostgresStoreError,
+    group_commit::{Batched, MAX_BATCHED_RECORD, complete_many},
+    statement::{Param, Statement, stored_key},
+};
+use crate::{
+    record::Record,
+    store::{ClaimStatus, Fence},
+};
 
 impl PostgresStore {
     pub(super) async fn renew_lease(

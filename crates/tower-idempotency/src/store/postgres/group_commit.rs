@@ -1,7 +1,19 @@
 //! Lease mode's group commit: concurrent requests' claims of new keys, and their completions,
 //! written together, one statement and one commit per batch (see [`PostgresStore`]).
 
-use super::*;
+use std::{collections::HashMap, time::Duration};
+
+use sqlx::{PgPool, Postgres, Row, pool::PoolConnection, types::Uuid};
+
+use super::{
+    batch::Batcher,
+    sql::{CLAIM_NEW_KEYS, COMPLETE_MANY},
+    statement::{interval, stored_key},
+};
+use crate::{
+    record::Record,
+    store::{ClaimRequest, ClaimStatus, Fence},
+};
 
 /// Lease mode's claims of new keys, each with its attempt's claimant, batched.
 pub(super) type ClaimBatcher = Batcher<(ClaimRequest, Uuid), Batched<Option<Fence>>>;

@@ -1,30 +1,20 @@
 use std::{
-    collections::HashMap,
-    fmt,
-    future::Future,
-    pin::Pin,
     sync::{
         Arc, LazyLock,
-        atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicI64, AtomicUsize},
     },
     time::Duration,
 };
 
-use bytes::Bytes;
-use futures_util::FutureExt;
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
-use sqlx::{
-    AssertSqlSafe, PgPool, Postgres, Row, migrate::Migrator, pool::PoolConnection, postgres::PgRow,
-    types::Uuid,
-};
+use sqlx::{PgPool, migrate::Migrator};
 
 use super::{
-    Capabilities, ClaimHandle, ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, InFlightWatch,
-    KeyState, Notifier, Store, batch::Batcher,
+    Capabilities, ClaimHandle, ClaimRequest, ClaimStatus, Fence, InFlightWatch, KeyState, Store,
 };
-use crate::{record::Record, scope::ScopeKey, transaction::TxSlot};
+use crate::record::Record;
 
 mod attempt;
+mod batch;
 mod claim;
 mod error;
 mod expiry;
@@ -38,20 +28,20 @@ mod statement;
 mod steps;
 mod transaction;
 
-use attempt::*;
-use fenced::*;
-use group_commit::*;
-use notify::*;
-use partitions::*;
-use sql::*;
-use statement::*;
-use transaction::*;
+use batch::Batcher;
+use fenced::{complete_statement, fenced_statement};
+use group_commit::{Batched, ClaimBatcher, MAX_BATCH};
+use notify::Notifications;
+use partitions::Partitioning;
+use sql::{FENCED, FENCED_PARTITIONED, Fenced};
+use transaction::{Fallback, TxClaim};
 
 pub use error::PostgresStoreError;
 pub use partitions::PartitionMaintenance;
 pub use settings::{
     MAX_PARTITIONS_AHEAD, MIN_IN_FLIGHT_POLLING, MIN_PARTITION_WIDTH, PostgresConfigError,
 };
+pub(crate) use transaction::{LentTx, TxSlot};
 
 /// The [`Store`] for production: PostgreSQL, shared by every instance of the application.
 ///
@@ -187,7 +177,7 @@ impl PostgresStore {
 
     /// Switches to partitioned mode: records are kept in `idempotency.partitioned_records`,
     /// range-partitioned by expiry time into partitions `width` wide, and expiry
-    /// ([`ExpiredDeletion::delete_expired`]) detaches and drops whole partitions instead of
+    /// ([`ExpiredDeletion::delete_expired`](crate::store::ExpiredDeletion::delete_expired)) detaches and drops whole partitions instead of
     /// deleting rows: no row-by-row work, no table bloat, no vacuum debt, whatever the volume.
     ///
     /// Partitions are created 2 days ahead by default
@@ -388,11 +378,7 @@ impl Store for PostgresStore {
             }
             Fallback::Fence(held) => return self.complete_lease(&held, record).await,
         }
-        let slot = &tx_claim.slot;
-        let Some(mut tx) = slot
-            .take()
-            .map_err(|_| PostgresStoreError::TransactionHeld)?
-        else {
+        let Some(mut tx) = tx_claim.slot.take_back()? else {
             return Ok(ClaimStatus::Lost);
         };
         let stored = self
@@ -450,11 +436,7 @@ impl Store for PostgresStore {
             Fallback::Fence(held) => return self.release_lease(&held).await,
         }
         // Rolling back undoes the claim and the handler's writes together.
-        let Some(tx) = tx_claim
-            .slot
-            .take()
-            .map_err(|_| PostgresStoreError::TransactionHeld)?
-        else {
+        let Some(tx) = tx_claim.slot.take_back()? else {
             return Ok(ClaimStatus::Lost);
         };
         self.timed("release", tx.rollback()).await?;

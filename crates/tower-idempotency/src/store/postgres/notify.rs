@@ -1,7 +1,22 @@
 //! Waking duplicates that wait for a key in flight: the announcements of settled keys, and the
 //! listener that hears other instances' (see [`Store::capabilities`]).
 
-use super::*;
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use sqlx::{PgPool, Row, types::Uuid};
+
+use super::{
+    PostgresStore, PostgresStoreError,
+    sql::{NOTIFY_ONE, SETTLED_CHANNEL},
+    statement::{Param, Statement, stored_key},
+};
+use crate::{scope::ScopeKey, store::Notifier};
 
 /// The store's side of [`InFlightWatch::Notified`]: whether its statements announce settled
 /// keys, and the listener that wakes this process's waiters.

@@ -1,6 +1,10 @@
 //! Partitioned mode's upkeep: partitions created ahead, expired ones detached and dropped.
 
-use super::*;
+use std::time::Duration;
+
+use sqlx::{AssertSqlSafe, Row};
+
+use super::{PostgresStore, PostgresStoreError};
 
 /// Partitioned mode's settings.
 #[derive(Clone, Copy, Debug)]
@@ -12,7 +16,7 @@ pub(super) struct Partitioning {
 impl PostgresStore {
     /// Partitioned mode's upkeep: creates the partitions the next
     /// [`with_partitions_ahead`](Self::with_partitions_ahead) need, and detaches and drops
-    /// those whose every record has expired. [`delete_expired`](ExpiredDeletion::delete_expired)
+    /// those whose every record has expired. [`delete_expired`](crate::store::ExpiredDeletion::delete_expired)
     /// runs it, so the expiry loop is all an application needs; a no-op in the other modes.
     ///
     /// Safe to run from many instances at once. It never blocks claims for long: partitions are

@@ -1,7 +1,13 @@
 //! Running a store statement: prepared with bound parameters, or inlined as one simple query
 //! for PgBouncer; bounded by the store's timeout.
 
-use super::*;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use sqlx::{AssertSqlSafe, Postgres, postgres::PgRow, types::Uuid};
+
+use super::{PostgresStore, PostgresStoreError};
+use crate::{scope::ScopeKey, settings::MAX_DURATION, store::ClaimStatus};
 
 /// The key a record is stored under: the first 128 bits of its scope key, as a `uuid` (see
 /// the migration `20261123000001_uuid_scope_keys.sql` for why and why that is enough).
@@ -11,9 +17,9 @@ pub(super) fn stored_key(key: &ScopeKey) -> Uuid {
     Uuid::from_bytes(prefix)
 }
 
-/// The longest interval the store writes: far beyond any TTL or lease, and far from the
-/// bounds of PostgreSQL's `timestamptz`.
-pub(super) const MAX_INTERVAL: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+/// The longest interval the store writes: the longest setting, far from the bounds of
+/// PostgreSQL's `timestamptz`.
+pub(super) const MAX_INTERVAL: Duration = MAX_DURATION;
 
 /// `d` as PostgreSQL can take it: whole microseconds (rounded up, so a positive duration stays
 /// positive), at most [`MAX_INTERVAL`].

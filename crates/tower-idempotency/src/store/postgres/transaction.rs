@@ -1,7 +1,96 @@
-//! Transactional claims: the claim's transaction, and what takes its place when it cannot
-//! commit although the handler never wrote through it.
+//! Transactional claims: the claim's transaction, lent to the handler and taken back to
+//! commit, and what takes its place when it cannot commit although the handler never wrote
+//! through it.
 
-use super::*;
+use std::{
+    ops::{Deref, DerefMut},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+};
+
+use sqlx::PgConnection;
+use tokio::sync::{Mutex, OwnedMutexGuard};
+
+use super::{PostgresStore, PostgresStoreError};
+use crate::{
+    record::Record,
+    store::{ClaimRequest, ClaimStatus, Fence, KeyState},
+};
+
+/// The transaction a transactional claim holds.
+pub(crate) type PgTransaction = sqlx::Transaction<'static, sqlx::Postgres>;
+
+/// The open transaction of a transactional claim, shared by the claim and the handler: lent to
+/// the handler ([`lend`](Self::lend)), then taken back to commit or roll back.
+#[derive(Debug)]
+pub(crate) struct TxSlot {
+    tx: Arc<Mutex<Option<PgTransaction>>>,
+    used: AtomicBool,
+}
+
+impl TxSlot {
+    pub(super) fn new(tx: PgTransaction) -> Self {
+        Self {
+            tx: Arc::new(Mutex::new(Some(tx))),
+            used: AtomicBool::new(false),
+        }
+    }
+
+    /// Lends the transaction to the handler: `None` while it is lent already, or once the claim
+    /// was settled.
+    pub(crate) fn lend(&self) -> Option<LentTx> {
+        let guard = Arc::clone(&self.tx).try_lock_owned().ok()?;
+        guard.as_ref()?;
+        self.used.store(true, Ordering::Release);
+        Some(LentTx(guard))
+    }
+
+    /// Takes the transaction back from the handler to commit or roll it back: `Ok(None)` once
+    /// the claim was settled.
+    ///
+    /// # Errors
+    ///
+    /// [`PostgresStoreError::TransactionHeld`] while the handler still holds it.
+    pub(super) fn take_back(&self) -> Result<Option<PgTransaction>, PostgresStoreError> {
+        let mut tx = self
+            .tx
+            .try_lock()
+            .map_err(|_| PostgresStoreError::TransactionHeld)?;
+        Ok(tx.take())
+    }
+
+    /// Whether the claim was committed or rolled back already.
+    pub(super) fn is_settled(&self) -> bool {
+        self.tx.try_lock().is_ok_and(|tx| tx.is_none())
+    }
+
+    /// Whether the handler was lent the transaction.
+    pub(super) fn was_used(&self) -> bool {
+        self.used.load(Ordering::Acquire)
+    }
+}
+
+/// The claim's transaction while the handler holds it; the claim takes it back once it is
+/// dropped.
+pub(crate) struct LentTx(OwnedMutexGuard<Option<PgTransaction>>);
+
+impl Deref for LentTx {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        // Present from lending until the claim takes it back, which it can only do once this
+        // guard is dropped.
+        self.0.as_ref().expect("transaction present while lent")
+    }
+}
+
+impl DerefMut for LentTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.0.as_mut().expect("transaction present while lent")
+    }
+}
 
 /// A transactional claim: its transaction, and what took its place if it could not commit.
 #[derive(Debug)]

@@ -185,7 +185,8 @@ mod postgres_only {
             [
                 "idempotency._sqlx_migrations",
                 "idempotency.partitioned_records",
-                "idempotency.records"
+                "idempotency.records",
+                "idempotency.steps"
             ]
         );
         // The application's own migrations (default table) run beside it untouched.

@@ -1,6 +1,11 @@
 //! What a handler can learn about the key it runs under.
 
-use crate::{key::IdempotencyKey, scope::ScopeKey};
+use crate::{
+    fingerprint::Fingerprint,
+    key::IdempotencyKey,
+    scope::ScopeKey,
+    steps::{MissingSteps, Steps},
+};
 
 /// What a handler can learn about the key it runs under.
 ///
@@ -31,6 +36,10 @@ pub struct IdempotencyContext {
     pub(crate) key: IdempotencyKey,
     pub(crate) scope_key: ScopeKey,
     pub(crate) takeover: bool,
+    /// The request's fingerprint, which binds its [`Steps`].
+    pub(crate) fingerprint: Fingerprint,
+    /// The handler's steps, or why it has none (set once the key is claimed).
+    pub(crate) steps: Result<Steps, MissingSteps>,
 }
 
 impl IdempotencyContext {
@@ -48,6 +57,16 @@ impl IdempotencyContext {
     /// before it finished (it crashed or hung), so that attempt may have had partial effects.
     pub fn takeover(&self) -> bool {
         self.takeover
+    }
+
+    /// The handler's [`Steps`] (with the `axum` feature, also an extractor), or why it has
+    /// none.
+    ///
+    /// # Errors
+    ///
+    /// [`MissingSteps`] says what the app must set up for steps.
+    pub fn steps(&self) -> Result<&Steps, MissingSteps> {
+        self.steps.as_ref().map_err(|missing| *missing)
     }
 }
 

@@ -12,7 +12,7 @@ use crate::{
     rendering::Rendering,
     scope::Scope,
     service::{Idempotency, Shared, Waiting},
-    settings::{Config, ConfigError, InFlightWait, Limits, MAX_DURATION, MIN_LEASE},
+    settings::{Config, ConfigError, InFlightWait, Limits, MAX_DURATION, MIN_LEASE, StepSecret},
     store::{InFlightWatch, MemoryStore, Store},
 };
 
@@ -94,6 +94,7 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_disconnect`](Self::with_disconnect) | [`Disconnect::RunToCompletion`] |
     /// | [`with_rendering`](Self::with_rendering) | [`Rendering::problem_details`]: RFC 9457 problem documents, replays marked `Idempotent-Replayed: true` |
     /// | [`with_in_flight_wait`](Self::with_in_flight_wait) | none: a duplicate of a key in flight gets `409` at once |
+    /// | [`with_step_secret`](Self::with_step_secret) | none: handlers get no [`Steps`](crate::Steps) |
     pub fn new(store: St) -> Self {
         // The store's watch is only cloned here: a store that wakes waiters from a task of its
         // own starts it when the first request waits.
@@ -255,6 +256,20 @@ impl<St: Store> IdempotencyLayer<St> {
         {
             notifier.expect_waiters();
         }
+        Ok(self)
+    }
+
+    /// The secret [`Steps`](crate::Steps) derives downstream keys with, which makes the
+    /// extractor available: the same on every instance and across restarts, or keys change
+    /// and downstream services no longer deduplicate a step's retries. Load it from your
+    /// secret store; see the [modes guide](crate::guide::modes#steps).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::ShortSecret`] for fewer than
+    /// [`MIN_STEP_SECRET_BYTES`](crate::MIN_STEP_SECRET_BYTES) bytes.
+    pub fn with_step_secret(mut self, secret: impl Into<Vec<u8>>) -> Result<Self, ConfigError> {
+        self.config_mut().step_secret = Some(StepSecret::new(secret.into())?);
         Ok(self)
     }
 

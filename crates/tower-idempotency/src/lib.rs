@@ -79,6 +79,7 @@ mod replay;
 mod scope;
 mod service;
 mod settings;
+mod steps;
 pub mod store;
 #[cfg(feature = "postgres")]
 mod transaction;
@@ -100,7 +101,10 @@ pub use rendering::Rendering;
 pub use replay::{BODY_NOT_STORED_TYPE, IDEMPOTENT_REPLAY_BODY};
 pub use scope::{EmptyPrincipal, Principal, Scope, ScopeKey};
 pub use service::Idempotency;
-pub use settings::{ConfigError, InFlightWait, Limits, MAX_DURATION, MIN_LEASE};
+pub use settings::{
+    ConfigError, InFlightWait, Limits, MAX_DURATION, MIN_LEASE, MIN_STEP_SECRET_BYTES,
+};
+pub use steps::{DownstreamKey, MissingSteps, StepError, Steps};
 #[cfg(feature = "postgres")]
 pub use transaction::{IdempotentTx, TxUnavailable};
 

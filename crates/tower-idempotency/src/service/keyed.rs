@@ -24,6 +24,7 @@ use crate::{
     problem::Rejection,
     scope::ScopeKey,
     settings::Config,
+    steps,
     store::{ClaimRequest, KeyState, RecordUnopenable, Store},
 };
 
@@ -85,7 +86,12 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                     return self.store_failed(&error, parts, body).await;
                 }
             };
-            self.answer(state, key, scope_key, parts, body).await
+            let claimed = Claimed {
+                key,
+                scope_key,
+                fingerprint,
+            };
+            self.answer(state, claimed, parts, body).await
         }
     }
 
@@ -93,8 +99,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
     async fn answer(
         self,
         state: KeyState<St::Claim>,
-        key: IdempotencyKey,
-        scope_key: ScopeKey,
+        claimed: Claimed,
         parts: Parts,
         body: Bytes,
     ) -> Served<S::ResBody, S::Error> {
@@ -107,9 +112,12 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                     );
                 }
                 let context = IdempotencyContext {
-                    key,
-                    scope_key,
+                    key: claimed.key,
+                    scope_key: claimed.scope_key,
                     takeover,
+                    fingerprint: claimed.fingerprint,
+                    // Offered by `run`, which has the claim.
+                    steps: Err(steps::NO_KEY),
                 };
                 self.run(claim, context, parts, body).await
             }
@@ -161,6 +169,13 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             }
         }
     }
+}
+
+/// What a keyed request was claimed by: its key, as sent and scoped, and its fingerprint.
+struct Claimed {
+    key: IdempotencyKey,
+    scope_key: ScopeKey,
+    fingerprint: Fingerprint,
 }
 
 /// Why a keyed request got no state to act on.

@@ -28,6 +28,7 @@ use crate::{
     problem::Rejection,
     record::Record,
     settings::Config,
+    steps,
     store::{ClaimHandle, ClaimStatus, Store},
 };
 
@@ -44,7 +45,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
     pub(super) fn run(
         self,
         claim: St::Claim,
-        context: IdempotencyContext,
+        mut context: IdempotencyContext,
         mut parts: Parts,
         body: Bytes,
     ) -> impl Future<Output = Served<S::ResBody, S::Error>> {
@@ -55,6 +56,8 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             let takeover = context.takeover;
             let (store, config) = (shared.store, shared.config);
             claim.attach(&mut parts.extensions);
+            let secret = config.step_secret.as_ref();
+            context.steps = steps::offer(secret, &*store, &claim, context.fingerprint);
             let guard = HeldKey::new(Arc::clone(&store), claim);
             parts.extensions.insert(context);
             let request = Request::from_parts(parts, RequestBody::buffered(body));

@@ -16,9 +16,12 @@ use crate::{
 };
 
 mod limits;
+mod secret;
 mod waiting;
 
 pub use limits::Limits;
+pub use secret::MIN_STEP_SECRET_BYTES;
+pub(crate) use secret::StepSecret;
 pub use waiting::InFlightWait;
 
 /// The settings, shared by every clone of the service: each value validated when it was set.
@@ -38,6 +41,8 @@ pub(crate) struct Config {
     pub(crate) rendering: Rendering,
     /// `None`: a duplicate of a key in flight gets `409` at once.
     pub(crate) in_flight_wait: Option<InFlightWait>,
+    /// `None`: handlers get no [`Steps`](crate::Steps).
+    pub(crate) step_secret: Option<StepSecret>,
 }
 
 /// The longest duration a setting takes: longer ones are taken as this, which is forever for
@@ -73,6 +78,7 @@ impl Default for Config {
             disconnect: Disconnect::default(),
             rendering: Rendering::default(),
             in_flight_wait: None,
+            step_secret: None,
         }
     }
 }
@@ -104,6 +110,11 @@ pub enum ConfigError {
     /// Fields left out of a raw fingerprint, which hashes the body's bytes and cannot leave
     /// any out.
     RawExcluding,
+    /// A step secret shorter than [`MIN_STEP_SECRET_BYTES`].
+    ShortSecret {
+        /// The minimum, in bytes.
+        min: usize,
+    },
 }
 
 impl fmt::Display for ConfigError {
@@ -126,6 +137,10 @@ impl fmt::Display for ConfigError {
             Self::RawExcluding => f.write_str(
                 "a raw fingerprint hashes the body's bytes and cannot leave fields out: \
                  exclude fields from `Fingerprinting::semantic()`",
+            ),
+            Self::ShortSecret { min } => write!(
+                f,
+                "idempotency setting `step_secret` must be at least {min} random bytes"
             ),
         }
     }

@@ -1,9 +1,9 @@
 //! What a store's claims carry ([`ClaimHandle`]) and what the store itself can do
 //! ([`Capabilities`]): the facts the layer asks of a store besides the protocol.
 
-use std::time::Duration;
+use std::{fmt, sync::Arc, time::Duration};
 
-use super::notify::InFlightWatch;
+use super::{Fence, notify::InFlightWatch, steps::StepLog};
 
 /// How often waiters read a key again when the store cannot wake them.
 const DEFAULT_POLLING: Duration = Duration::from_millis(100);
@@ -26,17 +26,35 @@ pub trait ClaimHandle: Send + Sync + 'static {
     fn commits_effects(&self) -> bool {
         false
     }
+
+    /// The key and fencing token this claim holds, for the steps it records
+    /// ([`StepLog`]); `None` for a claim under which steps do not apply (PostgreSQL's
+    /// transactional mode, whose writes commit with the response). The default is `None`.
+    fn fence(&self) -> Option<Fence> {
+        None
+    }
 }
 
 /// What a store can do, as [`Store::capabilities`](super::Store::capabilities) tells the layer.
 ///
 /// [`Capabilities::new`] is what the defaults describe: a store whose claims hold nothing
 /// scarce and whose waiters read a key again every 100 ms.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct Capabilities {
     detached_limit: Option<usize>,
     in_flight_watch: InFlightWatch,
+    step_log: Option<Arc<dyn StepLog>>,
+}
+
+impl fmt::Debug for Capabilities {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Capabilities")
+            .field("detached_limit", &self.detached_limit)
+            .field("in_flight_watch", &self.in_flight_watch)
+            .field("step_log", &self.step_log.is_some())
+            .finish()
+    }
 }
 
 impl Default for Capabilities {
@@ -51,6 +69,7 @@ impl Capabilities {
         Self {
             detached_limit: None,
             in_flight_watch: InFlightWatch::Polled(DEFAULT_POLLING),
+            step_log: None,
         }
     }
 
@@ -74,6 +93,20 @@ impl Capabilities {
     pub fn with_in_flight_watch(mut self, watch: InFlightWatch) -> Self {
         self.in_flight_watch = watch;
         self
+    }
+
+    /// Declares where the store keeps the finished steps of a key's handler, which makes the
+    /// [`Steps`](crate::Steps) extractor available on its claims that have a
+    /// [fence](ClaimHandle::fence).
+    #[must_use]
+    pub fn with_step_log(mut self, log: Arc<dyn StepLog>) -> Self {
+        self.step_log = Some(log);
+        self
+    }
+
+    /// See [`with_step_log`](Self::with_step_log).
+    pub fn step_log(&self) -> Option<&Arc<dyn StepLog>> {
+        self.step_log.as_ref()
     }
 
     /// See [`with_detached_limit`](Self::with_detached_limit).

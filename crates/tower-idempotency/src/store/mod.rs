@@ -65,6 +65,7 @@ mod notify;
 pub(crate) mod postgres;
 #[cfg(feature = "sealing")]
 mod sealing;
+mod steps;
 mod unopenable;
 
 pub use caching::CachingStore;
@@ -78,6 +79,7 @@ pub use postgres::{
 };
 #[cfg(feature = "sealing")]
 pub use sealing::{DuplicateKeyId, SealedClaim, SealingError, SealingKeys, SealingStore};
+pub use steps::{StepLog, StepLogError, StepRecord};
 pub use unopenable::RecordUnopenable;
 
 /// What the layer asks a store to claim.
@@ -171,8 +173,12 @@ pub struct Fence {
     pub token: i64,
 }
 
-/// A fence carries nothing of the handler's.
-impl ClaimHandle for Fence {}
+/// A fence carries nothing of the handler's, and is its own fence.
+impl ClaimHandle for Fence {
+    fn fence(&self) -> Option<Fence> {
+        Some(*self)
+    }
+}
 
 /// A backend that claims keys atomically and keeps completed responses.
 ///

@@ -29,7 +29,10 @@
 //! * a record past its TTL is new, whatever its payload; a claim in flight outlives its TTL
 //!   while its lease is live (renewed too), and is new once the lease lapses;
 //! * 64 concurrent [`claim`](Store::claim)s of one key acquire it exactly once, whether they
-//!   carry the same payload or not, and never disturb other keys.
+//!   carry the same payload or not, and never disturb other keys;
+//! * for a store whose capabilities offer a [`StepLog`](super::StepLog): steps come back in
+//!   order after a takeover, a stale holder records none, they survive a release for the same
+//!   payload only, and they expire with their record.
 //!
 //! [`check_expired_deletion`] adds the rules of [`ExpiredDeletion`]: batches are bounded,
 //! expired records go, live ones (and claims whose lease outlives their TTL) stay.
@@ -96,6 +99,7 @@ pub async fn check<St: Store + Clone>(store: &St, short: Duration) {
     an_expired_record_is_new(store, &keys, short).await;
     a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses(store, &keys, short).await;
     racing_requests_acquire_a_key_once(store, &keys).await;
+    steps::steps_are_kept(store, &keys, short).await;
 }
 
 /// Runs the rules of [`ExpiredDeletion`] against `store`; panics at the first one broken.
@@ -182,6 +186,7 @@ pub async fn check_expired_deletion<St: ExpiredDeletion>(store: &St, short: Dura
 }
 
 mod rules;
+mod steps;
 
 use rules::{
     a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses, a_completed_claim_is_final,

@@ -18,6 +18,7 @@ use crate::{record::Record, scope::ScopeKey};
 
 mod packed;
 mod records;
+mod steps;
 
 #[cfg(test)]
 mod tests;
@@ -267,10 +268,11 @@ impl Store for MemoryStore {
         Ok(status)
     }
 
-    /// Waiters are woken in process, as keys settle.
+    /// Waiters are woken in process, as keys settle; steps are kept beside the records.
     fn capabilities(&self) -> Capabilities {
         Capabilities::new()
             .with_in_flight_watch(InFlightWatch::Notified(self.inner.notifier.clone()))
+            .with_step_log(self.step_log())
     }
 }
 
@@ -392,7 +394,13 @@ impl MemoryStore {
             .fold((0, 0), |(count, bytes), (_, entry)| {
                 (count + 1, bytes + entry.bytes())
             });
-        self.count(0, bytes);
+        // Steps expire with their records; they are not counted as records deleted.
+        let steps: usize = records
+            .steps
+            .extract_if(|_, set| set.expired(now))
+            .map(|(_, set)| set.bytes())
+            .sum();
+        self.count(0, bytes + steps);
         records.bound_expiry();
         count
     }

@@ -8,7 +8,7 @@ use std::{
 
 use tokio::time::Instant;
 
-use super::packed::Packed;
+use super::{packed::Packed, steps::StepSet};
 use crate::{fingerprint::Fingerprint, scope::ScopeKey};
 
 /// Keys are SHA-256 digests, so a fast hasher spreads them as well as SipHash does; seeded per
@@ -32,6 +32,9 @@ pub(super) struct Records {
     /// request, it only stays in memory for up to the difference.
     pub(super) expiry: VecDeque<Expiry>,
     pub(super) last_token: i64,
+    /// The finished steps of keys' handlers ([`StepLog`](crate::store::StepLog)): beside the
+    /// records, as they outlive a release, and under the same lock, which fences them.
+    pub(super) steps: HashMap<ScopeKey, StepSet, foldhash::fast::RandomState>,
 }
 
 /// A claim in [`Records::expiry`].

@@ -40,8 +40,19 @@ FROM gone
 impl ExpiredDeletion for PostgresStore {
     /// Deletes at most `batch` expired records; in partitioned mode, runs
     /// [`maintain_partitions`](PostgresStore::maintain_partitions) instead (whole partitions,
-    /// whatever their size) and returns the records they held.
+    /// whatever their size) and returns the records they held. Then deletes at most `batch`
+    /// expired steps, and returns the larger count, so the loop goes on while either is
+    /// backlogged.
     async fn delete_expired(&self, batch: u32) -> Result<u64, PostgresStoreError> {
+        let records = self.delete_expired_records(batch).await?;
+        let steps = self.delete_expired_steps(batch).await?;
+        Ok(records.max(steps))
+    }
+}
+
+impl PostgresStore {
+    /// [`ExpiredDeletion::delete_expired`] for the records alone.
+    async fn delete_expired_records(&self, batch: u32) -> Result<u64, PostgresStoreError> {
         if self.partitions.is_some() {
             return Ok(self.maintain_partitions().await?.rows_dropped);
         }

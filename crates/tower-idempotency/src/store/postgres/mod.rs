@@ -25,6 +25,7 @@ mod partitions;
 mod settings;
 mod sql;
 mod statement;
+mod steps;
 mod transaction;
 
 use batch::Batcher;
@@ -444,7 +445,8 @@ impl Store for PostgresStore {
     }
 
     /// In transactional mode each claim holds a pooled connection: half the pool may be
-    /// detached. Waiters are woken through `LISTEN`/`NOTIFY`: once a layer that waits is built
+    /// detached. Steps are kept in `idempotency.steps` (lease mode's claims only record them).
+    /// Waiters are woken through `LISTEN`/`NOTIFY`: once a layer that waits is built
     /// on the store, each completion and release of this store (and of every other instance
     /// whose layer waits) of a key a waiter marked ([`ClaimRequest::waiting`]), and each of
     /// transactional mode, announces its key on the channel `idempotency_settled`. One
@@ -456,7 +458,9 @@ impl Store for PostgresStore {
             Some(interval) => InFlightWatch::Polled(interval),
             None => InFlightWatch::Notified(self.notifications.notifier.clone()),
         };
-        let capabilities = Capabilities::new().with_in_flight_watch(watch);
+        let capabilities = Capabilities::new()
+            .with_in_flight_watch(watch)
+            .with_step_log(self.step_log());
         if self.transactional {
             let pool = self.pool.options().get_max_connections() as usize;
             return capabilities.with_detached_limit((pool / 2).max(1));
@@ -478,5 +482,11 @@ impl ClaimHandle for PgClaim {
         self.tx
             .as_ref()
             .is_some_and(|tx_claim| tx_claim.slot.was_used())
+    }
+
+    /// In lease mode only: a transactional claim's writes commit with its response, so its
+    /// handler has no steps to record.
+    fn fence(&self) -> Option<Fence> {
+        self.tx.is_none().then_some(self.fence)
     }
 }

@@ -48,6 +48,7 @@ pub(super) enum Param<'a> {
     SmallInt(i16),
     Bool(bool),
     Interval(Duration),
+    Text(&'a str),
     Texts(Vec<&'a str>),
     BytesList(Vec<&'a [u8]>),
 }
@@ -76,6 +77,7 @@ impl<'a> Statement<'a> {
                 Param::Bool(b) => query.bind(b),
                 Param::SmallInt(n) => query.bind(n),
                 Param::Interval(d) => query.bind(interval(d)),
+                Param::Text(text) => query.bind(text),
                 Param::Texts(texts) => query.bind(texts),
                 Param::BytesList(list) => query.bind(list),
             })
@@ -105,6 +107,11 @@ impl<'a> Statement<'a> {
                     "({}::int8 * interval '1 microsecond')",
                     interval(*d).as_micros()
                 )),
+                Param::Text(text) => {
+                    literal.push_str("convert_from(");
+                    bytes(&mut literal, text.as_bytes());
+                    literal.push_str(", 'UTF8')");
+                }
                 Param::Texts(texts) => {
                     literal.push_str("ARRAY[");
                     for (j, text) in texts.iter().enumerate() {
@@ -144,6 +151,20 @@ impl<'a> Statement<'a> {
         } else {
             sqlx::raw_sql(AssertSqlSafe(self.inlined()))
                 .fetch_optional(conn)
+                .await
+        }
+    }
+
+    pub(super) async fn fetch_all<'c>(
+        self,
+        prepared: bool,
+        conn: impl sqlx::PgExecutor<'c>,
+    ) -> Result<Vec<PgRow>, sqlx::Error> {
+        if prepared {
+            self.prepared().fetch_all(conn).await
+        } else {
+            sqlx::raw_sql(AssertSqlSafe(self.inlined()))
+                .fetch_all(conn)
                 .await
         }
     }

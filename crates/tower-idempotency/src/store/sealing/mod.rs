@@ -3,7 +3,7 @@
 use std::{error::Error as StdError, fmt, sync::Arc, time::Duration};
 
 use super::{
-    Capabilities, ClaimHandle, ClaimRequest, ClaimStatus, ExpiredDeletion, KeyState,
+    Capabilities, ClaimHandle, ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, KeyState,
     RecordUnopenable, Store,
 };
 use crate::{record::Record, scope::ScopeKey};
@@ -123,6 +123,10 @@ impl<C: ClaimHandle> ClaimHandle for SealedClaim<C> {
 
     fn commits_effects(&self) -> bool {
         self.inner.commits_effects()
+    }
+
+    fn fence(&self) -> Option<Fence> {
+        self.inner.fence()
     }
 }
 

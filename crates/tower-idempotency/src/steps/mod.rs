@@ -1,0 +1,232 @@
+//! Recovery points inside a handler: [`Steps`] runs each named step once per idempotency key,
+//! records its result with the key's claim, and hands it back to a request that takes the key
+//! over after a crash, which goes on at the first unfinished step.
+//!
+//! The module is private: [`Steps`] and its errors are re-exported at the crate root, and
+//! the example is on [`Steps`], where docs.rs shows it.
+
+use std::{
+    fmt,
+    future::Future,
+    sync::{Arc, Mutex},
+};
+
+use bytes::Bytes;
+use serde::{Serialize, de::DeserializeOwned};
+use tokio::sync::OnceCell;
+
+use crate::{
+    fingerprint::Fingerprint,
+    settings::StepSecret,
+    store::{ClaimHandle, ClaimStatus, Fence, StepLog, StepLogError, StepRecord, Store},
+};
+
+mod error;
+mod key;
+#[cfg(feature = "postgres")]
+mod transaction;
+
+pub use error::{MissingSteps, StepError};
+pub use key::DownstreamKey;
+
+use error::Reason;
+
+/// The steps of the handler running under a claimed key: each named step runs once per
+/// idempotency key, its result recorded with the key's claim.
+///
+/// The layer hands it to the handler through the request extensions
+/// ([`IdempotencyContext::steps`](crate::IdempotencyContext::steps); with the `axum` feature,
+/// it is an extractor). Clones share the request's steps.
+///
+/// ```
+/// # #[cfg(feature = "axum")]
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use axum::{Router, body::Body, http::{Request, StatusCode}, routing::post};
+/// use tower::ServiceExt;
+/// use tower_idempotency::{IdempotencyLayer, KeySource, Principal, StepError, Steps};
+///
+/// async fn create_charge(steps: Steps) -> Result<String, StepError<StatusCode>> {
+///     // Once per idempotency key: a retry after a crash gets the recorded id back.
+///     let authorization: String = steps
+///         .run("authorize", |key| async move {
+///             // Send `key` as the card processor's idempotency key: a call interrupted and
+///             // sent again carries the same one.
+///             Ok(format!("auth_{}", &key.to_string()[..8]))
+///         })
+///         .await?;
+///     let entry: u64 = steps.run("ledger", |_key| async { Ok(42) }).await?;
+///     Ok(format!("{authorization} {entry}"))
+/// }
+///
+/// // In production, the same secret on every instance, from your secret store.
+/// let secret = b"an example secret, 32 bytes long".to_vec();
+/// let layer = IdempotencyLayer::memory()
+///     .with_key(KeySource::default().required())
+///     .with_step_secret(secret)?;
+/// let app = Router::new().route("/v1/charges", post(create_charge)).layer(layer);
+///
+/// let mut request = Request::post("/v1/charges")
+///     .header("idempotency-key", "k1")
+///     .body(Body::empty())?;
+/// request.extensions_mut().insert(Principal::new("acct_1")?);
+/// assert_eq!(app.oneshot(request).await?.status(), StatusCode::OK);
+/// # Ok(()) }
+/// # #[cfg(not(feature = "axum"))]
+/// # fn main() {}
+/// ```
+///
+/// Steps apply in lease mode ([`MemoryStore`](crate::store::MemoryStore),
+/// [`PostgresStore`](crate::store::PostgresStore) without `transactional`), on a layer with a
+/// [step secret](crate::IdempotencyLayer::with_step_secret). See the
+/// [modes guide](crate::guide::modes#steps) for when to use them.
+#[derive(Clone)]
+pub struct Steps {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    log: Arc<dyn StepLog>,
+    fence: Fence,
+    fingerprint: Fingerprint,
+    secret: StepSecret,
+    /// The finished steps: those recorded before this request, loaded by its first `run` (one
+    /// round trip), and those it recorded since.
+    finished: OnceCell<Mutex<Vec<StepRecord>>>,
+}
+
+impl Steps {
+    /// Runs step `name` once per idempotency key: its recorded result if it finished before
+    /// (`step` is not called), else `step`'s, recorded before it is returned.
+    ///
+    /// `step` is handed the step's [`DownstreamKey`] to send to the service it calls.
+    ///
+    /// # Errors
+    ///
+    /// [`StepError::Failed`] with `step`'s error (nothing recorded); [`StepError::Lost`] when
+    /// another request took the key over (the handler must stop); [`StepError::Store`] and
+    /// [`StepError::Output`] when the step could not be read or recorded.
+    pub async fn run<T, E, F, Fut>(&self, name: &str, step: F) -> Result<T, StepError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(DownstreamKey) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        if let Some(output) = self.finished(name).await.map_err(StepError::Store)? {
+            return serde_json::from_slice(&output).map_err(StepError::Output);
+        }
+        let value = step(self.downstream_key(name))
+            .await
+            .map_err(StepError::Failed)?;
+        let output = serde_json::to_vec(&value).map_err(StepError::Output)?;
+        let step = StepRecord {
+            name: name.to_owned(),
+            output: output.into(),
+        };
+        let status = self
+            .shared
+            .log
+            .record(&self.shared.fence, &self.shared.fingerprint, &step);
+        self.recorded(step, status.await)?;
+        Ok(value)
+    }
+
+    /// The key step `name` sends downstream: the same for every attempt of this request's
+    /// step, on any instance that shares the layer's step secret.
+    pub fn downstream_key(&self, name: &str) -> DownstreamKey {
+        let shared = &self.shared;
+        DownstreamKey::derive(&shared.secret, &shared.fence.key, &shared.fingerprint, name)
+    }
+
+    /// Step `name`'s recorded output, if it finished.
+    async fn finished(&self, name: &str) -> Result<Option<Bytes>, StepLogError> {
+        let shared = &self.shared;
+        let finished = shared
+            .finished
+            .get_or_try_init(|| async {
+                let recorded = shared.log.recorded(&shared.fence, &shared.fingerprint);
+                recorded.await.map(Mutex::new)
+            })
+            .await?;
+        let finished = finished
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let found = finished.iter().rev().find(|step| step.name == name);
+        Ok(found.map(|step| step.output.clone()))
+    }
+
+    /// What became of recording `step`: remembered for this request when it was recorded.
+    fn recorded<E>(
+        &self,
+        step: StepRecord,
+        status: Result<ClaimStatus, StepLogError>,
+    ) -> Result<(), StepError<E>> {
+        match status.map_err(StepError::Store)? {
+            ClaimStatus::Held => {
+                if let Some(finished) = self.shared.finished.get() {
+                    let mut finished = finished
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    finished.push(step);
+                }
+                Ok(())
+            }
+            _ => Err(StepError::Lost),
+        }
+    }
+}
+
+impl fmt::Debug for Steps {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Steps")
+            .field("key", &self.shared.fence.key)
+            .field("token", &self.shared.fence.token)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The [`Steps`] for a handler running under `claim`, or why it gets none: the layer's
+/// `secret`, the claim's fence and `store`'s step log are all needed.
+pub(crate) fn offer<St: Store>(
+    secret: Option<&StepSecret>,
+    store: &St,
+    claim: &St::Claim,
+    fingerprint: Fingerprint,
+) -> Result<Steps, MissingSteps> {
+    let secret = secret.ok_or(MissingSteps(Reason::SecretUnset))?;
+    let fence = claim.fence().ok_or(MissingSteps(Reason::Unfenced))?;
+    let capabilities = store.capabilities();
+    let log = capabilities
+        .step_log()
+        .ok_or(MissingSteps(Reason::NoLogInStore))?;
+    Ok(Steps {
+        shared: Arc::new(Shared {
+            log: Arc::clone(log),
+            fence,
+            fingerprint,
+            secret: secret.clone(),
+            finished: OnceCell::new(),
+        }),
+    })
+}
+
+/// Why a request run without a key has no [`Steps`].
+pub(crate) const NO_KEY: MissingSteps = MissingSteps(Reason::Unkeyed);
+
+#[cfg(feature = "axum")]
+mod axum_impl {
+    use axum_core::extract::FromRequestParts;
+    use http::request::Parts;
+
+    use super::{MissingSteps, NO_KEY, Steps};
+    use crate::context::IdempotencyContext;
+
+    impl<S: Send + Sync> FromRequestParts<S> for Steps {
+        type Rejection = MissingSteps;
+
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+            let context = parts.extensions.get::<IdempotencyContext>().ok_or(NO_KEY)?;
+            context.steps.clone()
+        }
+    }
+}

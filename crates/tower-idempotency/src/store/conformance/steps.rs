@@ -1,0 +1,158 @@
+//! The rules of a store's [`StepLog`], for stores whose capabilities offer one.
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::Bytes;
+
+use super::{Keys, LONG, acquire, describe, held, ok, other_payload, poll};
+use crate::store::{
+    ClaimHandle, ClaimRequest, ClaimStatus, Fence, KeyState, StepLog, StepLogError, StepRecord,
+    Store,
+};
+
+/// Runs the step rules against `store`'s step log, if it has one.
+pub(super) async fn steps_are_kept<St: Store>(store: &St, keys: &Keys, short: Duration) {
+    let Some(log) = store.capabilities().step_log().cloned() else {
+        return;
+    };
+    steps_survive_a_takeover_and_a_stale_holder_records_nothing(store, &log, keys, short).await;
+    steps_survive_a_release_for_the_same_payload_only(store, &log, keys).await;
+    steps_expire_with_their_record(store, &log, keys, short).await;
+}
+
+async fn steps_survive_a_takeover_and_a_stale_holder_records_nothing<St: Store>(
+    store: &St,
+    log: &Arc<dyn StepLog>,
+    keys: &Keys,
+    short: Duration,
+) {
+    const RULE: &str = "steps survive a takeover, in order, and a stale holder records nothing";
+    let request = keys.request(short, LONG);
+    let stale = fence(RULE, &acquire(RULE, store, &request).await);
+    for name in ["one", "two"] {
+        record(RULE, log, &stale, &request, name, ClaimStatus::Held).await;
+    }
+    tokio::time::sleep(short).await;
+    let fresh = poll(RULE, short, || async {
+        match ok(RULE, "claim", store.claim(&request).await) {
+            KeyState::Acquired { claim, .. } => Some(claim),
+            KeyState::InFlight { .. } => None,
+            other => panic!("{RULE}: expected a takeover, got {}", describe(&other)),
+        }
+    })
+    .await;
+    let fresh = fence(RULE, &fresh);
+    assert_eq!(
+        names(RULE, log, &fresh, &request).await,
+        ["one", "two"],
+        "{RULE}"
+    );
+    record(RULE, log, &stale, &request, "three", ClaimStatus::Lost).await;
+    assert_eq!(
+        names(RULE, log, &fresh, &request).await,
+        ["one", "two"],
+        "{RULE}"
+    );
+    record(RULE, log, &fresh, &request, "three", ClaimStatus::Held).await;
+    let all = names(RULE, log, &fresh, &request).await;
+    assert_eq!(all, ["one", "two", "three"], "{RULE}");
+}
+
+async fn steps_survive_a_release_for_the_same_payload_only<St: Store>(
+    store: &St,
+    log: &Arc<dyn StepLog>,
+    keys: &Keys,
+) {
+    const RULE: &str = "steps survive a release, for the same payload only";
+    let request = keys.request(LONG, LONG);
+    let claim = acquire(RULE, store, &request).await;
+    let released = fence(RULE, &claim);
+    record(RULE, log, &released, &request, "one", ClaimStatus::Held).await;
+    held(RULE, "release", store.release(&claim).await);
+    record(RULE, log, &released, &request, "two", ClaimStatus::Lost).await;
+    let again = acquire(RULE, store, &request).await;
+    let again = fence(RULE, &again);
+    assert_eq!(names(RULE, log, &again, &request).await, ["one"], "{RULE}");
+    let claim = store.claim(&request).await;
+    assert!(
+        matches!(ok(RULE, "claim", claim), KeyState::InFlight { .. }),
+        "{RULE}: the key is held again"
+    );
+    let other = other_payload(&request);
+    let stored = log.recorded(&again, &other.fingerprint).await;
+    assert!(
+        answer(RULE, stored).is_empty(),
+        "{RULE}: another payload has no steps"
+    );
+}
+
+async fn steps_expire_with_their_record<St: Store>(
+    store: &St,
+    log: &Arc<dyn StepLog>,
+    keys: &Keys,
+    short: Duration,
+) {
+    const RULE: &str = "steps expire with their record";
+    let request = keys.request(short, short);
+    let held = fence(RULE, &acquire(RULE, store, &request).await);
+    record(RULE, log, &held, &request, "one", ClaimStatus::Held).await;
+    tokio::time::sleep(short).await;
+    let new = poll(RULE, short, || async {
+        match ok(RULE, "claim", store.claim(&request).await) {
+            KeyState::Acquired { claim, .. } => Some(claim),
+            _ => None,
+        }
+    })
+    .await;
+    let new = fence(RULE, &new);
+    let left = names(RULE, log, &new, &request).await;
+    assert!(
+        left.is_empty(),
+        "{RULE}: steps {left:?} outlived their record"
+    );
+}
+
+/// The claim's fence: a store with a step log fences its lease-mode claims.
+fn fence<C: ClaimHandle>(rule: &str, claim: &C) -> Fence {
+    claim
+        .fence()
+        .unwrap_or_else(|| panic!("{rule}: a store with a step log must fence its claims"))
+}
+
+async fn record(
+    rule: &str,
+    log: &Arc<dyn StepLog>,
+    fence: &Fence,
+    request: &ClaimRequest,
+    name: &str,
+    expected: ClaimStatus,
+) {
+    let step = StepRecord {
+        name: name.to_owned(),
+        output: Bytes::from(format!("\"{name}\"")),
+    };
+    let status = answer(rule, log.record(fence, &request.fingerprint, &step).await);
+    assert_eq!(status, expected, "{rule}: recording step {name}");
+}
+
+async fn names(
+    rule: &str,
+    log: &Arc<dyn StepLog>,
+    fence: &Fence,
+    request: &ClaimRequest,
+) -> Vec<String> {
+    let steps = answer(rule, log.recorded(fence, &request.fingerprint).await);
+    for step in &steps {
+        let expected = format!("\"{}\"", step.name);
+        assert_eq!(
+            step.output,
+            expected.as_bytes(),
+            "{rule}: step output changed"
+        );
+    }
+    steps.into_iter().map(|step| step.name).collect()
+}
+
+fn answer<T>(rule: &str, result: Result<T, StepLogError>) -> T {
+    result.unwrap_or_else(|error| panic!("{rule}: the step log failed: {error}"))
+}

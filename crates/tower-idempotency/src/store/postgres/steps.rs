@@ -1,0 +1,153 @@
+//! The PostgreSQL store's [`StepLog`]: `idempotency.steps`, each step recorded by one
+//! statement fenced by the claim (see the migration `20261126000001_steps.sql`).
+
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+use sqlx::Row;
+
+use super::{
+    PostgresStore, PostgresStoreError,
+    statement::{Param, Statement, stored_key},
+};
+use crate::{
+    fingerprint::Fingerprint,
+    store::{ClaimStatus, Fence, StepLog, StepLogError, StepRecord},
+};
+
+/// Records a step while the claim holds its key under a live lease: the `FOR SHARE` lock
+/// orders it against a takeover's `UPDATE`, after which the token no longer matches and
+/// nothing is inserted.
+macro_rules! record_step {
+    ($table:literal) => {
+        concat!(
+            "INSERT INTO idempotency.steps (scope_key, fingerprint, name, output, expires_at)
+             SELECT $1, $3, $4, $5, r.expires_at FROM idempotency.",
+            $table,
+            " r
+             WHERE r.scope_key = $1 AND r.token = $2 AND r.status IS NULL
+               AND r.lease_until > now() AND r.expires_at > now()
+             FOR SHARE
+             ON CONFLICT (scope_key, name) DO UPDATE SET
+                 fingerprint = EXCLUDED.fingerprint, output = EXCLUDED.output,
+                 expires_at = EXCLUDED.expires_at, recorded_at = now()"
+        )
+    };
+}
+
+const RECORD_STEP: &str = record_step!("records");
+const RECORD_STEP_PARTITIONED: &str = record_step!("partitioned_records");
+
+const RECORDED_STEPS: &str = "SELECT name, output FROM idempotency.steps
+     WHERE scope_key = $1 AND fingerprint = $2 AND expires_at > now()
+     ORDER BY recorded_at, name";
+
+/// One batch of expired steps, as [`DELETE_EXPIRED`](super::expiry::DELETE_EXPIRED) deletes
+/// records: bounded, skipping rows another transaction has locked.
+const DELETE_EXPIRED_STEPS: &str = "DELETE FROM idempotency.steps
+     WHERE ctid = ANY(ARRAY(
+         SELECT ctid FROM idempotency.steps WHERE expires_at <= now()
+         ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
+     ))";
+
+/// A [`PostgresStore`] as a step log.
+struct PgStepLog(PostgresStore);
+
+impl PostgresStore {
+    /// This store as a step log, for its capabilities.
+    pub(super) fn step_log(&self) -> Arc<dyn StepLog> {
+        Arc::new(PgStepLog(self.clone()))
+    }
+
+    /// Deletes at most `batch` expired steps; how many.
+    pub(super) async fn delete_expired_steps(&self, batch: u32) -> Result<u64, PostgresStoreError> {
+        let statement = Statement::new(DELETE_EXPIRED_STEPS).with(Param::Int(i64::from(batch)));
+        let done = self
+            .timed(
+                "delete_expired",
+                statement.execute(self.prepared, &self.pool),
+            )
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    fn record_step_statement<'a>(
+        &self,
+        fence: &Fence,
+        fingerprint: &Fingerprint,
+        step: &'a StepRecord,
+    ) -> Statement<'a> {
+        let sql = if self.partitions.is_some() {
+            RECORD_STEP_PARTITIONED
+        } else {
+            RECORD_STEP
+        };
+        Statement::new(sql)
+            .with(Param::Key(stored_key(&fence.key)))
+            .with(Param::Int(fence.token))
+            .with(Param::Digest(*fingerprint.as_bytes()))
+            .with(Param::Text(&step.name))
+            .with(Param::OptionalBytes(Some(&step.output)))
+    }
+}
+
+impl StepLog for PgStepLog {
+    fn recorded(
+        &self,
+        fence: &Fence,
+        fingerprint: &Fingerprint,
+    ) -> BoxFuture<'_, Result<Vec<StepRecord>, StepLogError>> {
+        let store = &self.0;
+        let statement = Statement::new(RECORDED_STEPS)
+            .with(Param::Key(stored_key(&fence.key)))
+            .with(Param::Digest(*fingerprint.as_bytes()));
+        Box::pin(async move {
+            let rows = store
+                .timed(
+                    "recorded_steps",
+                    statement.fetch_all(store.prepared, &store.pool),
+                )
+                .await?;
+            let steps = rows
+                .iter()
+                .map(|row| {
+                    Ok(StepRecord {
+                        name: row.try_get("name")?,
+                        output: row.try_get::<Vec<u8>, _>("output")?.into(),
+                    })
+                })
+                .collect::<Result<_, sqlx::Error>>()?;
+            Ok(steps)
+        })
+    }
+
+    fn record(
+        &self,
+        fence: &Fence,
+        fingerprint: &Fingerprint,
+        step: &StepRecord,
+    ) -> BoxFuture<'_, Result<ClaimStatus, StepLogError>> {
+        let store = &self.0;
+        let (fence, fingerprint, step) = (*fence, *fingerprint, step.clone());
+        Box::pin(async move {
+            let statement = store.record_step_statement(&fence, &fingerprint, &step);
+            Ok(store.fenced("record_step", statement, &store.pool).await?)
+        })
+    }
+
+    fn pool(&self) -> Option<&sqlx::PgPool> {
+        Some(&self.0.pool)
+    }
+
+    fn record_in<'a>(
+        &'a self,
+        tx: &'a mut sqlx::PgConnection,
+        fence: &'a Fence,
+        fingerprint: &'a Fingerprint,
+        step: &'a StepRecord,
+    ) -> BoxFuture<'a, Result<ClaimStatus, StepLogError>> {
+        let store = &self.0;
+        let statement = store.record_step_statement(fence, fingerprint, step);
+        Box::pin(async move { Ok(store.fenced("record_step", statement, tx).await?) })
+    }
+}

@@ -91,20 +91,24 @@ async fn the_published_description_says_what_the_layer_does(backend: Backend) {
     let missing = h
         .send(charge(&api_key, None, "amount=100&currency=usd"))
         .await;
-    assert!(listed(missing.status, "key_missing"), "{}", missing.status);
+    assert!(listed(missing.status, "missing-key"), "{}", missing.status);
     let key = new_key();
     h.send(charge(&api_key, Some(&key), "amount=100&currency=usd"))
         .await;
     let reused = h
         .send(charge(&api_key, Some(&key), "amount=200&currency=usd"))
         .await;
-    assert!(listed(reused.status, "mismatch"), "{}", reused.status);
+    assert!(
+        listed(reused.status, "fingerprint-mismatch"),
+        "{}",
+        reused.status
+    );
     let charge_id = h.charged(&api_key, 100).await;
     let on_a_refund = h
         .send(refund(&api_key, Some(&key), &format!("charge={charge_id}")))
         .await;
     assert!(
-        listed(on_a_refund.status, "mismatch"),
+        listed(on_a_refund.status, "fingerprint-mismatch"),
         "another endpoint: {}",
         on_a_refund.status
     );

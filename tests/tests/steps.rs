@@ -490,6 +490,29 @@ mod postgres {
         })
         .await;
     }
+
+    /// Transactional mode commits the handler's writes with its response and has no steps: a
+    /// handler that asks for them gets `500` saying to use lease mode, and nothing is kept.
+    #[tokio::test]
+    async fn transactional_mode_says_to_use_lease_mode_for_steps() {
+        let (db, store) = migrated().await;
+        let app = instance(store.transactional(), SECRET, Arc::default());
+        let request = axum::http::Request::post("/keys")
+            .header("authorization", "Bearer acct_a")
+            .header("idempotency-key", "k1")
+            .body(Body::empty())
+            .unwrap();
+        let response = app.oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let body = String::from_utf8(body.to_vec()).unwrap();
+        assert!(body.contains("use lease mode for Steps"), "{body}");
+        let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency.records")
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+        assert_eq!(kept, 0, "a 500 releases the key");
+    }
 }
 
 /// The downstream keys a fresh instance with `secret` hands `account`'s request with `key`

@@ -112,17 +112,13 @@ impl Steps {
         F: FnOnce(DownstreamKey) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        if let Some(output) = self.finished(name).await.map_err(StepError::Store)? {
-            return serde_json::from_slice(&output).map_err(StepError::Output);
+        if let Some(value) = self.recorded_output(name).await? {
+            return Ok(value);
         }
         let value = step(self.downstream_key(name))
             .await
             .map_err(StepError::Failed)?;
-        let output = serde_json::to_vec(&value).map_err(StepError::Output)?;
-        let step = StepRecord {
-            name: name.to_owned(),
-            output: output.into(),
-        };
+        let step = step_record(name, &value)?;
         let status = self
             .shared
             .log
@@ -136,6 +132,20 @@ impl Steps {
     pub fn downstream_key(&self, name: &str) -> DownstreamKey {
         let shared = &self.shared;
         DownstreamKey::derive(&shared.secret, &shared.fence.key, &shared.fingerprint, name)
+    }
+
+    /// Step `name`'s recorded output, read back as `T`, if it finished: what `run` and
+    /// `run_in_transaction` return instead of running the step.
+    async fn recorded_output<T: DeserializeOwned, E>(
+        &self,
+        name: &str,
+    ) -> Result<Option<T>, StepError<E>> {
+        match self.finished(name).await.map_err(StepError::Store)? {
+            Some(output) => serde_json::from_slice(&output)
+                .map(Some)
+                .map_err(StepError::Output),
+            None => Ok(None),
+        }
     }
 
     /// Step `name`'s recorded output, if it finished.
@@ -207,6 +217,15 @@ pub(crate) fn offer<St: Store>(
             secret: secret.clone(),
             finished: OnceCell::new(),
         }),
+    })
+}
+
+/// Step `name`'s finished `value`, as it is recorded.
+fn step_record<T: Serialize, E>(name: &str, value: &T) -> Result<StepRecord, StepError<E>> {
+    let output = serde_json::to_vec(value).map_err(StepError::Output)?;
+    Ok(StepRecord {
+        name: name.to_owned(),
+        output: output.into(),
     })
 }
 

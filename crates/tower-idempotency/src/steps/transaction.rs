@@ -3,8 +3,8 @@
 use futures_util::future::BoxFuture;
 use serde::{Serialize, de::DeserializeOwned};
 
-use super::{DownstreamKey, StepError, Steps};
-use crate::store::{StepLogError, StepRecord};
+use super::{DownstreamKey, StepError, Steps, step_record};
+use crate::store::StepLogError;
 
 impl Steps {
     /// [`run`](Self::run) with the step's own writes in a transaction on the store's pool,
@@ -34,8 +34,8 @@ impl Steps {
         T: Serialize + DeserializeOwned,
         F: for<'c> FnOnce(&'c mut sqlx::PgConnection, DownstreamKey) -> BoxFuture<'c, Result<T, E>>,
     {
-        if let Some(output) = self.finished(name).await.map_err(StepError::Store)? {
-            return serde_json::from_slice(&output).map_err(StepError::Output);
+        if let Some(value) = self.recorded_output(name).await? {
+            return Ok(value);
         }
         let shared = &self.shared;
         let pool = shared.log.pool().ok_or_else(|| {
@@ -45,11 +45,7 @@ impl Steps {
         let value = step(&mut tx, self.downstream_key(name))
             .await
             .map_err(StepError::Failed)?;
-        let output = serde_json::to_vec(&value).map_err(StepError::Output)?;
-        let step = StepRecord {
-            name: name.to_owned(),
-            output: output.into(),
-        };
+        let step = step_record(name, &value)?;
         let status = shared
             .log
             .record_in(&mut tx, &shared.fence, &shared.fingerprint, &step)

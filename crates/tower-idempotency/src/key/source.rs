@@ -96,6 +96,7 @@ impl KeySource {
     }
 
     /// The header the key is read from, if it comes from one.
+    #[cfg(feature = "utoipa")]
     pub(crate) fn header_name(&self) -> Option<&HeaderName> {
         match &self.from {
             Origin::Header(name) => Some(name),
@@ -104,11 +105,13 @@ impl KeySource {
     }
 
     /// Whether a covered request without a key is refused.
+    #[cfg(feature = "utoipa")]
     pub(crate) fn is_required(&self) -> bool {
         self.required
     }
 
     /// The rule keys follow, if any.
+    #[cfg(feature = "utoipa")]
     pub(crate) fn rule(&self) -> Option<&KeyRule> {
         self.rule.as_ref()
     }

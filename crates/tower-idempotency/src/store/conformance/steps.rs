@@ -18,6 +18,7 @@ pub(super) async fn steps_are_kept<St: Store>(store: &St, keys: &Keys, short: Du
     steps_survive_a_takeover_and_a_stale_holder_records_nothing(store, &log, keys, short).await;
     steps_survive_a_release_for_the_same_payload_only(store, &log, keys).await;
     steps_expire_with_their_record(store, &log, keys, short).await;
+    steps_found_by_a_later_claim_live_as_long_as_it(store, &log, keys, short).await;
 }
 
 async fn steps_survive_a_takeover_and_a_stale_holder_records_nothing<St: Store>(
@@ -109,6 +110,43 @@ async fn steps_expire_with_their_record<St: Store>(
     assert!(
         left.is_empty(),
         "{RULE}: steps {left:?} outlived their record"
+    );
+}
+
+/// A key released and claimed again under a longer TTL: the steps the new claim found must not
+/// expire with the old claim, or a takeover after that would run them again.
+async fn steps_found_by_a_later_claim_live_as_long_as_it<St: Store>(
+    store: &St,
+    log: &Arc<dyn StepLog>,
+    keys: &Keys,
+    short: Duration,
+) {
+    const RULE: &str = "steps found by a later claim live as long as it";
+    let first = keys.request(short, short * 2);
+    let claim = acquire(RULE, store, &first).await;
+    record(
+        RULE,
+        log,
+        &fence(RULE, &claim),
+        &first,
+        "one",
+        ClaimStatus::Held,
+    )
+    .await;
+    held(RULE, "release", store.release(&claim).await);
+    let later = ClaimRequest {
+        lease: LONG,
+        ttl: LONG,
+        ..first
+    };
+    let again = fence(RULE, &acquire(RULE, store, &later).await);
+    assert_eq!(names(RULE, log, &again, &later).await, ["one"], "{RULE}");
+    tokio::time::sleep(short * 3).await;
+    let left = names(RULE, log, &again, &later).await;
+    assert_eq!(
+        left,
+        ["one"],
+        "{RULE}: the steps expired with the released claim"
     );
 }
 

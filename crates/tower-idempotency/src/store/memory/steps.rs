@@ -88,6 +88,39 @@ impl Records {
     }
 }
 
+impl Records {
+    /// `fingerprint`'s steps of `fence`'s key, and the bytes freed if they had expired. The
+    /// holder's record may outlive the claim that recorded them (a release, then a claim with a
+    /// longer TTL): they are kept as long as it, or a takeover after would run them again.
+    fn recorded_steps(
+        &mut self,
+        fence: &Fence,
+        fingerprint: &Fingerprint,
+        now: Instant,
+    ) -> (Vec<StepRecord>, usize) {
+        let holder = self
+            .map
+            .get(&fence.key)
+            .filter(|entry| entry.token == fence.token)
+            .map(|entry| entry.expires_at);
+        let Some(set) = self.steps.get_mut(&fence.key) else {
+            return (Vec::new(), 0);
+        };
+        if set.expired(now) {
+            let freed = set.bytes();
+            self.steps.remove(&fence.key);
+            return (Vec::new(), freed);
+        }
+        if set.fingerprint != *fingerprint {
+            return (Vec::new(), 0);
+        }
+        if let Some(expires_at) = holder {
+            set.expires_at = set.expires_at.max(expires_at);
+        }
+        (set.steps.clone(), 0)
+    }
+}
+
 impl MemoryStore {
     /// This store as a step log, for its capabilities.
     pub(super) fn step_log(&self) -> Arc<dyn StepLog> {
@@ -101,18 +134,10 @@ impl StepLog for MemoryStore {
         fence: &Fence,
         fingerprint: &Fingerprint,
     ) -> BoxFuture<'_, Result<Vec<StepRecord>, StepLogError>> {
-        let now = Instant::now();
-        let mut records = self.records(&fence.key);
-        let found = match records.steps.get(&fence.key) {
-            Some(set) if set.expired(now) => {
-                let freed = set.bytes();
-                records.steps.remove(&fence.key);
-                self.count(0, freed);
-                Vec::new()
-            }
-            Some(set) if set.fingerprint == *fingerprint => set.steps.clone(),
-            _ => Vec::new(),
-        };
+        let (found, freed) =
+            self.records(&fence.key)
+                .recorded_steps(fence, fingerprint, Instant::now());
+        self.count(0, freed);
         Box::pin(std::future::ready(Ok(found)))
     }
 

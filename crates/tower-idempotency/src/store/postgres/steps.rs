@@ -38,9 +38,28 @@ macro_rules! record_step {
 const RECORD_STEP: &str = record_step!("records");
 const RECORD_STEP_PARTITIONED: &str = record_step!("partitioned_records");
 
-const RECORDED_STEPS: &str = "SELECT name, output FROM idempotency.steps
-     WHERE scope_key = $1 AND fingerprint = $2 AND expires_at > now()
-     ORDER BY recorded_at, name";
+/// Reads a key's steps for its holder, and keeps them as long as the holder's record: after a
+/// release, a claim with a longer TTL must not lose them to the old claim's expiry.
+macro_rules! recorded_steps {
+    ($table:literal) => {
+        concat!(
+            "WITH kept AS (
+                 UPDATE idempotency.steps s SET expires_at = r.expires_at
+                 FROM idempotency.",
+            $table,
+            " r
+                 WHERE s.scope_key = $1 AND s.fingerprint = $2 AND s.expires_at > now()
+                   AND s.expires_at < r.expires_at AND r.scope_key = $1 AND r.token = $3
+             )
+             SELECT name, output FROM idempotency.steps
+             WHERE scope_key = $1 AND fingerprint = $2 AND expires_at > now()
+             ORDER BY recorded_at, name"
+        )
+    };
+}
+
+const RECORDED_STEPS: &str = recorded_steps!("records");
+const RECORDED_STEPS_PARTITIONED: &str = recorded_steps!("partitioned_records");
 
 /// One batch of expired steps, as [`DELETE_EXPIRED`](super::expiry::DELETE_EXPIRED) deletes
 /// records: bounded, skipping rows another transaction has locked.
@@ -98,9 +117,15 @@ impl StepLog for PgStepLog {
         fingerprint: &Fingerprint,
     ) -> BoxFuture<'_, Result<Vec<StepRecord>, StepLogError>> {
         let store = &self.0;
-        let statement = Statement::new(RECORDED_STEPS)
+        let sql = if store.partitions.is_some() {
+            RECORDED_STEPS_PARTITIONED
+        } else {
+            RECORDED_STEPS
+        };
+        let statement = Statement::new(sql)
             .with(Param::Key(stored_key(&fence.key)))
-            .with(Param::Digest(*fingerprint.as_bytes()));
+            .with(Param::Digest(*fingerprint.as_bytes()))
+            .with(Param::Int(fence.token));
         Box::pin(async move {
             let rows = store
                 .timed(

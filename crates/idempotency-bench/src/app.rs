@@ -94,6 +94,10 @@ pub(crate) enum App {
     MemoryKib,
     /// The same behind a `SealingStore` over the memory store: every replay opens its record.
     MemoryKibSealed,
+    /// 1 KiB answers on the PostgreSQL store with no cache in front: every replay reads a row.
+    KibNoCache,
+    /// The same behind a `SealingStore`: every replay reads a row and opens it.
+    KibNoCacheSealed,
 }
 
 impl App {
@@ -107,7 +111,9 @@ impl App {
             | Self::SlowLeaseWait
             | Self::LeaseNoCache
             | Self::LeasePartitioned
-            | Self::Transactional => true,
+            | Self::Transactional
+            | Self::KibNoCache
+            | Self::KibNoCacheSealed => true,
             Self::MemoryBare
             | Self::Memory
             | Self::MemoryBareBusy
@@ -136,6 +142,8 @@ impl App {
             Self::AnyBodyMemory => "any-body-memory",
             Self::MemoryKib => "memory-kib",
             Self::MemoryKibSealed => "memory-kib-sealed",
+            Self::KibNoCache => "kib-no-cache",
+            Self::KibNoCacheSealed => "kib-no-cache-sealed",
         }
     }
 
@@ -146,7 +154,9 @@ impl App {
             | Self::LeaseWait
             | Self::SlowLease
             | Self::SlowLeaseWait
-            | Self::LeaseNoCache => Some(PostgresStore::new(pool.clone())),
+            | Self::LeaseNoCache
+            | Self::KibNoCache
+            | Self::KibNoCacheSealed => Some(PostgresStore::new(pool.clone())),
             Self::Transactional => Some(PostgresStore::new(pool.clone()).transactional()),
             Self::LeasePartitioned => Some(partitioned_store(pool)),
             Self::Bare
@@ -212,6 +222,16 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
                 keys,
             )))
         }
+        (App::KibNoCache, Some(pool)) => {
+            kib().layer(IdempotencyLayer::new(PostgresStore::new(pool)))
+        }
+        (App::KibNoCacheSealed, Some(pool)) => {
+            let keys = SealingKeys::new(1, SEAL_KEY);
+            kib().layer(IdempotencyLayer::new(SealingStore::new(
+                PostgresStore::new(pool),
+                keys,
+            )))
+        }
         (
             App::Bare
             | App::Lease
@@ -220,7 +240,9 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
             | App::SlowLeaseWait
             | App::LeaseNoCache
             | App::LeasePartitioned
-            | App::Transactional,
+            | App::Transactional
+            | App::KibNoCache
+            | App::KibNoCacheSealed,
             None,
         ) => {
             unreachable!("the caller connects a pool for every app that uses the database")

@@ -120,6 +120,27 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         baseline: Some("replay-kib"),
         runner: Runner::Http(Http::new(App::MemoryKibSealed, KIB_REPLAYS)),
         scale: false,
+        targets: &[Target::Bounded {
+            min: 0.8,
+            bound: "opening (AES-256-GCM, then decoding the record) with no store round trip to hide it",
+        }],
+    },
+    Scenario {
+        name: "replay-kib-db",
+        about: "retries of keys completed before the window on the PostgreSQL store with no cache \
+                in front, each answer 1 KiB of JSON: every replay reads its row (the baseline of \
+                replay-sealed-db)",
+        baseline: None,
+        runner: Runner::Http(Http::new(App::KibNoCache, KIB_REPLAYS)),
+        scale: false,
+        targets: &[],
+    },
+    Scenario {
+        name: "replay-sealed-db",
+        about: "the same behind SealingStore (AES-256-GCM): every replay reads its row and opens it",
+        baseline: Some("replay-kib-db"),
+        runner: Runner::Http(Http::new(App::KibNoCacheSealed, KIB_REPLAYS)),
+        scale: false,
         targets: &[Target::Throughput(0.95)],
     },
     Scenario {

@@ -54,6 +54,7 @@ pub enum RejectionKind {
 
 impl RejectionKind {
     /// Every kind, in the order of the [`Rejection`] table.
+    #[cfg(any(test, feature = "utoipa"))]
     pub(crate) const ALL: [Self; 14] = [
         Self::KeyMissing,
         Self::KeyInvalid,

@@ -107,6 +107,7 @@ impl Notifier {
     /// Has `start` called as each request starts waiting, for a store that wakes waiters from a
     /// task of its own: building a layer starts nothing, so the first waiter starts it.
     /// `start` returns at once once it has started.
+    #[cfg(feature = "postgres")]
     pub(crate) fn start_on_wait(&self, start: impl Fn() + Send + Sync + 'static) {
         // Set once, by the store that owns this notifier.
         let _ = self.0.on_wait.set(Box::new(start));
@@ -126,6 +127,7 @@ impl Notifier {
     }
 
     /// Whether a layer that waits is built on the store.
+    #[cfg(feature = "postgres")]
     pub(crate) fn waiters_expected(&self) -> bool {
         self.0.waiters_expected.load(Ordering::Relaxed)
     }

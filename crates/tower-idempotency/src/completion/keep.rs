@@ -2,7 +2,7 @@
 //! runs.
 
 use bytes::Bytes;
-use http::{HeaderName, Uri, request::Parts};
+use http::{HeaderName, Uri, header::CONTENT_TYPE, request::Parts};
 
 use super::{Completing, Completion, request::KeptRequest};
 use crate::{
@@ -40,8 +40,10 @@ impl Keep<'_> {
         else {
             return;
         };
+        // The content type decides how the body is fingerprinted and parsed.
         let mut names: Vec<&HeaderName> = self.completion.headers.iter().collect();
         names.extend(self.key_header);
+        names.push(&CONTENT_TYPE);
         let kept = KeptRequest::new(self.parts, self.uri, &names, self.body, self.principal);
         match log.keep(&fence, fingerprint, kept.encode()).await {
             Ok(ClaimStatus::Held) => {}

@@ -37,7 +37,7 @@
 //!
 //! # What is kept
 //!
-//! The method, the URI, the key's header and the headers [`Completion`] names, the body (within
+//! The method, the URI, the key's header, `Content-Type` and the headers [`Completion`] names, the body (within
 //! the layer's request limit) and the principal. Other headers are never kept, `Authorization`
 //! among them. Name the headers your fingerprint covers, or the completer's request is a
 //! mismatch. The request is kept in `idempotency.pending_requests` until the key completes (the
@@ -66,19 +66,19 @@ pub use completer::{Completer, Round};
 pub(crate) use keep::Keep;
 
 /// What the layer keeps of each keyed request for the [`Completer`], besides the method, URI,
-/// body, principal and the key's header; see [`with_completion`](crate::IdempotencyLayer::with_completion).
+/// body, principal, `Content-Type` and the key's header; see [`with_completion`](crate::IdempotencyLayer::with_completion).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Completion {
     headers: Vec<HeaderName>,
 }
 
 impl Completion {
-    /// Keeps no header but the key's.
+    /// Keeps no header but the key's and `Content-Type`.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Keeps the headers named (each of their values), and the key's.
+    /// Keeps the headers named (each of their values), and the key's and `Content-Type`.
     pub fn storing_headers(headers: impl IntoIterator<Item = HeaderName>) -> Self {
         Self {
             headers: headers.into_iter().collect(),

@@ -76,17 +76,22 @@ macro_rules! pick_pending {
     };
 }
 
-/// Deletes the kept request of a completed key.
+/// Whether a key is completed, deleting its kept request if so. The answer is the record's,
+/// not whether a row was deleted: another completer's purge may have deleted it first.
 macro_rules! finish_pending {
     ($table:literal) => {
         concat!(
-            "DELETE FROM idempotency.pending_requests p
-             WHERE p.scope_key = $1 AND EXISTS (
-                 SELECT 1 FROM idempotency.",
+            "WITH done AS (
+                 SELECT EXISTS (SELECT 1 FROM idempotency.",
             $table,
             " r
-                 WHERE r.scope_key = p.scope_key AND r.status IS NOT NULL
-                   AND r.expires_at > now())"
+                     WHERE r.scope_key = $1 AND r.status IS NOT NULL AND r.expires_at > now()
+                 ) AS completed
+             ), gone AS (
+                 DELETE FROM idempotency.pending_requests p
+                 WHERE p.scope_key = $1 AND (SELECT completed FROM done)
+             )
+             SELECT completed FROM done"
         )
     };
 }
@@ -212,13 +217,14 @@ impl PendingLog for PgPendingLog {
         let statement =
             Statement::new(store.pending_sql().finish).with(Param::Key(stored_key(key)));
         Box::pin(async move {
-            let done = store
+            let row = store
                 .timed(
                     "finish_pending",
-                    statement.execute(store.prepared, &store.pool),
+                    statement.fetch_optional(store.prepared, &store.pool),
                 )
-                .await?;
-            Ok(done.rows_affected() == 1)
+                .await?
+                .ok_or_else(|| PostgresStoreError::Corrupt("finishing returned no row".into()))?;
+            Ok(row.try_get::<bool, _>("completed")?)
         })
     }
 

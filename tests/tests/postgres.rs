@@ -185,6 +185,7 @@ mod postgres_only {
             [
                 "idempotency._sqlx_migrations",
                 "idempotency.partitioned_records",
+                "idempotency.pending_requests",
                 "idempotency.records",
                 "idempotency.steps"
             ]

@@ -95,6 +95,7 @@ impl<St: Store> IdempotencyLayer<St> {
     /// | [`with_rendering`](Self::with_rendering) | [`Rendering::problem_details`]: RFC 9457 problem documents, replays marked `Idempotent-Replayed: true` |
     /// | [`with_in_flight_wait`](Self::with_in_flight_wait) | none: a duplicate of a key in flight gets `409` at once |
     /// | [`with_step_secret`](Self::with_step_secret) | none: handlers get no [`Steps`](crate::Steps) |
+    /// | [`with_completion`](Self::with_completion) | none: no request is kept for a [`Completer`](crate::Completer) |
     pub fn new(store: St) -> Self {
         // The store's watch is only cloned here: a store that wakes waiters from a task of its
         // own starts it when the first request waits.
@@ -270,6 +271,23 @@ impl<St: Store> IdempotencyLayer<St> {
     /// [`MIN_STEP_SECRET_BYTES`](crate::MIN_STEP_SECRET_BYTES) bytes.
     pub fn with_step_secret(mut self, secret: impl Into<Vec<u8>>) -> Result<Self, ConfigError> {
         self.config_mut().step_secret = Some(StepSecret::new(secret.into())?);
+        Ok(self)
+    }
+
+    /// Keeps each keyed request (method, URI, the key header and the headers `completion`
+    /// names, body, principal) with its claim, so that a [`Completer`](crate::Completer)
+    /// finishes keys whose client never came back; see [`completion`](crate::completion).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::CompletionUnsupported`] when the store keeps no requests (no
+    /// [`PendingLog`](crate::store::PendingLog)): the memory store, PostgreSQL in transactional
+    /// mode.
+    pub fn with_completion(mut self, completion: crate::Completion) -> Result<Self, ConfigError> {
+        if self.shared.store.capabilities().pending_log().is_none() {
+            return Err(ConfigError::CompletionUnsupported);
+        }
+        self.config_mut().completion = Some(completion);
         Ok(self)
     }
 

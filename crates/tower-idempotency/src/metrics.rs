@@ -45,6 +45,7 @@
 //! | `idempotency_expired_deleted_total` | counter | | expiry keeps up (compare with the rate of new keys) |
 //! | `idempotency_expiry_errors_total` | counter | | the expiry loop is failing: the table grows |
 //! | `idempotency_in_flight_waits_total` | counter | `result`: `replayed`, `acquired`, `mismatch`, `timed_out`, `full`, `hung_up`, `store_error` | duplicates that waited for their key ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)): `timed_out`, the wait is shorter than the handlers; `full`, more duplicates wait than `with_max_waiting` allows; `hung_up`, the client left while waiting (nothing was claimed); `store_error`, a re-read failed and the duplicate got `409` |
+//! | `idempotency_completions_total` | counter | `result`: `picked`, `completed`, `failed`, `gave_up`, `keep_error`, `pick_error` | the [`Completer`](crate::Completer): `picked`, clients crash or hang up for good; `gave_up`, a key was tried its maximum times and is left to its client; `keep_error`, a request could not be kept |
 //! | `idempotency_records_unopenable_total` | counter | | any: a stored response did not open ([`RecordUnopenable`](crate::store::RecordUnopenable)) and its retry got `500`; keys missing after a rotation, or altered rows |
 
 /// Keyed requests by outcome.
@@ -65,6 +66,8 @@ pub const STORE_BATCH_SIZE: &str = "idempotency_store_batch_size";
 pub const EXPIRED_DELETED: &str = "idempotency_expired_deleted_total";
 /// Failed expiry batches.
 pub const EXPIRY_ERRORS: &str = "idempotency_expiry_errors_total";
+/// The completer's work, by what became of it.
+pub const COMPLETIONS: &str = "idempotency_completions_total";
 /// Stored records that did not open.
 pub const RECORDS_UNOPENABLE: &str = "idempotency_records_unopenable_total";
 
@@ -115,6 +118,10 @@ mod record {
     pub(crate) fn record_unopenable() {
         metrics::counter!(super::RECORDS_UNOPENABLE).increment(1);
     }
+
+    pub(crate) fn completions(result: &'static str, count: usize) {
+        metrics::counter!(super::COMPLETIONS, "result" => result).increment(count as u64);
+    }
 }
 
 #[cfg(not(feature = "metrics"))]
@@ -131,6 +138,7 @@ mod record {
     pub(crate) fn expiry_error() {}
     pub(crate) fn waited(_: &'static str) {}
     pub(crate) fn record_unopenable() {}
+    pub(crate) fn completions(_: &'static str, _: usize) {}
 }
 
 #[cfg(feature = "postgres")]
@@ -138,9 +146,14 @@ pub(crate) use record::batch;
 #[cfg(feature = "metrics")]
 use record::store_operation;
 pub(crate) use record::{
-    expired_deleted, expiry_error, outcome, record_unopenable, rejected, renewal, stored_body,
-    waited,
+    completions, expired_deleted, expiry_error, outcome, record_unopenable, rejected, renewal,
+    stored_body, waited,
 };
+
+/// One event of the completer's.
+pub(crate) fn completion(result: &'static str) {
+    completions(result, 1);
+}
 
 /// Times a store operation.
 #[cfg(feature = "metrics")]

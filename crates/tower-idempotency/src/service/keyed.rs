@@ -15,6 +15,7 @@ use super::{
 use crate::{
     body::{self, Buffered, RequestBody, ResponseBody},
     chain::Chain,
+    completion::Keep,
     context::IdempotencyContext,
     fingerprint::Fingerprint,
     future::{HangUp, Served},
@@ -22,7 +23,7 @@ use crate::{
     metrics,
     policy::StoreFailure,
     problem::Rejection,
-    scope::ScopeKey,
+    scope::{Principal, ScopeKey},
     settings::Config,
     steps,
     store::{ClaimRequest, KeyState, RecordUnopenable, Store},
@@ -111,6 +112,15 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                          may have run in part"
                     );
                 }
+                keep_for_completion(
+                    &self.shared,
+                    &self.principal,
+                    &claim,
+                    &claimed,
+                    &parts,
+                    &body,
+                )
+                .await;
                 let context = IdempotencyContext {
                     key: claimed.key,
                     scope_key: claimed.scope_key,
@@ -169,6 +179,32 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             }
         }
     }
+}
+
+/// Keeps the request for the completer, when the layer does
+/// ([`with_completion`](crate::IdempotencyLayer::with_completion)).
+async fn keep_for_completion<St: Store>(
+    shared: &Shared<St>,
+    principal: &Principal,
+    claim: &St::Claim,
+    claimed: &Claimed,
+    parts: &Parts,
+    body: &Bytes,
+) {
+    let config = &*shared.config;
+    let Some(completion) = &config.completion else {
+        return;
+    };
+    let keep = Keep {
+        completion,
+        key_header: config.key.header_name(),
+        principal,
+        parts,
+        uri: request_uri(&parts.extensions, &parts.uri),
+        body,
+    };
+    keep.under(&*shared.store, claim, &claimed.fingerprint)
+        .await;
 }
 
 /// What a keyed request was claimed by: its key, as sent and scoped, and its fingerprint.

@@ -43,6 +43,8 @@ pub(crate) struct Config {
     pub(crate) in_flight_wait: Option<InFlightWait>,
     /// `None`: handlers get no [`Steps`](crate::Steps).
     pub(crate) step_secret: Option<StepSecret>,
+    /// `None`: no request is kept for the [`Completer`](crate::Completer).
+    pub(crate) completion: Option<crate::completion::Completion>,
 }
 
 /// The longest duration a setting takes: longer ones are taken as this, which is forever for
@@ -79,6 +81,7 @@ impl Default for Config {
             rendering: Rendering::default(),
             in_flight_wait: None,
             step_secret: None,
+            completion: None,
         }
     }
 }
@@ -115,6 +118,10 @@ pub enum ConfigError {
         /// The minimum, in bytes.
         min: usize,
     },
+    /// [`with_completion`](crate::IdempotencyLayer::with_completion) or a
+    /// [`Completer`](crate::Completer) on a store that keeps no requests for completion (no
+    /// [`PendingLog`](crate::store::PendingLog) in its capabilities).
+    CompletionUnsupported,
 }
 
 impl fmt::Display for ConfigError {
@@ -141,6 +148,10 @@ impl fmt::Display for ConfigError {
             Self::ShortSecret { min } => write!(
                 f,
                 "idempotency setting `step_secret` must be at least {min} random bytes"
+            ),
+            Self::CompletionUnsupported => f.write_str(
+                "this idempotency store keeps no requests for completion: use PostgresStore in \
+                 lease mode (or a store whose capabilities offer a PendingLog)",
             ),
         }
     }

@@ -3,7 +3,7 @@
 
 use std::{fmt, sync::Arc, time::Duration};
 
-use super::{Fence, notify::InFlightWatch, steps::StepLog};
+use super::{Fence, notify::InFlightWatch, pending::PendingLog, steps::StepLog};
 
 /// How often waiters read a key again when the store cannot wake them.
 const DEFAULT_POLLING: Duration = Duration::from_millis(100);
@@ -45,6 +45,7 @@ pub struct Capabilities {
     detached_limit: Option<usize>,
     in_flight_watch: InFlightWatch,
     step_log: Option<Arc<dyn StepLog>>,
+    pending_log: Option<Arc<dyn PendingLog>>,
 }
 
 impl fmt::Debug for Capabilities {
@@ -53,6 +54,7 @@ impl fmt::Debug for Capabilities {
             .field("detached_limit", &self.detached_limit)
             .field("in_flight_watch", &self.in_flight_watch)
             .field("step_log", &self.step_log.is_some())
+            .field("pending_log", &self.pending_log.is_some())
             .finish()
     }
 }
@@ -70,6 +72,7 @@ impl Capabilities {
             detached_limit: None,
             in_flight_watch: InFlightWatch::Polled(DEFAULT_POLLING),
             step_log: None,
+            pending_log: None,
         }
     }
 
@@ -101,6 +104,30 @@ impl Capabilities {
     #[must_use]
     pub fn with_step_log(mut self, log: Arc<dyn StepLog>) -> Self {
         self.step_log = Some(log);
+        self
+    }
+
+    /// Declares where the store keeps the requests of keys in flight, which lets the layer
+    /// keep them for a [`Completer`](crate::Completer)
+    /// ([`with_completion`](crate::IdempotencyLayer::with_completion)).
+    #[must_use]
+    pub fn with_pending_log(mut self, log: Arc<dyn PendingLog>) -> Self {
+        self.pending_log = Some(log);
+        self
+    }
+
+    /// See [`with_pending_log`](Self::with_pending_log).
+    pub fn pending_log(&self) -> Option<&Arc<dyn PendingLog>> {
+        self.pending_log.as_ref()
+    }
+
+    /// These capabilities with the pending log replaced by `f` of it (a wrapping store seals it).
+    #[must_use]
+    pub fn map_pending_log(
+        mut self,
+        f: impl FnOnce(Arc<dyn PendingLog>) -> Arc<dyn PendingLog>,
+    ) -> Self {
+        self.pending_log = self.pending_log.map(f);
         self
     }
 

@@ -61,6 +61,7 @@ mod capabilities;
 pub mod conformance;
 mod memory;
 mod notify;
+mod pending;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(feature = "sealing")]
@@ -72,6 +73,7 @@ pub use caching::CachingStore;
 pub use capabilities::{Capabilities, ClaimHandle};
 pub use memory::{MemoryStore, MemoryStoreError};
 pub use notify::{InFlightWatch, Notifier, POLL_WHILE_NOT_LIVE};
+pub use pending::{Abandoned, PendingLog, PendingLogError, PendingPick};
 #[cfg(feature = "postgres")]
 pub use postgres::{
     MAX_PARTITIONS_AHEAD, MIN_IN_FLIGHT_POLLING, MIN_PARTITION_WIDTH, PartitionMaintenance,

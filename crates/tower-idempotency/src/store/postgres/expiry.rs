@@ -41,12 +41,13 @@ impl ExpiredDeletion for PostgresStore {
     /// Deletes at most `batch` expired records; in partitioned mode, runs
     /// [`maintain_partitions`](PostgresStore::maintain_partitions) instead (whole partitions,
     /// whatever their size) and returns the records they held. Then deletes at most `batch`
-    /// expired steps, and returns the larger count, so the loop goes on while either is
-    /// backlogged.
+    /// expired steps and at most `batch` kept requests no longer pending, and returns the largest
+    /// count, so the loop goes on while any is backlogged.
     async fn delete_expired(&self, batch: u32) -> Result<u64, PostgresStoreError> {
         let records = self.delete_expired_records(batch).await?;
         let steps = self.delete_expired_steps(batch).await?;
-        Ok(records.max(steps))
+        let pending = self.purge_pending(batch).await?;
+        Ok(records.max(steps).max(pending))
     }
 }
 

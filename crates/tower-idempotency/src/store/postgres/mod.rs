@@ -22,6 +22,7 @@ mod fenced;
 mod group_commit;
 mod notify;
 mod partitions;
+mod pending;
 mod settings;
 mod sql;
 mod statement;
@@ -462,10 +463,11 @@ impl Store for PostgresStore {
             .with_in_flight_watch(watch)
             .with_step_log(self.step_log());
         if self.transactional {
+            // Its claims commit with the handler's work: a crash leaves nothing to complete.
             let pool = self.pool.options().get_max_connections() as usize;
             return capabilities.with_detached_limit((pool / 2).max(1));
         }
-        capabilities
+        capabilities.with_pending_log(self.pending_log())
     }
 }
 

@@ -10,6 +10,7 @@ use crate::{record::Record, scope::ScopeKey};
 
 mod envelope;
 mod keys;
+mod pending;
 
 pub use keys::{DuplicateKeyId, SealingKeys};
 
@@ -226,8 +227,12 @@ impl<S: Store> Store for SealingStore<S> {
             .map_err(SealingError::Store)
     }
 
+    /// The wrapped store's, its pending log sealing what it keeps.
     fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+        let keys = Arc::clone(&self.keys);
+        self.inner.capabilities().map_pending_log(|inner| {
+            Arc::new(pending::SealedPendingLog { inner, keys }) as Arc<dyn super::PendingLog>
+        })
     }
 }
 

@@ -1,0 +1,450 @@
+//! The completer on real PostgreSQL (issue 36.3): it finishes a key whose client never came back
+//! and the client's retry replays it; it leaves alone a key its client came back for; two
+//! instances' completers never run one key twice; attempts are bounded; the extensions hook
+//! restores what authentication put in; only named headers are kept, sealed behind
+//! `SealingStore`; and a finished step is not run again.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{
+    Extension, Router,
+    body::Body,
+    extract::State,
+    http::{HeaderMap, HeaderName, Request, StatusCode},
+    routing,
+};
+use http_body_util::BodyExt;
+use idempotency_tests::{bounded, db::TestDb, postgres::migrated, requests::replayed};
+use tower::ServiceExt;
+use tower_idempotency::{
+    Completer, Completing, Completion, ConfigError, IdempotencyLayer, Limits, Principal, Scope,
+    StepError, Steps,
+    completion::Round,
+    store::{MemoryStore, PostgresStore, SealingKeys, SealingStore, Store},
+};
+
+/// How long a hung handler runs before the layer stops it and gives its key up.
+const MAX_HANDLER_TIME: Duration = Duration::from_millis(200);
+/// The grace of the tests' completers.
+const GRACE: Duration = Duration::from_millis(300);
+const MERCHANT: HeaderName = HeaderName::from_static("x-merchant");
+
+/// What the handlers saw, shared by every instance of the app.
+#[derive(Default)]
+struct Seen {
+    /// Runs started, per key.
+    started: Mutex<HashMap<String, u32>>,
+    /// Runs that answered, per key.
+    finished: Mutex<HashMap<String, u32>>,
+    /// Every run hangs (the layer stops it) instead of only each key's first.
+    hang_always: bool,
+    /// The completer's attempt, when a run came from it, and the headers it carried.
+    completions: Mutex<Vec<(u32, HeaderMap)>>,
+    authorize_calls: AtomicU32,
+}
+
+impl Seen {
+    /// Counts a run of `key` starting; whether it hangs (each key's first run, the client's,
+    /// stands for a crash mid-way).
+    fn start(&self, key: &str) -> bool {
+        let mut started = self.started.lock().unwrap();
+        let n = started.entry(key.to_owned()).or_default();
+        *n += 1;
+        self.hang_always || *n == 1
+    }
+
+    fn finish(&self, key: &str) -> u32 {
+        let mut finished = self.finished.lock().unwrap();
+        let n = finished.entry(key.to_owned()).or_default();
+        *n += 1;
+        *n
+    }
+
+    fn count(map: &Mutex<HashMap<String, u32>>, key: &str) -> u32 {
+        map.lock().unwrap().get(key).copied().unwrap_or(0)
+    }
+}
+
+fn key_of(headers: &HeaderMap) -> String {
+    headers["idempotency-key"].to_str().unwrap().to_owned()
+}
+
+fn note_completion(seen: &Seen, completing: Option<Extension<Completing>>, headers: &HeaderMap) {
+    if let Some(Extension(completing)) = completing {
+        let entry = (completing.attempt(), headers.clone());
+        seen.completions.lock().unwrap().push(entry);
+    }
+}
+
+async fn charge(
+    State(seen): State<Arc<Seen>>,
+    completing: Option<Extension<Completing>>,
+    headers: HeaderMap,
+) -> (StatusCode, String) {
+    note_completion(&seen, completing, &headers);
+    let key = key_of(&headers);
+    if seen.start(&key) {
+        std::future::pending::<()>().await;
+    }
+    let n = seen.finish(&key);
+    (StatusCode::CREATED, format!("charged {key} {n}"))
+}
+
+/// `authorize` as a step, then each key's first run crashes.
+async fn charge_in_steps(
+    State(seen): State<Arc<Seen>>,
+    headers: HeaderMap,
+    steps: Steps,
+) -> Result<(StatusCode, String), StepError<StatusCode>> {
+    let key = key_of(&headers);
+    let s = Arc::clone(&seen);
+    let auth: u32 = steps
+        .run("authorize", move |_| async move {
+            Ok::<_, StatusCode>(s.authorize_calls.fetch_add(1, Ordering::SeqCst) + 1)
+        })
+        .await?;
+    if seen.start(&key) {
+        std::future::pending::<()>().await;
+    }
+    seen.finish(&key);
+    Ok((StatusCode::CREATED, format!("auth_{auth}")))
+}
+
+/// The app with `layer` (its authentication stands outside: requests carry their principal).
+fn app<St: Store>(layer: IdempotencyLayer<St>, seen: &Arc<Seen>) -> Router {
+    Router::new()
+        .route("/v1/charges", routing::post(charge))
+        .route("/v1/steps", routing::post(charge_in_steps))
+        .layer(layer)
+        .with_state(Arc::clone(seen))
+}
+
+fn layer<St: Store>(store: St) -> IdempotencyLayer<St> {
+    IdempotencyLayer::new(store)
+        .with_limits(Limits::default().with_max_handler_time(MAX_HANDLER_TIME))
+        .unwrap()
+        .with_step_secret(*b"completer test secret, 32 bytes!")
+        .unwrap()
+        .with_completion(Completion::storing_headers([MERCHANT]))
+        .unwrap()
+}
+
+fn completer(store: &impl Store, app: &Router) -> Completer<Router> {
+    Completer::new(store, app.clone())
+        .unwrap()
+        .with_grace(GRACE)
+        .unwrap()
+}
+
+/// The client's request for `key`, as `acct_a`, with a header named for keeping and one not.
+fn request(path: &str, key: &str) -> Request<Body> {
+    let mut request = Request::post(path)
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .header(MERCHANT, "m_1")
+        .header("authorization", "Bearer sk_secret_token")
+        .body(Body::from(r#"{"card":"4242424242424242"}"#))
+        .unwrap();
+    request
+        .extensions_mut()
+        .insert(Principal::new("acct_a").unwrap());
+    request
+}
+
+/// Sends the client's request; its status, whether it replayed, and its body.
+async fn send(app: &Router, path: &str, key: &str) -> (StatusCode, bool, String) {
+    let response = app.clone().oneshot(request(path, key)).await.unwrap();
+    let (status, replay) = (response.status(), replayed(response.headers()));
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, replay, String::from_utf8(body.to_vec()).unwrap())
+}
+
+/// Rounds of `completer` until `done` says the rounds so far are enough, within the test's bound.
+async fn rounds_until(completer: &Completer<Router>, done: impl Fn(&Round) -> bool) -> Round {
+    let mut total = Round::default();
+    loop {
+        let round = completer.complete_abandoned().await.expect("a round");
+        total.picked += round.picked;
+        total.completed += round.completed;
+        total.failed += round.failed;
+        total.gave_up += round.gave_up;
+        if done(&total) {
+            return total;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Rounds of `completer` until the handlers have finished `n` runs in all.
+async fn rounds_until_finished(completer: &Completer<Router>, seen: &Seen, n: u32) -> Round {
+    let finished = || seen.finished.lock().unwrap().values().sum::<u32>();
+    rounds_until(completer, |_| finished() >= n).await
+}
+
+async fn pending_rows(db: &TestDb) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM idempotency.pending_requests")
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_completer_finishes_an_abandoned_key_and_the_retry_replays_it() {
+    bounded(async {
+        let (db, store) = migrated().await;
+        let seen = Arc::new(Seen::default());
+        let app = app(layer(store.clone()), &seen);
+        let (status, _, _) = send(&app, "/v1/charges", "k1").await;
+        assert_eq!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the crash stands in"
+        );
+        let completer = completer(&store, &app);
+        // Within the grace the key is its client's.
+        assert_eq!(completer.complete_abandoned().await.unwrap().picked, 0);
+        let round = rounds_until(&completer, |r| r.completed == 1).await;
+        assert_eq!((round.picked, round.failed), (1, 0));
+        let (status, replay, body) = send(&app, "/v1/charges", "k1").await;
+        assert_eq!((status, replay), (StatusCode::CREATED, true));
+        assert_eq!(body, "charged k1 1");
+        assert_eq!(Seen::count(&seen.started, "k1"), 2);
+        assert_eq!(Seen::count(&seen.finished, "k1"), 1);
+        let completions = seen.completions.lock().unwrap().clone();
+        assert_eq!(completions.len(), 1);
+        let (attempt, headers) = &completions[0];
+        assert_eq!(*attempt, 1);
+        // The key's header and the named one are kept; the credential is not.
+        assert_eq!(headers["idempotency-key"], "k1");
+        assert_eq!(headers[&MERCHANT], "m_1");
+        assert!(headers.get("authorization").is_none());
+        assert_eq!(headers["content-type"], "application/json");
+        assert_eq!(
+            pending_rows(&db).await,
+            0,
+            "a completed key keeps no request"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_key_its_client_came_back_for_is_not_touched() {
+    bounded(async {
+        let (db, store) = migrated().await;
+        let seen = Arc::new(Seen::default());
+        let app = app(layer(store.clone()), &seen);
+        send(&app, "/v1/charges", "k1").await;
+        let completer = Completer::new(&store, app.clone())
+            .unwrap()
+            .with_grace(Duration::from_secs(3600))
+            .unwrap();
+        assert_eq!(completer.complete_abandoned().await.unwrap().picked, 0);
+        let (status, replay, _) = send(&app, "/v1/charges", "k1").await;
+        assert_eq!((status, replay), (StatusCode::CREATED, false));
+        let round = completer.complete_abandoned().await.unwrap();
+        assert_eq!(round.picked, 0);
+        assert!(seen.completions.lock().unwrap().is_empty());
+        assert_eq!(
+            pending_rows(&db).await,
+            0,
+            "purged once the client completed it"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn two_instances_completers_never_run_one_key_twice() {
+    bounded(async {
+        let (db, store_a) = migrated().await;
+        let store_b = PostgresStore::new(
+            sqlx::PgPool::connect_with(db.options().clone())
+                .await
+                .unwrap(),
+        );
+        let seen = Arc::new(Seen::default());
+        let app_a = app(layer(store_a.clone()), &seen);
+        let app_b = app(layer(store_b.clone()), &seen);
+        let keys: Vec<String> = (0..24).map(|i| format!("k{i}")).collect();
+        let crashes = keys.iter().enumerate().map(|(i, key)| {
+            let app = if i % 2 == 0 { &app_a } else { &app_b };
+            send(app, "/v1/charges", key)
+        });
+        futures_util::future::join_all(crashes).await;
+        let a = completer(&store_a, &app_a).with_concurrency(3).unwrap();
+        let b = completer(&store_b, &app_b).with_concurrency(3).unwrap();
+        let (a, b) = tokio::join!(
+            rounds_until_finished(&a, &seen, 24),
+            rounds_until_finished(&b, &seen, 24),
+        );
+        // Each key was picked by one completer once and completed by it.
+        assert_eq!(a.picked + b.picked, 24, "{a:?} {b:?}");
+        assert_eq!(a.completed + b.completed, 24, "{a:?} {b:?}");
+        assert!(
+            a.completed > 0 && b.completed > 0,
+            "both took part: {a:?} {b:?}"
+        );
+        for key in &keys {
+            assert_eq!(Seen::count(&seen.finished, key), 1, "{key}");
+            assert_eq!(Seen::count(&seen.started, key), 2, "{key}");
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_key_is_tried_at_most_max_attempts_times() {
+    bounded(async {
+        let (db, store) = migrated().await;
+        let seen = Arc::new(Seen {
+            hang_always: true,
+            ..Seen::default()
+        });
+        let app = app(layer(store.clone()), &seen);
+        send(&app, "/v1/charges", "k1").await;
+        let completer = completer(&store, &app).with_max_attempts(3).unwrap();
+        let round = rounds_until(&completer, |r| r.gave_up == 1).await;
+        assert_eq!((round.picked, round.failed, round.completed), (3, 2, 0));
+        // Due again, and still left alone.
+        loop {
+            let (attempts, due): (i32, bool) = sqlx::query_as(
+                "SELECT attempts, next_attempt_at <= now() FROM idempotency.pending_requests",
+            )
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+            assert_eq!(attempts, 3);
+            if due {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(completer.complete_abandoned().await.unwrap().picked, 0);
+        assert_eq!(Seen::count(&seen.started, "k1"), 4);
+        let attempts: Vec<u32> = seen
+            .completions
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|c| c.0)
+            .collect();
+        assert_eq!(attempts, [1, 2, 3]);
+    })
+    .await;
+}
+
+/// What an app's JWT middleware leaves in the extensions, and the scope reads.
+#[derive(Clone)]
+struct Claims {
+    sub: String,
+}
+
+#[tokio::test]
+async fn the_extensions_hook_restores_what_authentication_put_in() {
+    bounded(async {
+        let (_db, store) = migrated().await;
+        let seen = Arc::new(Seen::default());
+        let scope = Scope::from_fn(|parts| {
+            Principal::new(parts.extensions.get::<Claims>()?.sub.as_str()).ok()
+        });
+        let app = app(layer(store.clone()).with_scope(scope), &seen);
+        let mut client = request("/v1/charges", "k1");
+        client.extensions_mut().insert(Claims {
+            sub: "acct_a".into(),
+        });
+        app.clone().oneshot(client).await.unwrap();
+        // Without the hook, the rebuilt request has no claims: refused, not completed.
+        let bare = completer(&store, &app).with_max_attempts(1).unwrap();
+        assert_eq!(rounds_until(&bare, |r| r.gave_up == 1).await.completed, 0);
+        let hooked = completer(&store, &app)
+            .with_max_attempts(2)
+            .unwrap()
+            .with_extensions(|principal, extensions| {
+                extensions.insert(Claims {
+                    sub: principal.as_str().to_owned(),
+                });
+            });
+        rounds_until(&hooked, |r| r.completed == 1).await;
+        let mut retry = request("/v1/charges", "k1");
+        retry.extensions_mut().insert(Claims {
+            sub: "acct_a".into(),
+        });
+        let response = app.oneshot(retry).await.unwrap();
+        assert!(replayed(response.headers()));
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_finished_step_is_not_run_again_by_the_completer() {
+    bounded(async {
+        let (_db, store) = migrated().await;
+        let seen = Arc::new(Seen::default());
+        let app = app(layer(store.clone()), &seen);
+        send(&app, "/v1/steps", "k1").await;
+        assert_eq!(seen.authorize_calls.load(Ordering::SeqCst), 1);
+        rounds_until(&completer(&store, &app), |r| r.completed == 1).await;
+        let (status, replay, body) = send(&app, "/v1/steps", "k1").await;
+        assert_eq!((status, replay), (StatusCode::CREATED, true));
+        assert_eq!(body, "auth_1");
+        assert_eq!(seen.authorize_calls.load(Ordering::SeqCst), 1);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn only_named_headers_are_kept_and_sealed_behind_a_sealing_store() {
+    bounded(async {
+        let (db, store) = migrated().await;
+        let seen = Arc::new(Seen::default());
+        // In clear: the named header and the body are there, the credential is not.
+        let app_clear = app(layer(store.clone()), &seen);
+        send(&app_clear, "/v1/charges", "clear").await;
+        let sealed = SealingStore::new(store.clone(), SealingKeys::new(1, [7; 32]));
+        let app_sealed = app(layer(sealed.clone()), &seen);
+        send(&app_sealed, "/v1/charges", "sealed").await;
+        let rows: Vec<Vec<u8>> =
+            sqlx::query_scalar("SELECT request FROM idempotency.pending_requests ORDER BY kept_at")
+                .fetch_all(db.pool())
+                .await
+                .unwrap();
+        let has = |row: &[u8], what: &str| row.windows(what.len()).any(|w| w == what.as_bytes());
+        assert_eq!(rows.len(), 2);
+        assert!(has(&rows[0], "x-merchant") && has(&rows[0], "4242424242424242"));
+        assert!(!has(&rows[0], "authorization") && !has(&rows[0], "sk_secret_token"));
+        for what in ["x-merchant", "4242424242424242", "acct_a", "/v1/charges"] {
+            assert!(!has(&rows[1], what), "{what} in clear behind SealingStore");
+        }
+        // The sealed request opens for the completer and completes.
+        let completer = completer(&sealed, &app_sealed);
+        rounds_until(&completer, |r| r.completed == 1).await;
+        let (status, replay, _) = send(&app_sealed, "/v1/charges", "sealed").await;
+        assert_eq!((status, replay), (StatusCode::CREATED, true));
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_store_that_keeps_no_requests_and_zero_settings_are_refused() {
+    let memory = MemoryStore::new();
+    let refused = IdempotencyLayer::new(memory.clone()).with_completion(Completion::new());
+    assert_eq!(refused.err(), Some(ConfigError::CompletionUnsupported));
+    let refused = Completer::new(&memory, Router::<()>::new());
+    assert_eq!(refused.err(), Some(ConfigError::CompletionUnsupported));
+    let pool = sqlx::PgPool::connect_lazy("postgres://127.0.0.1/unused").unwrap();
+    let transactional = PostgresStore::new(pool.clone()).transactional();
+    assert!(Completer::new(&transactional, Router::<()>::new()).is_err());
+    let completer = Completer::new(&PostgresStore::new(pool), Router::<()>::new()).unwrap();
+    assert!(matches!(
+        completer.with_grace(Duration::ZERO),
+        Err(ConfigError::Zero(_))
+    ));
+}

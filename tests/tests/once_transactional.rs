@@ -123,7 +123,10 @@ async fn ok_over_a_failed_transaction_is_rolled_back() {
                 })
             })
             .await;
-        assert!(matches!(answered, Err(OnceError::RolledBack)), "{answered:?}");
+        assert!(
+            matches!(answered, Err(OnceError::RolledBack)),
+            "{answered:?}"
+        );
         assert_eq!(ledger_rows(db.pool(), "evt_3").await, 0);
         let ran = once
             .run_in_transaction(SCOPE, "evt_3", &payload, credit("evt_3", 7))
@@ -218,7 +221,10 @@ async fn a_store_in_lease_mode_is_refused() {
         let refused = once
             .run_in_transaction(SCOPE, "evt_6", &1, credit("evt_6", 1))
             .await;
-        assert!(matches!(refused, Err(OnceError::NotTransactional)), "{refused:?}");
+        assert!(
+            matches!(refused, Err(OnceError::NotTransactional)),
+            "{refused:?}"
+        );
         let records: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency.records")
             .fetch_one(db.pool())
             .await

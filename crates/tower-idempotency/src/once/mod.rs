@@ -1,33 +1,8 @@
 //! Idempotency off the request path: [`Once`] runs a function once per scoped key over any
 //! [`Store`], with the layer's protocol, for queue consumers, webhooks and jobs.
 //!
-//! ```
-//! use tower_idempotency::{Once, OnceError, store::MemoryStore};
-//!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), OnceError<std::io::Error>> {
-//! let once = Once::new(MemoryStore::new());
-//! let payload = serde_json::json!({ "account": "acct_1", "amount": 100 });
-//!
-//! let first: u64 = once
-//!     .run("payments-consumer", "evt_1", &payload, || async { Ok(42) })
-//!     .await?;
-//! // The same key again: the stored result, and the closure does not run.
-//! let again: u64 = once
-//!     .run("payments-consumer", "evt_1", &payload, || async { unreachable!() })
-//!     .await?;
-//! assert_eq!((first, again), (42, 42));
-//!
-//! // The same key with another payload is refused.
-//! let other = serde_json::json!({ "account": "acct_1", "amount": 999 });
-//! let refused = once
-//!     .run("payments-consumer", "evt_1", &other, || async { Ok::<u64, std::io::Error>(0) })
-//!     .await;
-//! assert!(matches!(refused, Err(OnceError::Mismatch)));
-//! # Ok(()) }
-//! ```
-//!
-//! See the [guide](crate::guide::off_request) for the protocol and the transactional variant.
+//! The module is private: [`Once`] and its errors are re-exported at the crate root, and the
+//! example is on [`Once`], where docs.rs shows it.
 
 use std::{future::Future, panic::AssertUnwindSafe, pin::pin, sync::Arc, time::Duration};
 
@@ -50,15 +25,41 @@ mod transaction;
 
 pub use error::{MAX_SCOPE_LEN, OnceError, ScopeError};
 
-/// Runs a function once per scoped key, with the layer's protocol; cheap to clone. See the
-/// [module documentation](self).
+/// Runs a function once per scoped key, with the layer's protocol; cheap to clone.
+///
+/// ```
+/// use tower_idempotency::{Once, OnceError, store::MemoryStore};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), OnceError<std::io::Error>> {
+/// let once = Once::new(MemoryStore::new());
+/// let payload = serde_json::json!({ "account": "acct_1", "amount": 100 });
+///
+/// let first: u64 = once
+///     .run("payments-consumer", "evt_1", &payload, || async { Ok(42) })
+///     .await?;
+/// // The same key again: the stored result, and the closure does not run.
+/// let again: u64 = once
+///     .run("payments-consumer", "evt_1", &payload, || async { unreachable!() })
+///     .await?;
+/// assert_eq!((first, again), (42, 42));
+///
+/// // The same key with another payload is refused.
+/// let other = serde_json::json!({ "account": "acct_1", "amount": 999 });
+/// let refused = once
+///     .run("payments-consumer", "evt_1", &other, || async { Ok::<u64, std::io::Error>(0) })
+///     .await;
+/// assert!(matches!(refused, Err(OnceError::Mismatch)));
+/// # Ok(()) }
+/// ```
 ///
 /// The first call for a key runs its closure under a claim whose lease is renewed while it
 /// runs, and stores its result; a call meanwhile waits (with
 /// [`with_in_flight_wait`](Self::with_in_flight_wait)) or gets [`OnceError::InFlight`]; later
 /// calls get the stored result; a call with another payload gets [`OnceError::Mismatch`]. A
 /// closure that fails, panics or is cancelled (its future dropped) releases the key, so the next
-/// call runs it again.
+/// call runs it again. See the [guide](crate::guide::off_request) for the protocol and the
+/// transactional variant.
 pub struct Once<St> {
     shared: Shared<St>,
 }

@@ -345,6 +345,73 @@ async fn the_lease_is_renewed_while_running<St: Store + Clone>(fixture: Fixture<
     assert_eq!(first.await.unwrap().unwrap(), 1);
 }
 
+/// A result that cannot be encoded: the closure's effects stand, so no later call runs it again.
+async fn an_unencodable_result_is_never_rerun<St: Store + Clone>(fixture: Fixture<St>) {
+    let runs = AtomicUsize::new(0);
+    for _ in 0..2 {
+        let answered = fixture
+            .once
+            .run(SCOPE, "evt_8", &payload(1), || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                // JSON object keys must be strings.
+                Ok::<_, Declined>(BTreeMap::from([(vec![1u8], 1)]))
+            })
+            .await;
+        assert!(
+            matches!(answered, Err(OnceError::Output(_))),
+            "{answered:?}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A call whose process died mid-closure (its future neither polled nor dropped again: nothing
+/// renews or releases its key) holds the key until its lease lapses; then the next call takes
+/// it over and runs. Lease mode only: in transactional mode the open transaction is the hold.
+async fn a_crashed_call_is_taken_over_after_its_lease<St: Store + Clone>(fixture: Fixture<St>) {
+    let lease = Duration::from_millis(200);
+    let once = fixture.once.clone().with_lease(lease).unwrap();
+    let (entered, body) = (Semaphore::new(0), payload(1));
+    let mut crashed = Box::pin(once.run(SCOPE, "evt_9", &body, || async {
+        entered.add_permits(1);
+        std::future::pending::<Result<u64, Declined>>().await
+    }));
+    tokio::select! {
+        _ = &mut crashed => unreachable!("the closure never returns"),
+        _ = entered.acquire() => {}
+    }
+    #[expect(
+        clippy::mem_forget,
+        reason = "a crashed process neither renews nor releases its key"
+    )]
+    std::mem::forget(crashed);
+    let call = || once.run(SCOPE, "evt_9", &body, || async { Ok::<u64, Declined>(9) });
+    assert!(matches!(call().await, Err(OnceError::InFlight)));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let taken_over = loop {
+        match call().await {
+            Err(OnceError::InFlight) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(lease / 4).await;
+            }
+            other => break other.unwrap(),
+        }
+    };
+    assert_eq!(taken_over, 9);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_store_crashed_call_is_taken_over() {
+    bounded(a_crashed_call_is_taken_over_after_its_lease(memory().await)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_lease_crashed_call_is_taken_over() {
+    bounded(a_crashed_call_is_taken_over_after_its_lease(
+        postgres(false).await,
+    ))
+    .await;
+}
+
 macro_rules! suite {
     ($module:ident, $fixture:expr) => {
         mod $module {
@@ -378,6 +445,11 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_store_failure_is_typed() {
                 bounded(super::a_store_failure_is_typed($fixture)).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn an_unencodable_result_is_never_rerun() {
+                bounded(super::an_unencodable_result_is_never_rerun($fixture)).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -3,47 +3,21 @@
 //! its `XACK`), restarted under rotating consumer names so that entries left pending are
 //! taken over by `XAUTOCLAIM`, and finally drained; every event's effect applied exactly once.
 
-use std::{
-    collections::BTreeMap,
-    process::Stdio,
-    time::{Duration, SystemTime},
-};
+use std::{collections::BTreeMap, time::Duration};
 
+use common::{BOUND, applied, redis, spawn, unique_stream};
 use idempotency_tests::db::TestDb;
 use redis::AsyncCommands;
-use sqlx::PgPool;
 use tokio::{
     io::{AsyncBufReadExt, BufReader},
-    process::{Child, Command},
+    process::Child,
 };
+
+mod common;
 
 const EVENTS: u64 = 40;
 const DUPLICATES: u64 = 12;
 const KILLS: u64 = 24;
-/// No wait for an observed condition may take longer than this.
-const BOUND: Duration = Duration::from_secs(60);
-
-/// The test's Redis, or `None` (the test then returns) when there is none and `CI` is unset.
-async fn redis() -> Option<redis::aio::MultiplexedConnection> {
-    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
-    let connected = async {
-        let client = redis::Client::open(url.as_str())?;
-        let mut connection = client.get_multiplexed_async_connection().await?;
-        let _: String = redis::cmd("PING").query_async(&mut connection).await?;
-        Ok::<_, redis::RedisError>(connection)
-    };
-    match tokio::time::timeout(Duration::from_secs(5), connected).await {
-        Ok(Ok(connection)) => Some(connection),
-        failed => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "no Redis at {url} (set REDIS_URL); CI must start one: {failed:?}"
-            );
-            eprintln!("no Redis at {url} (set REDIS_URL): skipping the crash test");
-            None
-        }
-    }
-}
 
 /// A pseudo-random sequence, the same on every run (xorshift).
 struct Dice(u64);
@@ -93,32 +67,6 @@ async fn produce(
     balances
 }
 
-/// The consumer binary, logging to a pipe the test reads.
-fn spawn(db: &TestDb, stream: &str, consumer: &str) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_stream-consumer"))
-        .args([
-            "--database-url",
-            &db.url(),
-            "--stream",
-            stream,
-            "--group",
-            "ledger",
-        ])
-        .args([
-            "--consumer",
-            consumer,
-            "--claim-idle-ms",
-            "300",
-            "--effect-delay-ms",
-            "40",
-        ])
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("the consumer binary starts")
-}
-
 /// Waits until the consumer has logged `count` lines containing `marker`, then `SIGKILL`s it.
 /// `false` when it logged no such line (it had nothing left to do) within a bounded wait.
 async fn kill_after(mut child: Child, marker: &str, count: u64) -> bool {
@@ -141,24 +89,13 @@ async fn kill_after(mut child: Child, marker: &str, count: u64) -> bool {
     observed
 }
 
-async fn applied(pool: &PgPool) -> (i64, i64) {
-    sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM stream_consumer.applied_events")
-        .fetch_one(pool)
-        .await
-        .unwrap_or((0, 0))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_event_applies_once_across_sigkills() {
     let Some(mut redis) = redis().await else {
         return;
     };
     let db = TestDb::new().await;
-    let nanos = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let stream = format!("stream-consumer-test:{}:{nanos}", std::process::id());
+    let stream = unique_stream();
     let mut dice = Dice(0x9e37_79b9_7f4a_7c15);
     let expected = produce(&mut redis, &stream, &mut dice).await;
 

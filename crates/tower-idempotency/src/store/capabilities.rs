@@ -131,6 +131,13 @@ impl Capabilities {
         self
     }
 
+    /// These capabilities with the step log replaced by `f` of it (a wrapping store seals it).
+    #[must_use]
+    pub fn map_step_log(mut self, f: impl FnOnce(Arc<dyn StepLog>) -> Arc<dyn StepLog>) -> Self {
+        self.step_log = self.step_log.map(f);
+        self
+    }
+
     /// See [`with_step_log`](Self::with_step_log).
     pub fn step_log(&self) -> Option<&Arc<dyn StepLog>> {
         self.step_log.as_ref()

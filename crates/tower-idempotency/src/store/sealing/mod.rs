@@ -11,6 +11,7 @@ use crate::{record::Record, scope::ScopeKey};
 mod envelope;
 mod keys;
 mod pending;
+mod steps;
 
 pub use keys::{DuplicateKeyId, SealingKeys};
 
@@ -61,6 +62,10 @@ use envelope::Unsealable;
 /// does not open. What stays clear, because stores and operators need it: the **status**
 /// (checked against the sealed one when opened), the scope key's hash, the request
 /// fingerprint, the fencing token and the timestamps.
+///
+/// The same envelope seals the outputs of [`Steps`](crate::Steps) (bound to the step's name)
+/// and the requests kept for the [`Completer`](crate::Completer); a step output that does not
+/// open is an error of its step, never a step to run again.
 ///
 /// # When a record does not open
 ///
@@ -227,12 +232,19 @@ impl<S: Store> Store for SealingStore<S> {
             .map_err(SealingError::Store)
     }
 
-    /// The wrapped store's, its pending log sealing what it keeps.
+    /// The wrapped store's, its pending log and step log sealing what they keep.
     fn capabilities(&self) -> Capabilities {
-        let keys = Arc::clone(&self.keys);
-        self.inner.capabilities().map_pending_log(|inner| {
-            Arc::new(pending::SealedPendingLog { inner, keys }) as Arc<dyn super::PendingLog>
-        })
+        let (for_pending, for_steps) = (Arc::clone(&self.keys), Arc::clone(&self.keys));
+        self.inner
+            .capabilities()
+            .map_pending_log(|inner| {
+                let keys = for_pending;
+                Arc::new(pending::SealedPendingLog { inner, keys }) as Arc<dyn super::PendingLog>
+            })
+            .map_step_log(|inner| {
+                let keys = for_steps;
+                Arc::new(steps::SealedStepLog { inner, keys }) as Arc<dyn super::StepLog>
+            })
     }
 }
 

@@ -14,6 +14,9 @@
 //! | `--step-secret SECRET` | `CHARGES_DEMO_STEP_SECRET` | a development secret (≥ 32 bytes; said at start-up) |
 //! | `--seal-key BASE64` | `CHARGES_DEMO_SEAL_KEY` | none: stored responses in clear; with 32 bytes in base64, sealed ([`SealingStore`](tower_idempotency::store::SealingStore), key id 1) |
 //!
+//! Without `--acquirer-url`, the in-process acquirer's own idempotency layer reports to the same
+//! `/metrics`, so each charge counts twice there.
+//!
 //! When it is ready the server prints exactly one line to standard output, `listening on ADDR`
 //! with the address it bound (so `--listen 127.0.0.1:0` tells which port it got); logs go to
 //! standard error. SIGTERM or Ctrl-C stops accepting connections, lets the requests in flight
@@ -183,12 +186,6 @@ impl Args {
 /// migration, an address that cannot be bound.
 pub async fn run(args: Args) -> Result<(), RunError> {
     let settings = args.settings();
-    if args.step_secret.is_none() {
-        tracing::warn!(
-            "no --step-secret (CHARGES_DEMO_STEP_SECRET): using the development step secret; \
-             set your own, the same on every instance"
-        );
-    }
     let seal = args.seal_keys()?;
     let Some(url) = &args.database_url else {
         // This must stay the first log line of the embedded mode.
@@ -289,6 +286,12 @@ where
         acquirer = settings.acquirer_url.as_deref().unwrap_or("in process"),
         "ready"
     );
+    if settings.step_secret == StepSecret::default() {
+        tracing::warn!(
+            "no CHARGES_DEMO_STEP_SECRET: the steps' downstream keys use the development \
+             secret; give every instance the same one of your own"
+        );
+    }
     announce(addr).map_err(RunError::Serve)?;
 
     let metrics = install_metrics()?;

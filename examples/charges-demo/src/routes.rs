@@ -8,7 +8,7 @@ use axum::{
 };
 use http::{HeaderMap, Method, StatusCode, header};
 use serde::Serialize;
-use tower_idempotency::IdempotencyContext;
+use tower_idempotency::{IdempotencyContext, IdempotentTx};
 
 use crate::{
     auth::Account,
@@ -36,14 +36,22 @@ pub(crate) struct Api<L> {
 /// `ledger`), answer. Each of its answers is final for the key except the `400`s and `5xx`s,
 /// which the layer's default retention policy releases so that a retry runs; a retry after a
 /// crash goes on at the first unfinished [step](crate::steps).
+///
+/// Behind a transactional store (which gives no steps: the chaos run's proof of that mode), the
+/// charge row is written through the request's transaction instead, and commits with the stored
+/// response.
 pub(crate) async fn create_charge<L: Ledger>(
     State(api): State<Api<L>>,
     Extension(account): Extension<Account>,
     idempotency: IdempotencyContext,
+    transaction: Option<IdempotentTx>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let params = ChargeParams::parse(content_type(&headers), &body)?;
+    if let Some(transaction) = transaction {
+        return charge_in_transaction(&api, &account, &idempotency, transaction, params).await;
+    }
     let steps = steps::of(&idempotency)?;
     if idempotency.takeover() {
         // The previous holder of this key stopped (crashed or hung) mid-way: its finished steps
@@ -72,14 +80,50 @@ pub(crate) async fn create_charge<L: Ledger>(
         "charge created"
     );
 
+    answer(&charge, authorization)
+}
+
+/// The charge's answer: the charge, or its decline as a `402` card error.
+fn answer(charge: &Charge, authorization: Authorization) -> Result<Response, ApiError> {
     match authorization {
-        Authorization::Approved => Ok(json(StatusCode::OK, &charge)),
+        Authorization::Approved => Ok(json(StatusCode::OK, charge)),
         Authorization::Declined(decline) => Err(ApiError::card_declined(
-            charge.id,
+            charge.id.clone(),
             decline.code,
             decline.message,
         )),
     }
+}
+
+/// A charge in transactional mode: authorized under the request's scope key, written through
+/// the request's transaction, which commits with the stored response (see `create_charge`).
+async fn charge_in_transaction<L: Ledger>(
+    api: &Api<L>,
+    account: &Account,
+    idempotency: &IdempotencyContext,
+    mut transaction: IdempotentTx,
+    params: ChargeParams,
+) -> Result<Response, ApiError> {
+    let key = idempotency.scope_key().to_string();
+    let authorized = api
+        .processor
+        .authorize(&params, &key)
+        .await
+        .map_err(|error| steps::network_failed(&error))?;
+    api.processor.processing().await;
+    let authorization = authorized.authorization();
+    let charge = Charge::new(account, params, authorization);
+    let recorded = api.ledger.insert(&charge, Some(&mut transaction)).await;
+    // Given back before the handler returns: the layer then stores the response and commits.
+    drop(transaction);
+    recorded.map_err(|error| {
+        tracing::error!(
+            error = &error as &dyn std::error::Error,
+            "recording a charge failed"
+        );
+        ApiError::internal()
+    })?;
+    answer(&charge, authorization)
 }
 
 /// `GET /v1/charges/{id}`: one of the caller's charges.
@@ -103,28 +147,46 @@ pub(crate) async fn retrieve_charge<L: Ledger>(
 /// In PostgreSQL mode the refund row and the charge's `amount_refunded` are written in the
 /// step's transaction, the charge locked until it commits with the step's record: a refund
 /// happens once however often it is sent, and concurrent refunds of one charge take turns.
+///
+/// Behind a transactional store, the rows are written through the request's transaction.
 pub(crate) async fn create_refund<L: Ledger>(
     State(api): State<Api<L>>,
     Extension(account): Extension<Account>,
     idempotency: IdempotencyContext,
+    mut transaction: Option<IdempotentTx>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let params = RefundParams::parse(content_type(&headers), &body)?;
-    let steps = steps::of(&idempotency)?;
     api.processor.refund().await;
-    let refund = steps::record_refund(steps, &api.ledger, &account, &params)
-        .await?
-        .map_err(|refusal| {
-            tracing::info!(
-                charge = %params.charge,
-                account = account.as_str(),
-                amount = params.amount,
-                %refusal,
-                "refund refused"
-            );
-            refusal.error(&params.charge)
-        })?;
+    let refunded = match transaction.as_deref_mut() {
+        Some(connection) => {
+            let refunded = api.ledger.refund(&account, &params, Some(connection)).await;
+            refunded.map_err(|error| {
+                tracing::error!(
+                    error = &error as &dyn std::error::Error,
+                    "recording a refund failed"
+                );
+                ApiError::internal()
+            })?
+        }
+        None => {
+            let steps = steps::of(&idempotency)?;
+            steps::record_refund(steps, &api.ledger, &account, &params).await?
+        }
+    };
+    // Given back before the handler returns: the layer then stores the response and commits.
+    drop(transaction);
+    let refund = refunded.map_err(|refusal| {
+        tracing::info!(
+            charge = %params.charge,
+            account = account.as_str(),
+            amount = params.amount,
+            %refusal,
+            "refund refused"
+        );
+        refusal.error(&params.charge)
+    })?;
     tracing::info!(
         refund = %refund.id,
         charge = %refund.charge,

@@ -19,7 +19,7 @@ use crate::{
     error::{ApiError, ErrorType},
     ledger::{Charge, Ledger, Refund, RefundRefusal},
     params::{ChargeParams, RefundParams},
-    processor::{Authorized, CardProcessor},
+    processor::{Authorized, CardProcessor, NetworkError},
 };
 
 /// The request's steps, or a `500` when the layer gives none (the app is set up wrong).
@@ -45,20 +45,24 @@ pub(crate) async fn authorize(
         .run("authorize", step)
         .await
         .map_err(|error| match error {
-            StepError::Failed(network) => {
-                tracing::warn!(
-                    error = &network as &dyn std::error::Error,
-                    "the card network did not answer"
-                );
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    ErrorType::ApiError,
-                    "The card network did not answer. Retry with the same Idempotency-Key: \
-                     the card is authorized once.",
-                )
-            }
+            StepError::Failed(network) => network_failed(&network),
             other => step_failed("authorize", &other),
         })
+}
+
+/// A `503` for an authorization without an answer: the layer releases the key, and the
+/// client's retry is authorized under the same key.
+pub(crate) fn network_failed(error: &NetworkError) -> ApiError {
+    tracing::warn!(
+        error = error as &dyn std::error::Error,
+        "the card network did not answer"
+    );
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        ErrorType::ApiError,
+        "The card network did not answer. Retry with the same Idempotency-Key: the card is \
+         authorized once.",
+    )
 }
 
 /// Step `ledger`: records `charge` once per key and answers the charge recorded, which is

@@ -29,6 +29,8 @@ use tower_idempotency::{
     store::{MemoryStore, PostgresStore, SealingKeys, SealingStore},
 };
 
+mod two_step;
+
 /// The path every app serves.
 pub(crate) const CHARGES_PATH: &str = "/v1/charges";
 
@@ -94,6 +96,12 @@ pub(crate) enum App {
     MemoryKib,
     /// The same behind a `SealingStore` over the memory store: every replay opens its record.
     MemoryKibSealed,
+    /// A charge that authorizes at an acquirer over loopback HTTP, then `INSERT`s through the
+    /// pool, behind `IdempotencyLayer::postgres(pool)` ([`two_step`]).
+    AcquirerLease,
+    /// The same two calls as [`Steps`](tower_idempotency::Steps): `authorize`, then `ledger`
+    /// in a transaction with its record.
+    AcquirerSteps,
 }
 
 impl App {
@@ -107,7 +115,9 @@ impl App {
             | Self::SlowLeaseWait
             | Self::LeaseNoCache
             | Self::LeasePartitioned
-            | Self::Transactional => true,
+            | Self::Transactional
+            | Self::AcquirerLease
+            | Self::AcquirerSteps => true,
             Self::MemoryBare
             | Self::Memory
             | Self::MemoryBareBusy
@@ -136,6 +146,8 @@ impl App {
             Self::AnyBodyMemory => "any-body-memory",
             Self::MemoryKib => "memory-kib",
             Self::MemoryKibSealed => "memory-kib-sealed",
+            Self::AcquirerLease => "acquirer-lease",
+            Self::AcquirerSteps => "acquirer-steps",
         }
     }
 
@@ -146,7 +158,9 @@ impl App {
             | Self::LeaseWait
             | Self::SlowLease
             | Self::SlowLeaseWait
-            | Self::LeaseNoCache => Some(PostgresStore::new(pool.clone())),
+            | Self::LeaseNoCache
+            | Self::AcquirerLease
+            | Self::AcquirerSteps => Some(PostgresStore::new(pool.clone())),
             Self::Transactional => Some(PostgresStore::new(pool.clone()).transactional()),
             Self::LeasePartitioned => Some(partitioned_store(pool)),
             Self::Bare
@@ -199,6 +213,8 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
             .layer(IdempotencyLayer::new(
                 PostgresStore::new(pool).transactional(),
             )),
+        (App::AcquirerLease, Some(pool)) => two_step::router(pool, false),
+        (App::AcquirerSteps, Some(pool)) => two_step::router(pool, true),
         (App::MemoryBare, _) => no_io(),
         (App::Memory, _) => no_io().layer(IdempotencyLayer::memory()),
         (App::MemoryBareBusy, _) => no_io().layer(middleware::from_fn(busy)),
@@ -220,7 +236,9 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
             | App::SlowLeaseWait
             | App::LeaseNoCache
             | App::LeasePartitioned
-            | App::Transactional,
+            | App::Transactional
+            | App::AcquirerLease
+            | App::AcquirerSteps,
             None,
         ) => {
             unreachable!("the caller connects a pool for every app that uses the database")

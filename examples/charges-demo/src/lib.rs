@@ -44,7 +44,7 @@
 //! 5. The layer stores the answer for replay (with the request's id in `Original-Request`), or
 //!    releases the key for a `400` or a `5xx`. The layer runs in [lease
 //!    mode](tower_idempotency::guide::modes) with [`Steps`](tower_idempotency::Steps)
-//!    ([`steps`]): no database transaction is held across the acquirer call, and a retry after
+//!    (`src/steps.rs`): no database transaction is held across the acquirer call, and a retry after
 //!    a crash goes on at the first unfinished step, so the card is authorized once and the
 //!    charge recorded once. With PostgreSQL a ledger step's rows commit with its record.
 //!

@@ -29,6 +29,8 @@ use tower_idempotency::{
     store::{MemoryStore, PostgresStore, SealingKeys, SealingStore},
 };
 
+mod two_step;
+
 /// The path every app serves.
 pub(crate) const CHARGES_PATH: &str = "/v1/charges";
 
@@ -98,6 +100,12 @@ pub(crate) enum App {
     KibNoCache,
     /// The same behind a `SealingStore`: every replay reads a row and opens it.
     KibNoCacheSealed,
+    /// A charge that authorizes at an acquirer over loopback HTTP, then `INSERT`s through the
+    /// pool, behind `IdempotencyLayer::postgres(pool)` ([`two_step`]).
+    AcquirerLease,
+    /// The same two calls as [`Steps`](tower_idempotency::Steps): `authorize`, then `ledger`
+    /// in a transaction with its record.
+    AcquirerSteps,
 }
 
 impl App {
@@ -113,7 +121,9 @@ impl App {
             | Self::LeasePartitioned
             | Self::Transactional
             | Self::KibNoCache
-            | Self::KibNoCacheSealed => true,
+            | Self::KibNoCacheSealed
+            | Self::AcquirerLease
+            | Self::AcquirerSteps => true,
             Self::MemoryBare
             | Self::Memory
             | Self::MemoryBareBusy
@@ -144,6 +154,8 @@ impl App {
             Self::MemoryKibSealed => "memory-kib-sealed",
             Self::KibNoCache => "kib-no-cache",
             Self::KibNoCacheSealed => "kib-no-cache-sealed",
+            Self::AcquirerLease => "acquirer-lease",
+            Self::AcquirerSteps => "acquirer-steps",
         }
     }
 
@@ -156,7 +168,9 @@ impl App {
             | Self::SlowLeaseWait
             | Self::LeaseNoCache
             | Self::KibNoCache
-            | Self::KibNoCacheSealed => Some(PostgresStore::new(pool.clone())),
+            | Self::KibNoCacheSealed
+            | Self::AcquirerLease
+            | Self::AcquirerSteps => Some(PostgresStore::new(pool.clone())),
             Self::Transactional => Some(PostgresStore::new(pool.clone()).transactional()),
             Self::LeasePartitioned => Some(partitioned_store(pool)),
             Self::Bare
@@ -209,6 +223,8 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
             .layer(IdempotencyLayer::new(
                 PostgresStore::new(pool).transactional(),
             )),
+        (App::AcquirerLease, Some(pool)) => two_step::router(pool, false),
+        (App::AcquirerSteps, Some(pool)) => two_step::router(pool, true),
         (App::MemoryBare, _) => no_io(),
         (App::Memory, _) => no_io().layer(IdempotencyLayer::memory()),
         (App::MemoryBareBusy, _) => no_io().layer(middleware::from_fn(busy)),
@@ -242,7 +258,9 @@ pub(crate) fn router(app: App, pool: Option<PgPool>) -> Router {
             | App::LeasePartitioned
             | App::Transactional
             | App::KibNoCache
-            | App::KibNoCacheSealed,
+            | App::KibNoCacheSealed
+            | App::AcquirerLease
+            | App::AcquirerSteps,
             None,
         ) => {
             unreachable!("the caller connects a pool for every app that uses the database")

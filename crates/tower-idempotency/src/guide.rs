@@ -3,6 +3,9 @@
 #[doc = include_str!("../docs/modes.md")]
 pub mod modes {}
 
+#[doc = include_str!("../docs/choosing.md")]
+pub mod choosing {}
+
 #[doc = include_str!("../docs/operating.md")]
 pub mod operating {}
 

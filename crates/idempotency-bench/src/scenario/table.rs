@@ -90,6 +90,24 @@ pub(crate) static SCENARIOS: &[Scenario] = &[
         }],
     },
     Scenario {
+        name: "acquirer-lease",
+        about: "a two-call handler (an authorization at the acquirer example over loopback HTTP, \
+                then the INSERT) behind IdempotencyLayer::postgres, a new key per request",
+        baseline: Some("lease"),
+        runner: Runner::Http(Http::new(App::AcquirerLease, NEW_CHARGES)),
+        scale: false,
+        targets: &[],
+    },
+    Scenario {
+        name: "acquirer-steps",
+        about: "the same two calls as Steps (authorize; ledger in a transaction with its \
+                record): one store round trip more per step",
+        baseline: Some("acquirer-lease"),
+        runner: Runner::Http(Http::new(App::AcquirerSteps, NEW_CHARGES)),
+        scale: false,
+        targets: &[Target::Throughput(0.8)],
+    },
+    Scenario {
         name: "replay",
         about: "the lease server answering retries of keys it completed before the window, with the default \
                 16 MiB CachingStore: each key's first retry reads the store, the others are answered \

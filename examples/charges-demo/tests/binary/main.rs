@@ -13,6 +13,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use acquirer::Acquirer;
 use idempotency_tests::db::TestDb;
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, BufReader},
@@ -80,6 +81,25 @@ impl Server {
             stderr,
             stderr_reader,
         }
+    }
+
+    /// [`Server::on_postgres`], authorizing at the acquirer at `acquirer_url`, keys held for
+    /// `lease_secs`.
+    async fn on_postgres_with(url: &str, delay_ms: u64, acquirer_url: &str, lease: &str) -> Self {
+        let delay = delay_ms.to_string();
+        Self::start(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            url,
+            "--processing-delay-ms",
+            &delay,
+            "--acquirer-url",
+            acquirer_url,
+            "--lease-secs",
+            lease,
+        ])
+        .await
     }
 
     /// Starts the binary on PostgreSQL at `url`, each charge taking `delay_ms` in the handler
@@ -160,24 +180,31 @@ impl Server {
     }
 }
 
-/// Waits until the database has `n` open transactions: in transactional mode, the charges in
-/// flight (their claims are not visible to other connections until they commit).
-async fn wait_for_open_transactions(db: &TestDb, n: i64) {
+/// An acquirer served by the test on a port of its own, outliving the servers it kills: the
+/// acquirer, and its URL for `--acquirer-url`.
+async fn acquirer() -> (Acquirer, String) {
+    let acquirer = Acquirer::new(acquirer::Settings::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    let app = acquirer::app(acquirer.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (acquirer, url)
+}
+
+/// Waits until `acquirer` made `n` authorizations: the charges past their `authorize` step,
+/// in the processing delay.
+async fn wait_for_authorizations(acquirer: &Acquirer, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let open: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
-        )
-        .fetch_one(db.pool())
-        .await
-        .expect("pg_stat_activity");
-        if open == n {
+        let made = acquirer.authorizations().len();
+        if made == n {
             return;
         }
         assert!(
             Instant::now() < deadline,
-            "expected {n} open transaction(s), found {open}"
+            "expected {n} authorization(s), found {made}"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

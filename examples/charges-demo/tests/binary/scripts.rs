@@ -86,6 +86,46 @@ async fn curl_scenarios_pass_against_the_binary_on_postgres() {
     assert_eq!(server.exit_code().await, Some(0));
 }
 
+/// `examples/curl/crash-during-processing.sh`: it kills the binary while a charge sleeps
+/// between its authorization and its ledger write, restarts it and retries; the acquirer (this
+/// test's, outliving the kill) made one authorization, and the database holds one charge.
+#[tokio::test]
+async fn the_crash_script_leaves_one_authorization_and_one_charge() {
+    if !succeeds("curl", &["--version"]) {
+        return skip_without("curl is not installed, so the crash script cannot run");
+    }
+    let db = TestDb::new().await;
+    let (acquirer, acquirer_url) = crate::acquirer().await;
+    let script: PathBuf = [
+        env!("CARGO_MANIFEST_DIR"),
+        "..",
+        "curl",
+        "crash-during-processing.sh",
+    ]
+    .iter()
+    .collect();
+    let run = Command::new("bash")
+        .arg(&script)
+        .env("CHARGES_DEMO_BIN", crate::BINARY)
+        .env("ACQUIRER_URL", &acquirer_url)
+        .env("DATABASE_URL", db.url())
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the script finished in time")
+        .expect("run the script");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    assert!(output.status.success(), "the script failed");
+    assert!(stdout.contains("\nPASS: killed mid-charge"), "{stdout}");
+    assert_eq!(acquirer.authorizations().len(), 1);
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 1);
+}
+
 /// The same scenarios against the binary waiting for charges in flight: the double click's
 /// duplicates get the first charge, never `409`.
 #[tokio::test]

@@ -1,17 +1,18 @@
-//! How the binary stops: SIGTERM lets the charge in flight finish; a crash mid-charge leaves
-//! nothing behind.
+//! How the binary stops: SIGTERM lets the charge in flight finish; a crash between the
+//! authorization and the ledger write is finished by the retry, authorizing once.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use idempotency_tests::db::TestDb;
 
-use crate::{Server, client, count, wait_for_open_transactions};
+use crate::{Server, acquirer, client, count, wait_for_authorizations};
 
 #[tokio::test]
 async fn sigterm_lets_the_in_flight_charge_finish() {
     let db = TestDb::new().await;
     let url = db.url();
-    let server = Server::on_postgres(&url, 3000).await;
+    let (acquirer, acquirer_url) = acquirer().await;
+    let server = Server::on_postgres_with(&url, 3000, &acquirer_url, "30").await;
 
     let request = client()
         .post(server.url("/v1/charges"))
@@ -24,8 +25,8 @@ async fn sigterm_lets_the_in_flight_charge_finish() {
         (response, Instant::now())
     });
 
-    // The charge is in flight once its transaction is open.
-    wait_for_open_transactions(&db, 1).await;
+    // The charge is in its processing delay once the acquirer authorized it.
+    wait_for_authorizations(&acquirer, 1).await;
     let signalled = Instant::now();
     server.sigterm();
 
@@ -63,12 +64,15 @@ async fn sigterm_lets_the_in_flight_charge_finish() {
     assert_eq!(charged, 1);
 }
 
-/// Transactional mode: a server killed mid-charge leaves neither a charge nor a held key, so the
-/// client's retry (to a restarted server) runs at once and charges once.
+/// A server killed between the authorization and the ledger write leaves the authorization
+/// recorded as the charge's first step and its key held; once the lease lapses, the client's
+/// retry to a restarted server takes the key over, gets the recorded authorization back
+/// (the acquirer is not asked again) and charges once.
 #[tokio::test]
-async fn a_crash_mid_charge_leaves_nothing_and_the_retry_charges_once() {
+async fn a_crash_after_the_authorization_is_finished_by_the_retry_authorizing_once() {
     let db = TestDb::new().await;
     let url = db.url();
+    let (acquirer, acquirer_url) = acquirer().await;
     let charge = |server: &Server| {
         client()
             .post(server.url("/v1/charges"))
@@ -78,31 +82,32 @@ async fn a_crash_mid_charge_leaves_nothing_and_the_retry_charges_once() {
             .send()
     };
     // A processing delay far longer than the test: the first charge never finishes.
-    let server = Server::on_postgres(&url, 600_000).await;
+    let server = Server::on_postgres_with(&url, 600_000, &acquirer_url, "1").await;
     let lost = tokio::spawn(charge(&server));
-    wait_for_open_transactions(&db, 1).await;
+    wait_for_authorizations(&acquirer, 1).await;
     server.crash().await;
     assert!(
         lost.await.expect("task").is_err(),
         "the connection died with the server"
     );
-
-    // PostgreSQL aborts the dead server's transaction: nothing of the charge remains.
-    wait_for_open_transactions(&db, 0).await;
     assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 0);
-    assert_eq!(
-        count(&db, "SELECT count(*) FROM idempotency.records").await,
-        0
-    );
 
-    // The retry, to the restarted server, runs at once: no 409, no waiting for a 30 s lease.
-    let server = Server::start(&["--listen", "127.0.0.1:0", "--database-url", &url]).await;
-    let retry = charge(&server).await.expect("retry");
+    let server = Server::on_postgres_with(&url, 0, &acquirer_url, "1").await;
+    // `409` while the dead server's lease runs, then the takeover.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let retry = loop {
+        let retry = charge(&server).await.expect("retry");
+        if retry.status() != 409 {
+            break retry;
+        }
+        assert!(Instant::now() < deadline, "the lease never lapsed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     assert_eq!(retry.status(), 200);
-    assert!(retry.headers().get("idempotent-replayed").is_none());
     let again = charge(&server).await.expect("second retry");
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 1);
+    assert_eq!(acquirer.authorizations().len(), 1, "authorized once");
 
     server.sigterm();
     assert_eq!(server.exit_code().await, Some(0));

@@ -29,8 +29,10 @@ async fn without_a_database_it_says_so_first_and_serves_from_memory() {
         .text()
         .await
         .expect("metrics body");
+    // Two keys claimed: the charge's, and its authorization's at the in-process acquirer,
+    // whose layer reports to the same recorder.
     assert!(
-        metrics.contains(r#"idempotency_requests_total{outcome="acquired"} 1"#),
+        metrics.contains(r#"idempotency_requests_total{outcome="acquired"} 2"#),
         "{metrics}"
     );
 

@@ -24,9 +24,8 @@ use http_body_util::BodyExt;
 use idempotency_tests::{bounded, db::TestDb, postgres::migrated, requests::replayed};
 use tower::ServiceExt;
 use tower_idempotency::{
-    Completer, Completing, Completion, ConfigError, IdempotencyLayer, Limits, Principal, Scope,
-    StepError, Steps,
-    completion::Round,
+    Completer, Completing, Completion, ConfigError, IdempotencyLayer, Limits, Principal, Round,
+    Scope, StepError, Steps,
     store::{MemoryStore, PostgresStore, SealingKeys, SealingStore, Store},
 };
 

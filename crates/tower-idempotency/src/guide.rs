@@ -5,3 +5,6 @@ pub mod modes {}
 
 #[doc = include_str!("../docs/operating.md")]
 pub mod operating {}
+
+#[doc = include_str!("../docs/completion.md")]
+pub mod completion {}

@@ -24,9 +24,8 @@ use http_body_util::BodyExt;
 use idempotency_tests::{bounded, db::TestDb, postgres::migrated, requests::replayed};
 use tower::ServiceExt;
 use tower_idempotency::{
-    Completer, Completing, Completion, ConfigError, IdempotencyLayer, Limits, Principal, Scope,
-    StepError, Steps,
-    completion::Round,
+    Completer, Completing, Completion, ConfigError, IdempotencyLayer, Limits, Principal, Round,
+    Scope, StepError, Steps,
     store::{MemoryStore, PostgresStore, SealingKeys, SealingStore, Store},
 };
 
@@ -428,6 +427,38 @@ async fn only_named_headers_are_kept_and_sealed_behind_a_sealing_store() {
         rounds_until(&completer, |r| r.completed == 1).await;
         let (status, replay, _) = send(&app_sealed, "/v1/charges", "sealed").await;
         assert_eq!((status, replay), (StatusCode::CREATED, true));
+        // The request kept in clear does not open behind sealing: it is never sent.
+        let completions = seen.completions.lock().unwrap().clone();
+        let keys: Vec<_> = completions.iter().map(|(_, h)| key_of(h)).collect();
+        assert_eq!(keys, ["sealed"]);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_loop_completes_abandoned_keys_in_the_background() {
+    bounded(async {
+        let (_db, store) = migrated().await;
+        let seen = Arc::new(Seen::default());
+        let app = app(layer(store.clone()), &seen);
+        send(&app, "/v1/charges", "k1").await;
+        let task = tokio::spawn(completer(&store, &app).run(Duration::from_millis(50)));
+        while Seen::count(&seen.finished, "k1") == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The handler has answered; its record may still be on its way (a 409 meanwhile).
+        let (status, replay, body) = loop {
+            let answer = send(&app, "/v1/charges", "k1").await;
+            if answer.0 != StatusCode::CONFLICT {
+                break answer;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(
+            (status, replay, body.as_str()),
+            (StatusCode::CREATED, true, "charged k1 1")
+        );
+        task.abort();
     })
     .await;
 }

@@ -11,3 +11,6 @@ pub mod operating {}
 
 #[doc = include_str!("../docs/off_request.md")]
 pub mod off_request {}
+
+#[doc = include_str!("../docs/completion.md")]
+pub mod completion {}

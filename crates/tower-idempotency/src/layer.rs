@@ -276,7 +276,7 @@ impl<St: Store> IdempotencyLayer<St> {
 
     /// Keeps each keyed request (method, URI, the key header and the headers `completion`
     /// names, body, principal) with its claim, so that a [`Completer`](crate::Completer)
-    /// finishes keys whose client never came back; see [`completion`](crate::completion).
+    /// finishes keys whose client never came back; see the [completion guide](crate::guide::completion).
     ///
     /// # Errors
     ///

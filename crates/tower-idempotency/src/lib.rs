@@ -62,7 +62,7 @@
 
 mod body;
 mod chain;
-pub mod completion;
+mod completion;
 mod context;
 mod fingerprint;
 mod future;
@@ -87,7 +87,7 @@ pub mod store;
 mod transaction;
 
 pub use body::{RequestBody, ResponseBody};
-pub use completion::{Completer, Completing, Completion};
+pub use completion::{Completer, Completing, Completion, Round};
 pub use context::IdempotencyContext;
 #[cfg(feature = "axum")]
 pub use context::MissingIdempotencyContext;

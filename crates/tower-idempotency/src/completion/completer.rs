@@ -22,7 +22,7 @@ type ExtensionsFn = dyn Fn(&Principal, &mut Extensions) + Send + Sync;
 
 /// Finishes keys whose client left them unfinished, by sending each one's kept request through
 /// the app's service again, exactly as the client's retry would; see the
-/// [module documentation](crate::completion).
+/// [completion guide](crate::guide::completion).
 #[must_use]
 pub struct Completer<S> {
     service: S,

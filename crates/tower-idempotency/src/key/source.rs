@@ -95,8 +95,8 @@ impl KeySource {
         self
     }
 
-    /// The header the key is read from, if it comes from one.
-    #[cfg(feature = "utoipa")]
+    /// The header the key is read from, if it comes from one (for the OpenAPI document, and
+    /// the requests kept for completion).
     pub(crate) fn header_name(&self) -> Option<&HeaderName> {
         match &self.from {
             Origin::Header(name) => Some(name),

@@ -203,8 +203,8 @@ async fn keep_for_completion<St: Store>(
         uri: request_uri(&parts.extensions, &parts.uri),
         body,
     };
-    keep.under(&*shared.store, claim, &claimed.fingerprint)
-        .await;
+    // Boxed: only layers with completion on pay for its state in the request's future.
+    Box::pin(keep.under(&*shared.store, claim, &claimed.fingerprint)).await;
 }
 
 /// What a keyed request was claimed by: its key, as sent and scoped, and its fingerprint.

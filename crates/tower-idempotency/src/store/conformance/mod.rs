@@ -100,6 +100,7 @@ pub async fn check<St: Store + Clone>(store: &St, short: Duration) {
     a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses(store, &keys, short).await;
     racing_requests_acquire_a_key_once(store, &keys).await;
     steps::steps_are_kept(store, &keys, short).await;
+    pending::requests_are_kept(store, &keys, short).await;
 }
 
 /// Runs the rules of [`ExpiredDeletion`] against `store`; panics at the first one broken.
@@ -185,6 +186,7 @@ pub async fn check_expired_deletion<St: ExpiredDeletion>(store: &St, short: Dura
     }
 }
 
+mod pending;
 mod rules;
 mod steps;
 

@@ -5,3 +5,6 @@ pub mod modes {}
 
 #[doc = include_str!("../docs/operating.md")]
 pub mod operating {}
+
+#[doc = include_str!("../docs/off_request.md")]
+pub mod off_request {}

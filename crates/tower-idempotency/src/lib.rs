@@ -69,6 +69,7 @@ pub mod guide;
 mod key;
 mod layer;
 pub mod metrics;
+mod once;
 #[cfg(feature = "utoipa")]
 pub mod openapi;
 mod policy;
@@ -94,6 +95,7 @@ pub use fingerprint::{Fingerprint, FingerprintMode, Fingerprinting};
 pub use future::ResponseFuture;
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyRule, KeySource, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
+pub use once::{MAX_SCOPE_LEN, Once, OnceError, ScopeError};
 pub use policy::{Disconnect, Retention, RetentionPolicy, StoreFailure};
 pub use problem::{PROBLEM_JSON, PROBLEM_TYPE_BASE, Rejection, RejectionKind};
 pub use record::{IDEMPOTENT_REPLAYED, Record, RecordBytesError};

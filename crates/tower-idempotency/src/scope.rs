@@ -289,6 +289,18 @@ impl ScopeKey {
         Self(hasher.finalize().into())
     }
 
+    /// Derives the record key of `key` under `scope` for [`Once`](crate::Once): its own
+    /// domain, so no HTTP request's key can address it.
+    pub(crate) fn off_request(scope: &str, key: &IdempotencyKey) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-idempotency/scope/once/v1\0");
+        for part in [scope.as_bytes(), key.as_str().as_bytes()] {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part);
+        }
+        Self(hasher.finalize().into())
+    }
+
     /// Rebuilds a key from its 32 bytes, as a store reads it back.
     ///
     /// The bytes should be those of a key [`new`](Self::new) made: stores may rely on them

@@ -36,15 +36,17 @@
 //!    `Idempotency-Key` (required there; one key space per account across both endpoints), or
 //!    replays, or refuses (`409` in flight, `422` reused for another request, another endpoint's
 //!    included) with a problem document that carries Stripe's error object ([`refusals`]).
-//! 4. The handler validates the [`params`], asks the simulated [`processor`] (which takes
-//!    `--processing-delay-ms`), records the charge or the refund in the [`ledger`], and answers
-//!    with the object, a `402` card error, or a `400` (or `404`) Stripe error.
+//! 4. The handler validates the [`params`], authorizes the card at the [`acquirer`] through the
+//!    [`processor`] (step `authorize`, with the step's downstream key as the acquirer's
+//!    `Idempotency-Key`), takes `--processing-delay-ms`, records the charge or the refund in the
+//!    [`ledger`] (step `ledger` or `refund`), and answers with the object, a `402` card error,
+//!    or a `400` (or `404`) Stripe error.
 //! 5. The layer stores the answer for replay (with the request's id in `Original-Request`), or
-//!    releases the key for a `400`. With PostgreSQL it runs in [transactional
-//!    mode](tower_idempotency::guide::modes): the rows are written in the request's transaction
-//!    ([`ledger::insert_charge`], [`ledger::refund_charge`]) and commit with the stored answer,
-//!    so a crash never leaves a charge or a refund without its response, nor a response without
-//!    its rows.
+//!    releases the key for a `400` or a `5xx`. The layer runs in [lease
+//!    mode](tower_idempotency::guide::modes) with [`Steps`](tower_idempotency::Steps)
+//!    ([`steps`]): no database transaction is held across the acquirer call, and a retry after
+//!    a crash goes on at the first unfinished step, so the card is authorized once and the
+//!    charge recorded once. With PostgreSQL a ledger step's rows commit with its record.
 //!
 //! The binary (`src/main.rs`) parses [`server::Args`] and calls [`server::run`].
 #![forbid(unsafe_code)]
@@ -60,6 +62,7 @@ pub mod refusals;
 pub mod request_id;
 mod routes;
 pub mod server;
+mod steps;
 
 use std::{convert::Infallible, time::Duration};
 
@@ -97,6 +100,37 @@ pub struct Settings {
     pub processing_delay: Duration,
     /// How long a duplicate of a charge in flight waits for its answer (default none: `409`).
     pub in_flight_wait: Option<Duration>,
+    /// The acquirer's base URL (default none: an acquirer in this process).
+    pub acquirer_url: Option<String>,
+    /// The secret the steps' downstream keys are derived from (default
+    /// [`DEV_STEP_SECRET`]).
+    pub step_secret: StepSecret,
+}
+
+/// The step secret used when none is given: for development only, as everyone knows it.
+pub const DEV_STEP_SECRET: &[u8] = b"charges-demo development step secret, not for production";
+
+/// The secret of the steps' downstream keys, at least
+/// [`MIN_STEP_SECRET_BYTES`](tower_idempotency::MIN_STEP_SECRET_BYTES) long; its `Debug` does
+/// not show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct StepSecret(pub Vec<u8>);
+
+impl Default for StepSecret {
+    fn default() -> Self {
+        Self(DEV_STEP_SECRET.to_vec())
+    }
+}
+
+impl std::fmt::Debug for StepSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let dev = self.0 == DEV_STEP_SECRET;
+        f.write_str(if dev {
+            "StepSecret(development)"
+        } else {
+            "StepSecret(..)"
+        })
+    }
 }
 
 impl Default for Settings {
@@ -106,6 +140,19 @@ impl Default for Settings {
             lease: Duration::from_secs(30),
             processing_delay: Duration::ZERO,
             in_flight_wait: None,
+            acquirer_url: None,
+            step_secret: StepSecret::default(),
+        }
+    }
+}
+
+impl Settings {
+    /// The card processor these settings describe: the acquirer at `acquirer_url`, else one in
+    /// this process.
+    pub fn processor(&self) -> CardProcessor {
+        match &self.acquirer_url {
+            Some(url) => CardProcessor::remote(url, self.processing_delay),
+            None => CardProcessor::new(self.processing_delay),
         }
     }
 }
@@ -119,7 +166,8 @@ impl Default for Settings {
 ///
 /// # Errors
 ///
-/// [`ConfigError`] when the TTL, the lease or the in-flight wait is zero.
+/// [`ConfigError`] when the TTL, the lease or the in-flight wait is zero, or the step secret is
+/// too short.
 pub fn idempotency_layer<St: Store>(
     store: St,
     settings: &Settings,
@@ -131,7 +179,8 @@ pub fn idempotency_layer<St: Store>(
         .with_methods([Method::POST])?
         .with_limits(Limits::default().with_max_request_bytes(MAX_CHARGE_BODY_BYTES))?
         .with_ttl(settings.key_ttl)?
-        .with_lease(settings.lease)?;
+        .with_lease(settings.lease)?
+        .with_step_secret(settings.step_secret.0.clone())?;
     match settings.in_flight_wait {
         Some(wait) => layer.with_in_flight_wait(InFlightWait::up_to(wait)),
         None => Ok(layer),
@@ -207,7 +256,7 @@ impl AppState<MemoryLedger, MemoryStore> {
         Ok(Self::new(
             MemoryLedger::new(),
             idempotency_layer(MemoryStore::new(), settings)?,
-            CardProcessor::new(settings.processing_delay),
+            settings.processor(),
         ))
     }
 }
@@ -215,11 +264,9 @@ impl AppState<MemoryLedger, MemoryStore> {
 impl AppState<PostgresLedger, CachingStore<PostgresStore>> {
     /// Keys, charges and refunds in PostgreSQL, on `pool`. Apply [`migrate`] first.
     ///
-    /// The store runs in tower-idempotency's [transactional
-    /// mode](tower_idempotency::guide::modes): each charge's or refund's rows, its idempotency
-    /// claim and its stored response commit in one transaction. Each request in flight holds one
-    /// of the pool's connections for as long as it is processed (the processing delay included);
-    /// size the pool for the concurrency you expect. Completed records are kept in process too
+    /// The store runs in tower-idempotency's [lease mode](tower_idempotency::guide::modes)
+    /// with steps: a charge holds no connection while the acquirer answers, and each ledger
+    /// write commits with its step's record. Completed records are kept in process too
     /// ([`CachingStore`]), so a retry reaching this instance again is answered without a query.
     ///
     /// # Errors
@@ -228,11 +275,8 @@ impl AppState<PostgresLedger, CachingStore<PostgresStore>> {
     pub fn postgres(pool: PgPool, settings: &Settings) -> Result<Self, ConfigError> {
         Ok(Self::new(
             PostgresLedger::new(pool.clone()),
-            idempotency_layer(
-                CachingStore::new(PostgresStore::new(pool).transactional()),
-                settings,
-            )?,
-            CardProcessor::new(settings.processing_delay),
+            idempotency_layer(CachingStore::new(PostgresStore::new(pool)), settings)?,
+            settings.processor(),
         ))
     }
 }

@@ -1,55 +1,132 @@
-//! The simulated card processor: decides a charge from Stripe's test tokens, taking its time.
+//! The card network client: authorizes a charge at the [`acquirer`] under the charge's
+//! downstream key, then takes the configured processing delay.
 //!
-//! | source | outcome |
-//! |---|---|
-//! | `tok_chargeDeclined` | declined, `generic_decline` |
-//! | `tok_chargeDeclinedInsufficientFunds` | declined, `insufficient_funds` |
-//! | any other `tok_...` (`tok_visa`, `tok_mastercard`...) | approved |
+//! The acquirer is another service (`--acquirer-url`), or, by default, the [`acquirer`] crate's
+//! app in this process, called through its router with the same requests. Either way the call
+//! carries the charge's [`DownstreamKey`](tower_idempotency::DownstreamKey) as its `Idempotency-Key`: a call interrupted and sent
+//! again under that key is authorized once. A refund is not sent to the acquirer; it takes the
+//! processing delay, the latency of a real card network.
 //!
-//! Every authorisation, and every refund, takes the configured delay (`--processing-delay-ms`),
-//! the latency of a real card network, so that a duplicate request can arrive while the first is
-//! still being processed and meet the idempotency layer's `409`. The network takes every refund:
-//! whether a charge can be refunded is the [ledger](crate::ledger)'s to decide.
+//! The processing delay (`--processing-delay-ms`) is taken after the authorization and before
+//! the ledger write: the worst place for a crash, which the demo's steps make safe.
+//!
+//! ```
+//! use charges_demo::{params::ChargeParams, processor::{Authorization, CardProcessor}};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let processor = CardProcessor::default();
+//! let params = ChargeParams::parse(None, b"amount=500&currency=usd").unwrap();
+//! let key = "5f0c7a52-3b1e-4a6c-9d2f-8e7b6a5c4d3e";
+//! let authorized = processor.authorize(&params, key).await.unwrap();
+//! assert_eq!(authorized.authorization(), Authorization::Approved);
+//! # }
+//! ```
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
+use acquirer::Acquirer;
+use axum::{Router, body::Body};
 use futures_util::future::BoxFuture;
+use http::{Request, StatusCode, header};
+use serde::{Deserialize, Serialize};
+use tower::ServiceExt;
 
-/// Why a card was declined.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Decline {
-    /// Stripe's `decline_code`, such as `generic_decline`.
-    pub code: &'static str,
-    /// The message for the customer.
-    pub message: &'static str,
-}
+use crate::params::ChargeParams;
 
-/// The processor's answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Authorization {
-    /// The charge succeeded.
-    Approved,
-    /// The card was declined.
-    Declined(Decline),
-}
+pub use acquirer::{Decision as Authorization, Decline};
+
+/// How long a call to a remote acquirer may take before it counts as failed.
+const ACQUIRER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest acquirer answer read.
+const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
 type Hook = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
 
-/// The simulated processor; see the [module documentation](self).
-#[derive(Clone, Default)]
+/// The card network client; see the [module documentation](self).
+#[derive(Clone)]
 pub struct CardProcessor {
+    network: Network,
     delay: Duration,
     hook: Option<Hook>,
 }
 
+#[derive(Clone)]
+enum Network {
+    InProcess(Router),
+    Remote {
+        client: reqwest::Client,
+        url: String,
+    },
+}
+
+/// What the acquirer answered, as a charge's `authorize` step records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Authorized {
+    /// The acquirer's `auth_...` id.
+    pub id: String,
+    /// For a declined card, its `decline_code`.
+    pub decline_code: Option<String>,
+}
+
+impl Authorized {
+    /// The decision: approved, or declined with the acquirer's reason (a code this demo does
+    /// not know reads as a generic decline).
+    pub fn authorization(&self) -> Authorization {
+        match &self.decline_code {
+            None => Authorization::Approved,
+            Some(code) => Authorization::Declined(
+                Decline::from_code(code)
+                    .or_else(|| Decline::from_code("generic_decline"))
+                    .unwrap_or(Decline {
+                        code: "generic_decline",
+                        message: "Your card was declined.",
+                    }),
+            ),
+        }
+    }
+}
+
+impl Default for CardProcessor {
+    fn default() -> Self {
+        Self::new(Duration::ZERO)
+    }
+}
+
 impl CardProcessor {
-    /// A processor that takes `delay` to answer each authorisation.
+    /// A processor with an acquirer of its own in this process, taking `delay` after each
+    /// authorization and for each refund.
     pub fn new(delay: Duration) -> Self {
-        Self { delay, hook: None }
+        Self::in_process(Acquirer::new(acquirer::Settings::default()), delay)
     }
 
-    /// Runs `hook` at the start of every authorisation and refund, before the delay, and waits
-    /// for it.
+    /// A processor calling `acquirer` in this process (the tests read its authorizations).
+    pub fn in_process(acquirer: Acquirer, delay: Duration) -> Self {
+        Self {
+            network: Network::InProcess(acquirer::app(acquirer)),
+            delay,
+            hook: None,
+        }
+    }
+
+    /// A processor calling the acquirer at `url` (`http://host:port`).
+    pub fn remote(url: &str, delay: Duration) -> Self {
+        let client = reqwest::Client::builder()
+            .timeout(ACQUIRER_TIMEOUT)
+            .build()
+            .unwrap_or_default();
+        Self {
+            network: Network::Remote {
+                client,
+                url: format!("{}/v1/authorizations", url.trim_end_matches('/')),
+            },
+            delay,
+            hook: None,
+        }
+    }
+
+    /// Runs `hook` at the start of every authorization and refund, before anything else, and
+    /// waits for it.
     ///
     /// It sees (and can hold) charges while they are in flight: the demo's tests use it to send
     /// a duplicate request exactly while the first is being processed, with no timing involved.
@@ -63,49 +140,154 @@ impl CardProcessor {
         self
     }
 
-    /// The simulated latency.
+    /// The processing delay.
     pub fn delay(&self) -> Duration {
         self.delay
     }
 
-    /// Authorises a charge on `source` (a validated `tok_...` token).
-    pub async fn authorize(&self, source: &str) -> Authorization {
-        self.process().await;
-        decide(source)
-    }
-
-    /// Sends a refund to the card network, which takes its time and accepts it.
-    pub async fn refund(&self) {
-        self.process().await;
-    }
-
-    async fn process(&self) {
+    /// Authorizes a charge at the acquirer, sending `key` (the charge's downstream key) as its
+    /// `Idempotency-Key`.
+    ///
+    /// # Errors
+    ///
+    /// A [`NetworkError`] when the acquirer could not be reached or did not answer `200`:
+    /// nothing is known to be authorized, and a retry sends the same key.
+    pub async fn authorize(
+        &self,
+        params: &ChargeParams,
+        key: &str,
+    ) -> Result<Authorized, NetworkError> {
         if let Some(hook) = &self.hook {
             hook().await;
         }
+        let form = form_urlencoded::Serializer::new(String::new())
+            .append_pair("amount", &params.amount.to_string())
+            .append_pair("currency", &params.currency)
+            .append_pair("source", &params.source)
+            .finish();
+        let (status, body) = match &self.network {
+            Network::InProcess(router) => call_in_process(router, key, form).await?,
+            Network::Remote { client, url } => call_remote(client, url, key, form).await?,
+        };
+        if status != StatusCode::OK {
+            return Err(NetworkError::Status(status));
+        }
+        let answer: Answer = serde_json::from_slice(&body).map_err(NetworkError::Answer)?;
+        Ok(Authorized {
+            id: answer.id,
+            decline_code: answer.decline_code,
+        })
+    }
+
+    /// Takes the processing delay: between a charge's authorization and its ledger write.
+    pub async fn processing(&self) {
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
     }
+
+    /// Sends a refund to the card network, which takes its time and accepts it.
+    pub async fn refund(&self) {
+        if let Some(hook) = &self.hook {
+            hook().await;
+        }
+        self.processing().await;
+    }
 }
 
-fn decide(source: &str) -> Authorization {
-    match source {
-        "tok_chargeDeclined" => Authorization::Declined(Decline {
-            code: "generic_decline",
-            message: "Your card was declined.",
-        }),
-        "tok_chargeDeclinedInsufficientFunds" => Authorization::Declined(Decline {
-            code: "insufficient_funds",
-            message: "Your card has insufficient funds.",
-        }),
-        _ => Authorization::Approved,
+/// The part of the acquirer's answer the demo reads.
+#[derive(Deserialize)]
+struct Answer {
+    id: String,
+    decline_code: Option<String>,
+}
+
+async fn call_in_process(
+    router: &Router,
+    key: &str,
+    form: String,
+) -> Result<(StatusCode, bytes::Bytes), NetworkError> {
+    let request = Request::post("/v1/authorizations")
+        .header("idempotency-key", key)
+        .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+        .body(Body::from(form))
+        .map_err(|error| NetworkError::InProcess(error.to_string()))?;
+    let response = match router.clone().oneshot(request).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    };
+    let status = response.status();
+    let body = axum::body::to_bytes(response.into_body(), MAX_ANSWER_BYTES)
+        .await
+        .map_err(|error| NetworkError::InProcess(error.to_string()))?;
+    Ok((status, body))
+}
+
+async fn call_remote(
+    client: &reqwest::Client,
+    url: &str,
+    key: &str,
+    form: String,
+) -> Result<(StatusCode, bytes::Bytes), NetworkError> {
+    let response = client
+        .post(url)
+        .header("idempotency-key", key)
+        .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+        .body(form)
+        .send()
+        .await
+        .map_err(NetworkError::Transport)?;
+    let status = response.status();
+    if response.content_length().unwrap_or(0) > MAX_ANSWER_BYTES as u64 {
+        return Err(NetworkError::Status(StatusCode::PAYLOAD_TOO_LARGE));
+    }
+    let body = response.bytes().await.map_err(NetworkError::Transport)?;
+    Ok((status, body))
+}
+
+/// Why an authorization has no answer: a retry sends it again under the same key.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum NetworkError {
+    /// The acquirer could not be reached, or its answer not read.
+    Transport(reqwest::Error),
+    /// The acquirer answered something else than `200`.
+    Status(StatusCode),
+    /// The answer is not an authorization.
+    Answer(serde_json::Error),
+    /// The in-process acquirer's request or answer failed.
+    InProcess(String),
+}
+
+impl fmt::Display for NetworkError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Transport(_) => f.write_str("the acquirer could not be reached"),
+            Self::Status(status) => write!(f, "the acquirer answered {status}"),
+            Self::Answer(_) => f.write_str("the acquirer's answer is not an authorization"),
+            Self::InProcess(error) => write!(f, "the in-process acquirer failed: {error}"),
+        }
+    }
+}
+
+impl std::error::Error for NetworkError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Transport(error) => Some(error),
+            Self::Answer(error) => Some(error),
+            Self::Status(_) | Self::InProcess(_) => None,
+        }
     }
 }
 
 impl fmt::Debug for CardProcessor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let network = match &self.network {
+            Network::InProcess(_) => "in process",
+            Network::Remote { url, .. } => url.as_str(),
+        };
         f.debug_struct("CardProcessor")
+            .field("network", &network)
             .field("delay", &self.delay)
             .field("hook", &self.hook.as_ref().map(|_| ".."))
             .finish()
@@ -118,33 +300,44 @@ mod tests {
 
     use super::*;
 
+    fn key(n: u8) -> String {
+        format!("00000000-0000-4000-8000-0000000000{n:02}")
+    }
+
     #[tokio::test]
-    async fn test_tokens_decide_the_outcome() {
-        let processor = CardProcessor::default();
-        assert_eq!(
-            processor.authorize("tok_visa").await,
-            Authorization::Approved
-        );
-        assert_eq!(
-            processor.authorize("tok_mastercard").await,
-            Authorization::Approved
-        );
+    async fn the_acquirer_decides_and_one_key_authorizes_once() {
+        let acquirer = Acquirer::new(acquirer::Settings::default());
+        let processor = CardProcessor::in_process(acquirer.clone(), Duration::ZERO);
+        let visa = ChargeParams::parse(None, b"amount=5&currency=usd").unwrap();
+        let first = processor.authorize(&visa, &key(1)).await.unwrap();
+        assert_eq!(first.authorization(), Authorization::Approved);
+        assert_eq!(processor.authorize(&visa, &key(1)).await.unwrap(), first);
+        let declined =
+            ChargeParams::parse(None, b"amount=5&currency=usd&source=tok_chargeDeclined");
+        let answer = processor.authorize(&declined.unwrap(), &key(2)).await;
+        let Authorization::Declined(decline) = answer.unwrap().authorization() else {
+            panic!("declined");
+        };
+        assert_eq!(decline.code, "generic_decline");
+        assert_eq!(acquirer.authorizations().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_failing_acquirer_is_an_error_not_a_decline() {
+        let acquirer = Acquirer::new(acquirer::Settings {
+            fail_rate: 1.0,
+            ..acquirer::Settings::default()
+        });
+        let processor = CardProcessor::in_process(acquirer, Duration::ZERO);
+        let visa = ChargeParams::parse(None, b"amount=5&currency=usd").unwrap();
+        let error = processor.authorize(&visa, &key(1)).await.unwrap_err();
         assert!(matches!(
-            processor.authorize("tok_chargeDeclined").await,
-            Authorization::Declined(Decline {
-                code: "generic_decline",
-                ..
-            })
+            error,
+            NetworkError::Status(StatusCode::SERVICE_UNAVAILABLE)
         ));
-        assert!(matches!(
-            processor
-                .authorize("tok_chargeDeclinedInsufficientFunds")
-                .await,
-            Authorization::Declined(Decline {
-                code: "insufficient_funds",
-                ..
-            })
-        ));
+        let unreachable = CardProcessor::remote("http://127.0.0.1:1", Duration::ZERO);
+        let error = unreachable.authorize(&visa, &key(1)).await.unwrap_err();
+        assert!(matches!(error, NetworkError::Transport(_)), "{error:?}");
     }
 
     #[tokio::test(start_paused = true)]
@@ -156,11 +349,10 @@ mod tests {
             async {}
         });
         let start = tokio::time::Instant::now();
-        processor.authorize("tok_visa").await;
+        processor.processing().await;
         assert!(start.elapsed() >= Duration::from_secs(3));
-        assert_eq!(calls.load(Ordering::SeqCst), 1);
         processor.refund().await;
         assert!(start.elapsed() >= Duration::from_secs(6));
-        assert_eq!(calls.load(Ordering::SeqCst), 2, "refunds too");
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "refunds run the hook");
     }
 }

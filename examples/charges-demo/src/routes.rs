@@ -8,7 +8,7 @@ use axum::{
 };
 use http::{HeaderMap, Method, StatusCode, header};
 use serde::Serialize;
-use tower_idempotency::{IdempotencyContext, IdempotentTx};
+use tower_idempotency::IdempotencyContext;
 
 use crate::{
     auth::Account,
@@ -16,6 +16,7 @@ use crate::{
     ledger::{Charge, Ledger, Page},
     params::{ChargeParams, RefundParams},
     processor::{Authorization, CardProcessor},
+    steps,
 };
 
 /// The default page size of `GET /v1/charges` and `GET /v1/refunds`.
@@ -30,26 +31,23 @@ pub(crate) struct Api<L> {
     pub(crate) processor: CardProcessor,
 }
 
-/// `POST /v1/charges`, run under the idempotency layer: validate, authorise the card, record
-/// the charge, answer. Each of its answers is final for the key except the `400`s (and `500`s),
-/// which the layer's default retention policy releases so that a corrected retry runs.
-///
-/// In PostgreSQL mode the layer is transactional and `transaction` is the request's open
-/// transaction: the charge row is written through it and commits with the stored response. In
-/// the embedded mode there is none.
+/// `POST /v1/charges`, run under the idempotency layer in lease mode: validate, authorize the
+/// card at the acquirer (step `authorize`), take the processing delay, record the charge (step
+/// `ledger`), answer. Each of its answers is final for the key except the `400`s and `5xx`s,
+/// which the layer's default retention policy releases so that a retry runs; a retry after a
+/// crash goes on at the first unfinished [step](crate::steps).
 pub(crate) async fn create_charge<L: Ledger>(
     State(api): State<Api<L>>,
     Extension(account): Extension<Account>,
     idempotency: IdempotencyContext,
-    mut transaction: Option<IdempotentTx>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let params = ChargeParams::parse(content_type(&headers), &body)?;
+    let steps = steps::of(&idempotency)?;
     if idempotency.takeover() {
-        // The previous holder of this key stopped (crashed or hung) mid-way. In transactional
-        // mode whatever it wrote was rolled back with its transaction, so there is no
-        // half-recorded charge to reconcile: this attempt starts from scratch.
+        // The previous holder of this key stopped (crashed or hung) mid-way: its finished steps
+        // are recorded, and this attempt goes on after them.
         tracing::warn!(
             key = %idempotency.scope_key(),
             account = account.as_str(),
@@ -57,24 +55,19 @@ pub(crate) async fn create_charge<L: Ledger>(
         );
     }
 
-    let authorization = api.processor.authorize(&params.source).await;
+    let authorized = steps::authorize(steps, &api.processor, &params).await?;
+    // Between the authorization and the ledger write: the worst place for a crash.
+    api.processor.processing().await;
+    let authorization = authorized.authorization();
     let charge = Charge::new(&account, params, authorization);
-    let recorded = api.ledger.insert(&charge, transaction.as_deref_mut()).await;
-    // Given back before the handler returns: the layer then stores the response and commits.
-    drop(transaction);
-    recorded.map_err(|error| {
-        tracing::error!(
-            error = &error as &dyn std::error::Error,
-            "recording a charge failed"
-        );
-        ApiError::internal()
-    })?;
+    let charge = steps::record_charge(steps, &api.ledger, charge).await?;
     tracing::info!(
         charge = %charge.id,
         account = account.as_str(),
         amount = charge.amount,
         currency = %charge.currency,
         status = charge.status.as_str(),
+        authorization = %authorized.id,
         key = %idempotency.scope_key(),
         "charge created"
     );
@@ -103,36 +96,25 @@ pub(crate) async fn retrieve_charge<L: Ledger>(
 }
 
 /// `POST /v1/refunds`, under the same idempotency layer as `POST /v1/charges` (one key per
-/// account across both): validate, send the refund to the card network, record it. Its
-/// refusals are `400`s (and a `404` for a charge it cannot find), so a corrected retry runs.
+/// account across both): validate, send the refund to the card network, record it (step
+/// `refund`). Its refusals are `400`s (and a `404` for a charge it cannot find), so a corrected
+/// retry runs.
 ///
-/// In PostgreSQL mode the refund row and the charge's `amount_refunded` are written through the
-/// request's transaction, the charge locked until it commits with the stored response: a refund
+/// In PostgreSQL mode the refund row and the charge's `amount_refunded` are written in the
+/// step's transaction, the charge locked until it commits with the step's record: a refund
 /// happens once however often it is sent, and concurrent refunds of one charge take turns.
 pub(crate) async fn create_refund<L: Ledger>(
     State(api): State<Api<L>>,
     Extension(account): Extension<Account>,
     idempotency: IdempotencyContext,
-    mut transaction: Option<IdempotentTx>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let params = RefundParams::parse(content_type(&headers), &body)?;
+    let steps = steps::of(&idempotency)?;
     api.processor.refund().await;
-    let refunded = api
-        .ledger
-        .refund(&account, &params, transaction.as_deref_mut())
-        .await;
-    // Given back before the handler returns: the layer then stores the response and commits.
-    drop(transaction);
-    let refund = refunded
-        .map_err(|error| {
-            tracing::error!(
-                error = &error as &dyn std::error::Error,
-                "recording a refund failed"
-            );
-            ApiError::internal()
-        })?
+    let refund = steps::record_refund(steps, &api.ledger, &account, &params)
+        .await?
         .map_err(|refusal| {
             tracing::info!(
                 charge = %params.charge,

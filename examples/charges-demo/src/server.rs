@@ -10,6 +10,8 @@
 //! | `--key-ttl-secs N` | `IDEMPOTENCY_KEY_TTL_SECS` | `86400` |
 //! | `--lease-secs N` | `IDEMPOTENCY_LEASE_SECS` | `30` |
 //! | `--in-flight-wait-ms N` | `IDEMPOTENCY_IN_FLIGHT_WAIT_MS` | `0`: a duplicate of a charge in flight gets `409` at once |
+//! | `--acquirer-url URL` | `CHARGES_DEMO_ACQUIRER_URL` | none: an [`acquirer`] in this process |
+//! | `--step-secret SECRET` | `CHARGES_DEMO_STEP_SECRET` | a development secret (≥ 32 bytes; said at start-up) |
 //! | `--seal-key BASE64` | `CHARGES_DEMO_SEAL_KEY` | none: stored responses in clear; with 32 bytes in base64, sealed ([`SealingStore`](tower_idempotency::store::SealingStore), key id 1) |
 //!
 //! When it is ready the server prints exactly one line to standard output, `listening on ADDR`
@@ -39,7 +41,7 @@ use tower_idempotency::{
     store::{ExpiredDeletion, SealingKeys, Store, continuously_delete_expired},
 };
 
-use crate::{AppState, Settings, app, ledger::Ledger};
+use crate::{AppState, Settings, StepSecret, app, ledger::Ledger};
 
 /// How often expired idempotency records are deleted, and how many per batch.
 const EXPIRY_PERIOD: Duration = Duration::from_secs(60);
@@ -114,6 +116,22 @@ pub struct Args {
         value_name = "BASE64"
     )]
     pub seal_key: Option<String>,
+
+    /// The card network to authorize charges at (`http://host:port`, an `acquirer`); without
+    /// it, an acquirer in this process.
+    #[arg(long, env = "CHARGES_DEMO_ACQUIRER_URL", value_name = "URL")]
+    pub acquirer_url: Option<String>,
+
+    /// The secret the steps' downstream keys are derived from (at least 32 bytes), the same on
+    /// every instance and across restarts; without it, a development secret.
+    #[arg(
+        long,
+        env = "CHARGES_DEMO_STEP_SECRET",
+        hide_env_values = true,
+        value_name = "SECRET"
+    )]
+    pub step_secret: Option<String>,
+    // `--completer` (driving claims abandoned mid-way) is wired here when it lands.
 }
 
 /// The key id of `--seal-key`: the demo has one key; an app that rotates numbers its keys.
@@ -146,6 +164,13 @@ impl Args {
             // The flag's 0 is "no waiting"; the layer itself takes no zero wait.
             in_flight_wait: (self.in_flight_wait_ms > 0)
                 .then(|| Duration::from_millis(self.in_flight_wait_ms)),
+            acquirer_url: self.acquirer_url.clone(),
+            step_secret: self
+                .step_secret
+                .as_ref()
+                .map_or_else(StepSecret::default, |secret| {
+                    StepSecret(secret.as_bytes().to_vec())
+                }),
         }
     }
 }
@@ -158,6 +183,12 @@ impl Args {
 /// migration, an address that cannot be bound.
 pub async fn run(args: Args) -> Result<(), RunError> {
     let settings = args.settings();
+    if args.step_secret.is_none() {
+        tracing::warn!(
+            "no --step-secret (CHARGES_DEMO_STEP_SECRET): using the development step secret; \
+             set your own, the same on every instance"
+        );
+    }
     let seal = args.seal_keys()?;
     let Some(url) = &args.database_url else {
         // This must stay the first log line of the embedded mode.
@@ -255,6 +286,7 @@ where
         key_ttl_secs = settings.key_ttl.as_secs(),
         lease_secs = settings.lease.as_secs(),
         in_flight_wait_ms = settings.in_flight_wait.map_or(0, |wait| wait.as_millis()),
+        acquirer = settings.acquirer_url.as_deref().unwrap_or("in process"),
         "ready"
     );
     announce(addr).map_err(RunError::Serve)?;
@@ -506,6 +538,7 @@ mod tests {
                 lease: Duration::from_secs(10),
                 processing_delay: Duration::from_millis(1500),
                 in_flight_wait: Some(Duration::from_millis(2500)),
+                ..Settings::default()
             }
         );
         assert!(parse(&["--lease-secs", "0"]).is_err());

@@ -17,13 +17,13 @@ use crate::{
 /// A held claim that is released if dropped unsettled: a cancelled request (see
 /// [`Disconnect::Cancel`]) or a task torn down with its runtime frees its key instead of leaving
 /// it to its lease.
-pub(super) struct HeldKey<St: Store> {
+pub(crate) struct HeldKey<St: Store> {
     pub(super) store: Arc<St>,
     pub(super) claim: Option<St::Claim>,
 }
 
 /// What became of storing a handler's response.
-pub(super) enum Completion {
+pub(crate) enum Completion {
     /// Stored (or storing goes on in the background while the claim is kept): deliver it.
     Stored,
     /// The handler's effects were to commit with the record and may not have: `503`.
@@ -33,14 +33,14 @@ pub(super) enum Completion {
 }
 
 impl<St: Store> HeldKey<St> {
-    pub(super) fn new(store: Arc<St>, claim: St::Claim) -> Self {
+    pub(crate) fn new(store: Arc<St>, claim: St::Claim) -> Self {
         Self {
             store,
             claim: Some(claim),
         }
     }
 
-    pub(super) fn claim(&self) -> &St::Claim {
+    pub(crate) fn claim(&self) -> &St::Claim {
         self.claim.as_ref().expect("claim is present until settled")
     }
 
@@ -50,7 +50,7 @@ impl<St: Store> HeldKey<St> {
     /// means they did not commit. Otherwise a store failure does not undo what the handler did:
     /// the response is delivered, and storing goes on in the background ([`keep_storing`])
     /// with the claim kept alive meanwhile, so no retry runs the handler again.
-    pub(super) async fn complete(
+    pub(crate) async fn complete(
         mut self,
         record: Record,
         lease: Duration,
@@ -109,7 +109,7 @@ impl<St: Store> HeldKey<St> {
     }
 
     /// Frees the key for the next request.
-    pub(super) async fn release(mut self) {
+    pub(crate) async fn release(mut self) {
         let Some(claim) = self.claim.take() else {
             return;
         };

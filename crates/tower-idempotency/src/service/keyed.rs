@@ -286,7 +286,7 @@ impl<St: Store> Shared<St> {
 
     /// [`claim`](Self::claim), by a duplicate waiting for the key when `waiting`
     /// ([`ClaimRequest::waiting`]).
-    pub(super) async fn claim_as(
+    pub(crate) async fn claim_as(
         &self,
         key: ScopeKey,
         fingerprint: Fingerprint,

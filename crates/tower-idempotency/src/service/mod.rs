@@ -40,6 +40,8 @@ mod refusal_tests;
 mod run;
 mod wait;
 
+pub(crate) use held::{Completion, HeldKey};
+pub(crate) use run::Heartbeat;
 pub(crate) use wait::Waiting;
 
 /// What the stages of a keyed request ask of the service the middleware wraps (the bounds of

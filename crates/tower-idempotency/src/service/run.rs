@@ -215,9 +215,9 @@ fn completed(completion: Completion, parts: &response::Parts, takeover: bool) ->
 }
 
 /// The lease a running handler's claim keeps, and how long the handler may run.
-pub(super) struct Heartbeat {
-    pub(super) lease: Duration,
-    pub(super) max_time: Duration,
+pub(crate) struct Heartbeat {
+    pub(crate) lease: Duration,
+    pub(crate) max_time: Duration,
 }
 
 impl Heartbeat {
@@ -228,7 +228,7 @@ impl Heartbeat {
     /// claim lost is logged, and the handler goes on (fencing keeps a lost claim from writing
     /// its record). After a failed renewal the next comes sooner, so a lease outlives an outage
     /// shorter than itself.
-    pub(super) async fn run<St: Store, F: Future>(
+    pub(crate) async fn run<St: Store, F: Future>(
         &self,
         store: &St,
         claim: &St::Claim,

@@ -79,7 +79,7 @@ impl<St: Store> Shared<St> {
     /// over, too many wait already, or a re-read fails (the key was last seen in flight: a `409`,
     /// never the handler a second time). `None` when the client hung up during a read: the
     /// request then stops, holding nothing (see [`HangUp`]).
-    pub(super) async fn wait_while_in_flight(
+    pub(crate) async fn wait_while_in_flight(
         &self,
         key: ScopeKey,
         fingerprint: Fingerprint,

@@ -256,9 +256,14 @@ pub trait Ledger: Clone + Send + Sync + 'static {
     /// The error of every operation.
     type Error: std::error::Error + Send + Sync + 'static;
 
-    /// Records a new charge; inside `transaction` when one is given (the request's
-    /// [`IdempotentTx`](tower_idempotency::IdempotentTx) in transactional mode), so that the
-    /// charge commits together with the stored response, or not at all.
+    /// Whether the ledger lives in the idempotency store's PostgreSQL database, so that a
+    /// step's ledger write can commit with the step's record
+    /// ([`Steps::run_in_transaction`](tower_idempotency::Steps::run_in_transaction)).
+    const IN_STORE_DATABASE: bool = false;
+
+    /// Records a new charge; inside `transaction` when one is given (a step's transaction, see
+    /// [`IN_STORE_DATABASE`](Self::IN_STORE_DATABASE)), so that the charge commits together
+    /// with the step's record, or not at all.
     fn insert(
         &self,
         charge: &Charge,

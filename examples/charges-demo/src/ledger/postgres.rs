@@ -216,6 +216,8 @@ pub async fn refund_charge(
 }
 
 impl Ledger for PostgresLedger {
+    const IN_STORE_DATABASE: bool = true;
+
     type Error = PostgresLedgerError;
 
     async fn insert(

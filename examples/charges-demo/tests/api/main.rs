@@ -31,4 +31,5 @@ mod openapi;
 mod reading;
 mod refunds;
 mod requests;
+mod steps;
 mod transactional;

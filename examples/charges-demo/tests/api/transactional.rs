@@ -1,8 +1,10 @@
-//! PostgreSQL only: the charge, the refund and the stored response in one transaction.
+//! PostgreSQL only: each ledger write commits with its step's record, and a refund locks its
+//! charge.
 
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
+use charges_demo::processor::CardProcessor;
 use serde_json::json;
 
 use super::refunds::refunded;
@@ -156,10 +158,10 @@ async fn charges_and_records(pool: &sqlx::PgPool) -> (i64, i64) {
     .unwrap()
 }
 
-/// PostgreSQL only: the charge is written in the request's transaction. While it is processed,
-/// neither its claim nor its row is visible; both appear with the commit.
+/// PostgreSQL only: a charge in flight holds its claim, committed, and no transaction: none is
+/// open across the acquirer call. The charge row appears with its ledger step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_charge_and_stored_response_commit_together() {
+async fn postgres_a_charge_in_flight_holds_its_claim_and_no_transaction() {
     bounded(async {
         let gate = Gate::new();
         let h = Harness::with_processor(Backend::Postgres, gate.processor(Duration::ZERO)).await;
@@ -173,7 +175,19 @@ async fn postgres_charge_and_stored_response_commit_together() {
             async move { tower::ServiceExt::oneshot(app, request).await }
         });
         gate.started().await;
-        assert_eq!(counts().await, (0, 0), "uncommitted while in flight");
+        assert_eq!(
+            counts().await,
+            (0, 1),
+            "the claim is committed, the charge not made"
+        );
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(open, 0, "no transaction is held across the acquirer call");
         let duplicate = h
             .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
             .await;
@@ -182,52 +196,50 @@ async fn postgres_charge_and_stored_response_commit_together() {
 
         gate.release(1);
         assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
-        assert_eq!(counts().await, (1, 1), "committed together");
+        assert_eq!(counts().await, (1, 1), "charged and recorded");
     })
     .await
 }
 
-/// PostgreSQL only: the charge row is written through the request's transaction, after the
-/// card is authorised. When the stored response cannot be written (a trigger makes it fail
-/// here), the layer rolls everything back and answers `503`: no charge row is left behind, and
-/// the retry with the same key charges once.
+/// PostgreSQL only: when the ledger write fails (a trigger makes it fail here), the ledger
+/// step rolls back and records nothing, the charge is a `500` and the key released; the
+/// authorization step stays recorded, so the retry charges once without authorizing again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_a_charge_whose_response_cannot_be_stored_leaves_no_row() {
+async fn postgres_a_failed_ledger_write_leaves_no_row_and_the_retry_authorizes_once() {
     bounded(async {
-        let h = Harness::start(Backend::Postgres).await;
+        let acquirer = acquirer::Acquirer::new(acquirer::Settings::default());
+        let processor = CardProcessor::in_process(acquirer.clone(), Duration::ZERO);
+        let h = Harness::with_processor(Backend::Postgres, processor).await;
         let pool = h.db.as_ref().unwrap().pool().clone();
-        let counts = || charges_and_records(&pool);
         sqlx::raw_sql(
-            "CREATE FUNCTION fail_completion() RETURNS trigger LANGUAGE plpgsql AS $$
-             BEGIN RAISE EXCEPTION 'injected: the response cannot be stored'; END $$;
-             CREATE TRIGGER fail_completion BEFORE UPDATE OF status ON idempotency.records
-             FOR EACH ROW WHEN (NEW.status IS NOT NULL) EXECUTE FUNCTION fail_completion();",
+            "CREATE FUNCTION fail_charge() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN RAISE EXCEPTION 'injected: the charge cannot be written'; END $$;
+             CREATE TRIGGER fail_charge BEFORE INSERT ON charges
+             FOR EACH ROW EXECUTE FUNCTION fail_charge();",
         )
         .execute(&pool)
         .await
         .unwrap();
         let api_key = new_api_key();
         let key = new_key();
-        let unavailable = h
+        let failed = h
             .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
             .await;
-        let error = unavailable.problem(StatusCode::SERVICE_UNAVAILABLE, "StoreUnavailable");
-        // An outage, as Stripe's libraries know it: `api_error`, to be retried with the same key.
-        assert_eq!(error["type"], "api_error");
-        assert_eq!(unavailable.should_retry(), Some(true));
-        assert!(unavailable.headers.contains_key("retry-after"));
-        assert_eq!(counts().await, (0, 0), "the charge row was rolled back");
+        failed.stripe_error(StatusCode::INTERNAL_SERVER_ERROR, "api_error");
+        assert_eq!(charges_and_records(&pool).await.0, 0, "no charge row");
+        assert_eq!(acquirer.authorizations().len(), 1);
 
-        sqlx::raw_sql("DROP TRIGGER fail_completion ON idempotency.records")
+        sqlx::raw_sql("DROP TRIGGER fail_charge ON charges")
             .execute(&pool)
             .await
             .unwrap();
         let retry = h
             .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
             .await;
-        assert_eq!(retry.status, StatusCode::OK);
+        assert_eq!(retry.status, StatusCode::OK, "{}", retry.text());
         assert!(!retry.replayed());
-        assert_eq!(counts().await, (1, 1), "charged once");
+        assert_eq!(charges_and_records(&pool).await, (1, 1), "charged once");
+        assert_eq!(acquirer.authorizations().len(), 1, "authorized once");
     })
     .await
 }

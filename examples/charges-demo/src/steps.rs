@@ -1,0 +1,183 @@
+//! The recovery points of a charge and a refund, as [`Steps`]: a charge is authorized at the
+//! acquirer once (step `authorize`), then written to the ledger once (step `ledger`); a refund
+//! is written once (step `refund`). A request that takes a key over after a crash gets the
+//! recorded steps back and goes on at the first unfinished one, so no database transaction is
+//! held open across the acquirer call.
+//!
+//! With PostgreSQL, a ledger step's rows commit together with the step's record
+//! ([`Steps::run_in_transaction`]); in memory, both are lost together on exit.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use futures_util::{FutureExt, future::BoxFuture};
+use http::StatusCode;
+use sqlx::PgConnection;
+use tower_idempotency::{DownstreamKey, IdempotencyContext, StepError, Steps};
+
+use crate::{
+    auth::Account,
+    error::{ApiError, ErrorType},
+    ledger::{Charge, Ledger, Refund, RefundRefusal},
+    params::{ChargeParams, RefundParams},
+    processor::{Authorized, CardProcessor},
+};
+
+/// The request's steps, or a `500` when the layer gives none (the app is set up wrong).
+pub(crate) fn of(idempotency: &IdempotencyContext) -> Result<&Steps, ApiError> {
+    idempotency.steps().map_err(|missing| {
+        tracing::error!(%missing, "no steps for a charge");
+        ApiError::internal()
+    })
+}
+
+/// Step `authorize`: the acquirer's answer for this charge, asked for once per key.
+///
+/// A failed call records nothing and answers `503`, which releases the key: the client's retry
+/// sends the same downstream key, so the acquirer authorizes once.
+pub(crate) async fn authorize(
+    steps: &Steps,
+    processor: &CardProcessor,
+    params: &ChargeParams,
+) -> Result<Authorized, ApiError> {
+    let step =
+        |key: DownstreamKey| async move { processor.authorize(params, &key.to_string()).await };
+    steps
+        .run("authorize", step)
+        .await
+        .map_err(|error| match error {
+            StepError::Failed(network) => {
+                tracing::warn!(
+                    error = &network as &dyn std::error::Error,
+                    "the card network did not answer"
+                );
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    ErrorType::ApiError,
+                    "The card network did not answer. Retry with the same Idempotency-Key: \
+                     the card is authorized once.",
+                )
+            }
+            other => step_failed("authorize", &other),
+        })
+}
+
+/// Step `ledger`: records `charge` once per key and answers the charge recorded, which is
+/// `charge` unless an earlier attempt recorded its own.
+pub(crate) async fn record_charge<L: Ledger>(
+    steps: &Steps,
+    ledger: &L,
+    charge: Charge,
+) -> Result<Charge, ApiError> {
+    let (made, account) = (charge.id.clone(), charge.account.clone());
+    let owned = (ledger.clone(), charge.clone());
+    let recorded = if L::IN_STORE_DATABASE {
+        let write = in_transaction(move |tx, _key| {
+            async move {
+                owned
+                    .0
+                    .insert(&owned.1, Some(tx))
+                    .await
+                    .map(|()| owned.1.id)
+            }
+            .boxed()
+        });
+        steps.run_in_transaction("ledger", write).await
+    } else {
+        let write = |_key| async move { owned.0.insert(&owned.1, None).await.map(|()| owned.1.id) };
+        steps.run("ledger", write).await
+    };
+    let id = recorded.map_err(|error| step_failed("ledger", &error))?;
+    if id == made {
+        return Ok(charge);
+    }
+    match ledger.retrieve(&account, &id).await {
+        Ok(Some(recorded)) => Ok(recorded),
+        Ok(None) => Err(internal("a recorded charge is not in the ledger")),
+        Err(error) => Err(step_failed("ledger", &error)),
+    }
+}
+
+/// Why a refund step recorded nothing.
+#[derive(Debug)]
+enum RefundFailure<E> {
+    Refused(RefundRefusal),
+    Ledger(E),
+}
+
+impl<E: std::fmt::Display> std::fmt::Display for RefundFailure<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Refused(refusal) => write!(f, "refused: {refusal}"),
+            Self::Ledger(error) => write!(f, "the ledger failed: {error}"),
+        }
+    }
+}
+
+impl<E: std::error::Error> std::error::Error for RefundFailure<E> {}
+
+/// Step `refund`: records the refund once per key, with the charge's `amount_refunded`. A
+/// refusal records nothing (the layer releases the key for its `400`).
+pub(crate) async fn record_refund<L: Ledger>(
+    steps: &Steps,
+    ledger: &L,
+    account: &Account,
+    params: &RefundParams,
+) -> Result<Result<Refund, RefundRefusal>, ApiError> {
+    let made: Arc<Mutex<Option<Refund>>> = Arc::default();
+    let owned = (
+        ledger.clone(),
+        account.clone(),
+        params.clone(),
+        made.clone(),
+    );
+    let refund = async move |tx: Option<&mut PgConnection>| {
+        let (ledger, account, params, made) = owned;
+        match ledger.refund(&account, &params, tx).await {
+            Ok(Ok(refund)) => {
+                let id = refund.id.clone();
+                *made.lock().unwrap_or_else(PoisonError::into_inner) = Some(refund);
+                Ok(id)
+            }
+            Ok(Err(refusal)) => Err(RefundFailure::Refused(refusal)),
+            Err(error) => Err(RefundFailure::Ledger(error)),
+        }
+    };
+    let recorded = if L::IN_STORE_DATABASE {
+        let write = in_transaction(move |tx, _key| refund(Some(tx)).boxed());
+        steps.run_in_transaction("refund", write).await
+    } else {
+        steps.run("refund", |_key| refund(None)).await
+    };
+    let id = match recorded {
+        Ok(id) => id,
+        Err(StepError::Failed(RefundFailure::Refused(refusal))) => return Ok(Err(refusal)),
+        Err(error) => return Err(step_failed("refund", &error)),
+    };
+    if let Some(refund) = made.lock().unwrap_or_else(PoisonError::into_inner).take() {
+        return Ok(Ok(refund));
+    }
+    match ledger.retrieve_refund(account, &id).await {
+        Ok(Some(refund)) => Ok(Ok(refund)),
+        Ok(None) => Err(internal("a recorded refund is not in the ledger")),
+        Err(error) => Err(step_failed("refund", &error)),
+    }
+}
+
+/// `write` as [`Steps::run_in_transaction`] takes it: the signature makes a closure's future
+/// borrow the transaction for as long as it is handed, which inference alone does not.
+fn in_transaction<T, E, F>(write: F) -> F
+where
+    F: for<'c> FnOnce(&'c mut PgConnection, DownstreamKey) -> BoxFuture<'c, Result<T, E>>,
+{
+    write
+}
+
+fn step_failed(step: &str, error: &(dyn std::error::Error + 'static)) -> ApiError {
+    tracing::error!(step, error, "a step failed");
+    ApiError::internal()
+}
+
+fn internal(message: &str) -> ApiError {
+    tracing::error!("{message}");
+    ApiError::internal()
+}

@@ -120,14 +120,21 @@ async fn in_flight_then_replay_then_mismatch<St: Store + Clone>(fixture: Fixture
     });
     let _ = entered.acquire().await.unwrap();
     let duplicate = once
-        .run(SCOPE, "evt_2", &payload(100), || async { Ok::<_, Declined>(vec![0u64]) })
+        .run(SCOPE, "evt_2", &payload(100), || async {
+            Ok::<_, Declined>(vec![0u64])
+        })
         .await;
-    assert!(matches!(duplicate, Err(OnceError::InFlight)), "{duplicate:?}");
+    assert!(
+        matches!(duplicate, Err(OnceError::InFlight)),
+        "{duplicate:?}"
+    );
     go.add_permits(1);
     assert_eq!(first.await.unwrap().unwrap(), vec![7, 8]);
 
     let replayed: Vec<u64> = once
-        .run(SCOPE, "evt_2", &payload(100), || async { panic!("ran twice") })
+        .run(SCOPE, "evt_2", &payload(100), || async {
+            panic!("ran twice")
+        })
         .await
         .map_err(|e: OnceError<Declined>| e)
         .unwrap();
@@ -141,17 +148,24 @@ async fn in_flight_then_replay_then_mismatch<St: Store + Clone>(fixture: Fixture
         .unwrap();
     assert_eq!(again, vec![7, 8]);
     let other = once
-        .run(SCOPE, "evt_2", &payload(999), || async { panic!("ran twice") })
+        .run(SCOPE, "evt_2", &payload(999), || async {
+            panic!("ran twice")
+        })
         .await
         .map(|_: Vec<u64>| ())
         .map_err(|e: OnceError<Declined>| e);
     assert!(matches!(other, Err(OnceError::Mismatch)), "{other:?}");
     let wrong_type = once
-        .run(SCOPE, "evt_2", &payload(100), || async { panic!("ran twice") })
+        .run(SCOPE, "evt_2", &payload(100), || async {
+            panic!("ran twice")
+        })
         .await
         .map(|_: String| ())
         .map_err(|e: OnceError<Declined>| e);
-    assert!(matches!(wrong_type, Err(OnceError::Output(_))), "{wrong_type:?}");
+    assert!(
+        matches!(wrong_type, Err(OnceError::Output(_))),
+        "{wrong_type:?}"
+    );
     // Another scope is another key.
     let elsewhere: Vec<u64> = once
         .run("refunds-consumer", "evt_2", &payload(999), || async {
@@ -166,17 +180,26 @@ async fn in_flight_then_replay_then_mismatch<St: Store + Clone>(fixture: Fixture
 async fn a_failure_releases_the_key<St: Store + Clone>(fixture: Fixture<St>) {
     let once = &fixture.once;
     let failed = once
-        .run(SCOPE, "evt_3", &payload(1), || async { Err::<u64, _>(Declined) })
+        .run(SCOPE, "evt_3", &payload(1), || async {
+            Err::<u64, _>(Declined)
+        })
         .await;
-    assert!(matches!(failed, Err(OnceError::Failed(Declined))), "{failed:?}");
+    assert!(
+        matches!(failed, Err(OnceError::Failed(Declined))),
+        "{failed:?}"
+    );
     assert_eq!(fixture.observed().released(), 1);
     let ran = once
-        .run(SCOPE, "evt_3", &payload(1), || async { Ok::<u64, Declined>(2) })
+        .run(SCOPE, "evt_3", &payload(1), || async {
+            Ok::<u64, Declined>(2)
+        })
         .await
         .unwrap();
     assert_eq!(ran, 2);
     let replayed = once
-        .run(SCOPE, "evt_3", &payload(1), || async { Ok::<u64, Declined>(3) })
+        .run(SCOPE, "evt_3", &payload(1), || async {
+            Ok::<u64, Declined>(3)
+        })
         .await
         .unwrap();
     assert_eq!(replayed, 2);
@@ -220,7 +243,9 @@ async fn a_panic_or_cancel_releases_the_key<St: Store + Clone>(fixture: Fixture<
     fixture.observed().settled(1).await;
     assert_eq!(fixture.observed().released(), 2);
     let ran = once
-        .run(SCOPE, "evt_4", &payload(1), || async { Ok::<u64, Declined>(5) })
+        .run(SCOPE, "evt_4", &payload(1), || async {
+            Ok::<u64, Declined>(5)
+        })
         .await
         .unwrap();
     assert_eq!(ran, 5);
@@ -230,8 +255,10 @@ async fn a_panic_or_cancel_releases_the_key<St: Store + Clone>(fixture: Fixture<
 async fn bad_input_claims_nothing<St: Store + Clone>(fixture: Fixture<St>) {
     let once = &fixture.once;
     let call = |scope: String, key: String| async move {
-        once.run(&scope, &key, &payload(1), || async { Ok::<u64, Declined>(1) })
-            .await
+        once.run(&scope, &key, &payload(1), || async {
+            Ok::<u64, Declined>(1)
+        })
+        .await
     };
     let long_scope = "s".repeat(MAX_SCOPE_LEN + 1);
     let long_key = "k".repeat(MAX_KEY_LEN + 1);
@@ -258,7 +285,9 @@ async fn bad_input_claims_nothing<St: Store + Clone>(fixture: Fixture<St>) {
     // JSON object keys must be strings: this payload has no JSON.
     let unserializable = BTreeMap::from([(vec![1u8], 1)]);
     let refused = once
-        .run(SCOPE, "evt_5", &unserializable, || async { Ok::<u64, Declined>(1) })
+        .run(SCOPE, "evt_5", &unserializable, || async {
+            Ok::<u64, Declined>(1)
+        })
         .await;
     assert!(matches!(refused, Err(OnceError::Payload(_))), "{refused:?}");
     assert_eq!(fixture.observed().begins(), 0);
@@ -272,7 +301,9 @@ async fn a_store_failure_is_typed<St: Store + Clone>(fixture: Fixture<St>) {
     fixture.observed().set_down(true);
     let failed = fixture
         .once
-        .run(SCOPE, "evt_6", &payload(1), || async { panic!("ran without a claim") })
+        .run(SCOPE, "evt_6", &payload(1), || async {
+            panic!("ran without a claim")
+        })
         .await
         .map(|_: u64| ())
         .map_err(|e: OnceError<Declined>| e);
@@ -302,9 +333,14 @@ async fn the_lease_is_renewed_while_running<St: Store + Clone>(fixture: Fixture<
     // The passing of time is what is tested: five leases.
     tokio::time::sleep(lease * 5).await;
     let duplicate = once
-        .run(SCOPE, "evt_7", &payload(1), || async { Ok::<u64, Declined>(2) })
+        .run(SCOPE, "evt_7", &payload(1), || async {
+            Ok::<u64, Declined>(2)
+        })
         .await;
-    assert!(matches!(duplicate, Err(OnceError::InFlight)), "{duplicate:?}");
+    assert!(
+        matches!(duplicate, Err(OnceError::InFlight)),
+        "{duplicate:?}"
+    );
     go.add_permits(1);
     assert_eq!(first.await.unwrap().unwrap(), 1);
 }

@@ -246,7 +246,9 @@ impl<St: Store> Once<St> {
         };
         let handled = {
             let work = pin!(AssertUnwindSafe(work).catch_unwind());
-            heartbeat.run(&*self.shared.store, guard.claim(), work).await
+            heartbeat
+                .run(&*self.shared.store, guard.claim(), work)
+                .await
         };
         let value = match handled {
             Some(Ok(Ok(value))) => value,

@@ -79,9 +79,15 @@ mod tests {
         let (stored, error) = record(&vec![1, 2, 3]);
         assert!(error.is_none());
         assert_eq!(read::<Vec<u8>, ()>(&stored).unwrap(), vec![1, 2, 3]);
-        assert!(matches!(read::<String, ()>(&stored), Err(OnceError::Output(_))));
+        assert!(matches!(
+            read::<String, ()>(&stored),
+            Err(OnceError::Output(_))
+        ));
         let foreign = Record::from_parts(StatusCode::OK, HeaderMap::new(), Some("[]".into()));
-        assert!(matches!(read::<Vec<u8>, ()>(&foreign), Err(OnceError::Output(_))));
+        assert!(matches!(
+            read::<Vec<u8>, ()>(&foreign),
+            Err(OnceError::Output(_))
+        ));
     }
 
     #[test]

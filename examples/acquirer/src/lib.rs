@@ -48,6 +48,10 @@ use tower_idempotency::{IdempotencyLayer, KeySource, Scope};
 
 pub use decision::{Decision, Decline, decide};
 
+/// The webhook secret of development, known to everyone: the acquirer signs with it and the
+/// charges demo checks with it when neither is given another (`--webhook-secret`).
+pub const DEV_WEBHOOK_SECRET: &str = "whsec_Y2hhcmdlcy1kZW1vIGRldiB3ZWJob29rIHNlY3JldCE=";
+
 /// How the network behaves (the command line's `--delay-ms`, `--fail-rate` and `--seed`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Settings {

@@ -41,7 +41,7 @@ use tower_idempotency::{
     store::{ExpiredDeletion, SealingKeys, Store, continuously_delete_expired},
 };
 
-use crate::{AppState, Settings, StepSecret, app, ledger::Ledger};
+use crate::{AppState, Settings, StepSecret, app, ledger::Ledger, webhooks::WebhookSecret};
 
 /// How often expired idempotency records are deleted, and how many per batch.
 const EXPIRY_PERIOD: Duration = Duration::from_secs(60);
@@ -131,6 +131,17 @@ pub struct Args {
         value_name = "SECRET"
     )]
     pub step_secret: Option<String>,
+
+    /// The secret the acquirer signs its webhooks with (`whsec_` and base64, as Standard
+    /// Webhooks writes it); without it, a development secret, printed at start-up.
+    #[arg(
+        long,
+        env = "CHARGES_DEMO_WEBHOOK_SECRET",
+        hide_env_values = true,
+        value_name = "WHSEC",
+        value_parser = WebhookSecret::parse
+    )]
+    pub webhook_secret: Option<WebhookSecret>,
     // `--completer` (driving claims abandoned mid-way) is wired here when it lands.
 }
 
@@ -171,6 +182,7 @@ impl Args {
                 .map_or_else(StepSecret::default, |secret| {
                     StepSecret(secret.as_bytes().to_vec())
                 }),
+            webhook_secret: self.webhook_secret.clone().unwrap_or_default(),
         }
     }
 }
@@ -187,6 +199,14 @@ pub async fn run(args: Args) -> Result<(), RunError> {
         tracing::warn!(
             "no --step-secret (CHARGES_DEMO_STEP_SECRET): using the development step secret; \
              set your own, the same on every instance"
+        );
+    }
+    if args.webhook_secret.is_none() {
+        tracing::warn!(
+            secret = crate::webhooks::DEV_WEBHOOK_SECRET,
+            "no --webhook-secret (CHARGES_DEMO_WEBHOOK_SECRET): POST /v1/webhooks/acquirer \
+             checks signatures with this development secret; the acquirer signs with it too \
+             unless given its own"
         );
     }
     let seal = args.seal_keys()?;

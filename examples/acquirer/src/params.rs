@@ -11,6 +11,8 @@ pub struct AuthorizeParams {
     pub currency: String,
     /// A card token, `tok_...`.
     pub source: String,
+    /// The merchant's own id for the payment (optional), at most 255 bytes.
+    pub reference: Option<String>,
 }
 
 /// Why a request body was refused: the parameter and what is wrong with it.
@@ -54,10 +56,18 @@ impl AuthorizeParams {
         if !source.starts_with("tok_") || source.len() > 255 {
             return Err(invalid("source", "a card token, tok_..."));
         }
+        let reference = fields.get("reference").cloned();
+        if reference
+            .as_ref()
+            .is_some_and(|r| r.is_empty() || r.len() > 255)
+        {
+            return Err(invalid("reference", "1 to 255 bytes"));
+        }
         Ok(Self {
             amount,
             currency,
             source,
+            reference,
         })
     }
 }

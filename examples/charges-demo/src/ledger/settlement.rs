@@ -110,9 +110,10 @@ ON CONFLICT (account, currency) DO UPDATE SET available = balances.available + E
 RETURNING (SELECT net FROM settled), currency
 "#;
 
-/// Why a settlement added nothing.
-const SETTLED_BEFORE: &str =
-    "SELECT status, settled IS NOT NULL AS settled FROM charges WHERE id = $1";
+/// The charge to settle, locked first, so that what is decided from it holds when it is
+/// written (a charge committed between two unlocked reads would look unpaid).
+const LOCK_FOR_SETTLEMENT: &str =
+    "SELECT status, settled IS NOT NULL AS settled FROM charges WHERE id = $1 FOR UPDATE";
 
 /// A refund of a settled charge takes its amount back from available; the charge is locked by
 /// the refund's transaction, so it cannot be settled meanwhile.
@@ -143,24 +144,29 @@ pub async fn settle_charge(
     connection: &mut PgConnection,
     id: &str,
 ) -> Result<Settlement, sqlx::Error> {
+    let found = sqlx::query(LOCK_FOR_SETTLEMENT)
+        .bind(id)
+        .fetch_optional(&mut *connection)
+        .await?;
+    match found {
+        None => return Ok(Settlement::NoSuchCharge),
+        Some(row) if row.try_get::<bool, _>("settled")? => return Ok(Settlement::AlreadySettled),
+        Some(row) if row.try_get::<String, _>("status")? != "succeeded" => {
+            return Ok(Settlement::NotPaid);
+        }
+        Some(_) => {}
+    }
     let added = sqlx::query(SETTLE)
         .bind(id)
         .fetch_optional(&mut *connection)
         .await?;
-    if let Some(row) = added {
-        return Ok(Settlement::Settled {
+    // Under the lock, the conditional update finds the charge as just read.
+    Ok(match added {
+        Some(row) => Settlement::Settled {
             amount: row.try_get(0)?,
             currency: row.try_get(1)?,
-        });
-    }
-    let found = sqlx::query(SETTLED_BEFORE)
-        .bind(id)
-        .fetch_optional(&mut *connection)
-        .await?;
-    Ok(match found {
-        None => Settlement::NoSuchCharge,
-        Some(row) if row.try_get::<bool, _>("settled")? => Settlement::AlreadySettled,
-        Some(_) => Settlement::NotPaid,
+        },
+        None => Settlement::AlreadySettled,
     })
 }
 

@@ -8,7 +8,7 @@ use axum::{body::Body, http::Request, http::StatusCode};
 use charges_demo::webhooks::DEV_WEBHOOK_SECRET;
 use serde_json::json;
 
-use crate::common::{Harness, Reply, get, new_api_key, new_key, refund};
+use crate::common::{Backend, Harness, Reply, get, new_api_key, new_key, refund};
 
 on_every_backend!(
     settling_moves_pending_to_available_once,
@@ -17,6 +17,7 @@ on_every_backend!(
     an_unknown_charge_is_404_and_not_recorded,
     refunds_before_and_after_settlement,
     other_event_types_are_acknowledged,
+    the_acquirer_settles_every_charge_once_despite_duplicates,
 );
 
 const FORGED_SECRET: &str = "whsec_Zm9yZ2VkIHNlY3JldCBmb3IgdGhlIHRlc3RzIQ==";
@@ -70,7 +71,7 @@ fn settlement(reply: &Reply) -> serde_json::Value {
 
 /// A settled charge moves from pending to available once: a redelivery gets the first answer,
 /// another event for the same charge adds nothing.
-async fn settling_moves_pending_to_available_once(backend: crate::common::Backend) {
+async fn settling_moves_pending_to_available_once(backend: Backend) {
     let h = Harness::start(backend).await;
     let api_key = new_api_key();
     assert_eq!(balance(&h, &api_key).await, (0, 0));
@@ -95,7 +96,7 @@ async fn settling_moves_pending_to_available_once(backend: crate::common::Backen
 }
 
 /// Twenty deliveries of one event at once: all answered `200` with one settlement.
-async fn twenty_concurrent_redeliveries_settle_once(backend: crate::common::Backend) {
+async fn twenty_concurrent_redeliveries_settle_once(backend: Backend) {
     let h = Harness::start(backend).await;
     let api_key = new_api_key();
     let id = h.charged(&api_key, 700).await;
@@ -114,7 +115,7 @@ async fn twenty_concurrent_redeliveries_settle_once(backend: crate::common::Back
 
 /// Forged, stale, future and incomplete deliveries are `400` Stripe errors and claim nothing:
 /// the genuine delivery of the same event then settles.
-async fn refused_deliveries_change_nothing(backend: crate::common::Backend) {
+async fn refused_deliveries_change_nothing(backend: Backend) {
     let h = Harness::start(backend).await;
     let api_key = new_api_key();
     let id = h.charged(&api_key, 900).await;
@@ -160,7 +161,7 @@ async fn refused_deliveries_change_nothing(backend: crate::common::Backend) {
 
 /// An event for a charge the demo does not have is `404` and not recorded as handled: the same
 /// `webhook-id` runs again (a recorded one would replay, or refuse another body as `422`).
-async fn an_unknown_charge_is_404_and_not_recorded(backend: crate::common::Backend) {
+async fn an_unknown_charge_is_404_and_not_recorded(backend: Backend) {
     let h = Harness::start(backend).await;
     let api_key = new_api_key();
     let unknown = settled("evt_4", "ch_unknown");
@@ -182,7 +183,7 @@ async fn an_unknown_charge_is_404_and_not_recorded(backend: crate::common::Backe
 
 /// A refund before settlement lowers what it adds; one after takes its amount back from
 /// available.
-async fn refunds_before_and_after_settlement(backend: crate::common::Backend) {
+async fn refunds_before_and_after_settlement(backend: Backend) {
     let h = Harness::start(backend).await;
     let api_key = new_api_key();
     let id = h.charged(&api_key, 2000).await;
@@ -203,11 +204,59 @@ async fn refunds_before_and_after_settlement(backend: crate::common::Backend) {
 }
 
 /// Event types the demo does not handle are acknowledged, so the sender stops retrying them.
-async fn other_event_types_are_acknowledged(backend: crate::common::Backend) {
+async fn other_event_types_are_acknowledged(backend: Backend) {
     let h = Harness::start(backend).await;
     let body =
         json!({"id": "evt_6", "type": "charge.disputed", "data": {"object": {"id": "ch_1"}}});
     let reply = h.send(signed("evt_6", &body.to_string())).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     assert_eq!(reply.json(), json!({"received": true, "ignored": true}));
+}
+
+/// End to end: the acquirer, told each charge's id with its authorization, sends every
+/// `charge.settled` event three times (two at once, one redelivery) to the demo over HTTP; the
+/// balance ends at the sum of the charges, settled once each.
+async fn the_acquirer_settles_every_charge_once_despite_duplicates(backend: Backend) {
+    idempotency_tests::init_tracing();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!(
+        "http://{}/v1/webhooks/acquirer",
+        listener.local_addr().unwrap()
+    );
+    let sender = acquirer::WebhookSender::new(acquirer::WebhookSettings {
+        url,
+        secret: DEV_WEBHOOK_SECRET.to_owned(),
+        settle_after: std::time::Duration::ZERO,
+        duplicate_rate: 1.0,
+    })
+    .unwrap();
+    let network = acquirer::Acquirer::new(acquirer::Settings::default()).with_webhooks(sender);
+    let processor = charges_demo::processor::CardProcessor::in_process(
+        network.clone(),
+        std::time::Duration::ZERO,
+    );
+    let h = Harness::with_processor(backend, processor).await;
+    tokio::spawn(axum::serve(listener, h.app.clone()).into_future());
+
+    let api_key = new_api_key();
+    let mut ids = Vec::new();
+    for amount in [100, 200, 300] {
+        ids.push(h.charged(&api_key, amount).await);
+    }
+    let references: Vec<_> = network
+        .authorizations()
+        .into_iter()
+        .filter_map(|a| a.reference)
+        .collect();
+    assert_eq!(references, ids, "the acquirer was told each charge's id");
+    // Nothing signals the acquirer's last delivery: poll the balance, bounded.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    while balance(&h, &api_key).await != (600, 0) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{:?}",
+            balance(&h, &api_key).await
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }

@@ -56,6 +56,7 @@ pub mod auth;
 pub mod error;
 pub mod ledger;
 pub mod openapi;
+mod openapi_webhooks;
 pub mod params;
 pub mod processor;
 pub mod refusals;

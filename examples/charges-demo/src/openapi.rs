@@ -42,6 +42,17 @@ pub fn document<St: Store>(idempotency: &IdempotencyLayer<St>) -> OpenApi {
                 .path(
                     "/v1/refunds/{id}",
                     PathItem::new(HttpMethod::Get, retrieve("refund", "Refund")),
+                )
+                .path(
+                    "/v1/balance",
+                    PathItem::new(HttpMethod::Get, crate::openapi_webhooks::balance()),
+                )
+                .path(
+                    "/v1/webhooks/acquirer",
+                    PathItem::new(
+                        HttpMethod::Post,
+                        crate::openapi_webhooks::acquirer_webhook(),
+                    ),
                 ),
         )
         .components(Some(

@@ -42,17 +42,6 @@ pub fn document<St: Store>(idempotency: &IdempotencyLayer<St>) -> OpenApi {
                 .path(
                     "/v1/refunds/{id}",
                     PathItem::new(HttpMethod::Get, retrieve("refund", "Refund")),
-                )
-                .path(
-                    "/v1/balance",
-                    PathItem::new(HttpMethod::Get, crate::openapi_webhooks::balance()),
-                )
-                .path(
-                    "/v1/webhooks/acquirer",
-                    PathItem::new(
-                        HttpMethod::Post,
-                        crate::openapi_webhooks::acquirer_webhook(),
-                    ),
                 ),
         )
         .components(Some(
@@ -75,6 +64,7 @@ pub fn document<St: Store>(idempotency: &IdempotencyLayer<St>) -> OpenApi {
             item.get = Some(list(object));
         }
     }
+    crate::openapi_webhooks::add_to(&mut doc);
     idempotency
         .openapi()
         .with_refusal_schema(Ref::from_schema_name("Refusal"))

@@ -2,8 +2,8 @@
 //! ([`crate::webhooks`]), for [`crate::openapi::document`].
 
 use utoipa::openapi::{
-    ContentBuilder, ObjectBuilder, Ref, Required, ResponseBuilder, Type,
-    path::{Operation, OperationBuilder, ParameterBuilder, ParameterIn},
+    ContentBuilder, ObjectBuilder, OpenApi, PathItem, Ref, Required, ResponseBuilder, Type,
+    path::{HttpMethod, Operation, OperationBuilder, ParameterBuilder, ParameterIn},
     request_body::RequestBodyBuilder,
     security::SecurityRequirement,
 };
@@ -31,8 +31,19 @@ fn any_json(description: &str) -> utoipa::openapi::Response {
         .build()
 }
 
+/// Adds `GET /v1/balance` and `POST /v1/webhooks/acquirer` to `doc`.
+pub(crate) fn add_to(doc: &mut OpenApi) {
+    let paths = &mut doc.paths.paths;
+    paths.insert(
+        "/v1/balance".into(),
+        PathItem::new(HttpMethod::Get, balance()),
+    );
+    let webhook = PathItem::new(HttpMethod::Post, acquirer_webhook());
+    paths.insert("/v1/webhooks/acquirer".into(), webhook);
+}
+
 /// `GET /v1/balance`.
-pub(crate) fn balance() -> Operation {
+fn balance() -> Operation {
     OperationBuilder::new()
         .operation_id(Some("retrieve_balance"))
         .summary(Some("Retrieve the balance"))
@@ -46,7 +57,7 @@ pub(crate) fn balance() -> Operation {
 }
 
 /// `POST /v1/webhooks/acquirer`: authenticated by its signature, not by an API key.
-pub(crate) fn acquirer_webhook() -> Operation {
+fn acquirer_webhook() -> Operation {
     let header = |name: &str, description: &str| {
         ParameterBuilder::new()
             .name(name)

@@ -134,13 +134,8 @@ pub struct Args {
 
     /// The secret the acquirer signs its webhooks with (`whsec_` and base64, as Standard
     /// Webhooks writes it); without it, a development secret, printed at start-up.
-    #[arg(
-        long,
-        env = "CHARGES_DEMO_WEBHOOK_SECRET",
-        hide_env_values = true,
-        value_name = "WHSEC",
-        value_parser = WebhookSecret::parse
-    )]
+    #[arg(long, env = "CHARGES_DEMO_WEBHOOK_SECRET", hide_env_values = true,
+          value_name = "WHSEC", value_parser = WebhookSecret::parse)]
     pub webhook_secret: Option<WebhookSecret>,
     // `--completer` (driving claims abandoned mid-way) is wired here when it lands.
 }
@@ -202,11 +197,10 @@ pub async fn run(args: Args) -> Result<(), RunError> {
         );
     }
     if args.webhook_secret.is_none() {
+        let secret = crate::webhooks::DEV_WEBHOOK_SECRET;
         tracing::warn!(
-            secret = crate::webhooks::DEV_WEBHOOK_SECRET,
-            "no --webhook-secret (CHARGES_DEMO_WEBHOOK_SECRET): POST /v1/webhooks/acquirer \
-             checks signatures with this development secret; the acquirer signs with it too \
-             unless given its own"
+            secret,
+            "no --webhook-secret: webhooks are checked with this dev secret"
         );
     }
     let seal = args.seal_keys()?;

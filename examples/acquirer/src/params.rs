@@ -124,6 +124,12 @@ mod tests {
             "currency"
         );
         assert_eq!(param(b"amount=1&currency=usd&source=card"), "source");
+        let base = "amount=1&currency=usd&source=tok_visa&reference=";
+        assert_eq!(param(base.as_bytes()), "reference");
+        let long = format!("{base}{}", "c".repeat(256));
+        assert_eq!(param(long.as_bytes()), "reference");
+        let told = AuthorizeParams::parse(None, format!("{base}ch_1").as_bytes()).unwrap();
+        assert_eq!(told.reference.as_deref(), Some("ch_1"));
         let error = AuthorizeParams::parse(Some("application/json"), b"[1]").unwrap_err();
         assert_eq!(error.param, "body");
     }

@@ -146,3 +146,23 @@ impl WebhookSender {
         Ok(response.status())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(secret: &str) -> WebhookSettings {
+        WebhookSettings {
+            url: "http://127.0.0.1:9/v1/webhooks/acquirer".to_owned(),
+            secret: secret.to_owned(),
+            settle_after: Duration::ZERO,
+            duplicate_rate: 0.0,
+        }
+    }
+
+    #[test]
+    fn a_secret_that_is_not_base64_is_refused() {
+        assert!(WebhookSender::new(settings("whsec_not base64!")).is_err());
+        assert!(WebhookSender::new(settings(crate::DEV_WEBHOOK_SECRET)).is_ok());
+    }
+}

@@ -19,7 +19,7 @@ done
 
 double_click=double-click
 [ "${DEMO_WAITS:-0}" = 1 ] && double_click=double-click-waiting
-scenarios=(retry-after-lost-response "$double_click" changed-amount declined-card refund)
+scenarios=(retry-after-lost-response "$double_click" changed-amount declined-card refund webhook-redelivery)
 failed=()
 for scenario in "${scenarios[@]}"; do
     if ! bash "$dir/$scenario.sh"; then

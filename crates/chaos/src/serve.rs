@@ -28,8 +28,8 @@ use charges_demo::{
     auth::Account,
     idempotency_layer,
     ledger::{
-        Charge, ChargePage, Ledger, Page, PostgresLedger, PostgresLedgerError, Refund,
-        RefundRefusal,
+        Balance, Charge, ChargePage, Ledger, Page, PostgresLedger, PostgresLedgerError, Refund,
+        RefundRefusal, Settlement,
     },
     params::RefundParams,
     processor::CardProcessor,
@@ -264,6 +264,18 @@ impl Ledger for WriteFirst {
         id: &str,
     ) -> Result<Option<Refund>, PostgresLedgerError> {
         self.ledger.retrieve_refund(account, id).await
+    }
+
+    async fn settle(
+        &self,
+        id: &str,
+        transaction: Option<&mut PgConnection>,
+    ) -> Result<Settlement, PostgresLedgerError> {
+        self.ledger.settle(id, transaction).await
+    }
+
+    async fn balance(&self, account: &Account) -> Result<Balance, PostgresLedgerError> {
+        self.ledger.balance(account).await
     }
 
     async fn list_refunds(

@@ -85,6 +85,8 @@ mod steps;
 pub mod store;
 #[cfg(feature = "postgres")]
 mod transaction;
+#[cfg(feature = "webhooks")]
+pub mod webhook;
 
 pub use body::{RequestBody, ResponseBody};
 pub use completion::{Completer, Completing, Completion, Round};

@@ -36,6 +36,7 @@ pub mod decision;
 mod faults;
 pub mod params;
 mod routes;
+pub mod webhooks;
 
 use std::{
     sync::{Arc, Mutex, PoisonError},
@@ -47,6 +48,11 @@ use serde::Serialize;
 use tower_idempotency::{IdempotencyLayer, KeySource, Scope};
 
 pub use decision::{Decision, Decline, decide};
+pub use webhooks::{WebhookSender, WebhookSettings};
+
+/// The webhook secret of development, known to everyone: the acquirer signs with it and the
+/// charges demo checks with it when neither is given another (`--webhook-secret`).
+pub const DEV_WEBHOOK_SECRET: &str = "whsec_Y2hhcmdlcy1kZW1vIGRldiB3ZWJob29rIHNlY3JldCE=";
 
 /// How the network behaves (the command line's `--delay-ms`, `--fail-rate` and `--seed`).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -77,6 +83,9 @@ pub struct Authorization {
     pub decline_code: Option<&'static str>,
     /// The key it was made under.
     pub idempotency_key: String,
+    /// The merchant's id for the charge (`reference`), named in its `charge.settled` event.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
 }
 
 /// The network's state: its settings and every authorization it made. Clones share it.
@@ -85,6 +94,7 @@ pub struct Acquirer {
     settings: Arc<Settings>,
     made: Arc<Mutex<Vec<Authorization>>>,
     faults: faults::Faults,
+    webhooks: Option<WebhookSender>,
 }
 
 impl Acquirer {
@@ -94,7 +104,16 @@ impl Acquirer {
             faults: faults::Faults::new(settings.fail_rate, settings.seed),
             settings: Arc::new(settings),
             made: Arc::default(),
+            webhooks: None,
         }
+    }
+
+    /// The same network, reporting each approved authorization with a `reference` as a
+    /// `charge.settled` webhook ([`webhooks`]).
+    #[must_use]
+    pub fn with_webhooks(mut self, sender: WebhookSender) -> Self {
+        self.webhooks = Some(sender);
+        self
     }
 
     /// Every authorization made so far, oldest first.

@@ -1,6 +1,8 @@
 //! The acquirer: a small card network that authorizes once per `Idempotency-Key`.
 //!
 //! Run with `cargo run -p acquirer -- --listen 127.0.0.1:4000`; `--help` lists the options.
+//! With `--webhook-url http://127.0.0.1:3000/v1/webhooks/acquirer` it reports each approved
+//! charge's settlement to the charges demo (`--settle-after-ms`, `--duplicate-rate`).
 //! When it is ready it prints one line to standard output, `listening on ADDR`.
 
 use std::{
@@ -10,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use acquirer::{Acquirer, Settings, app};
+use acquirer::{Acquirer, DEV_WEBHOOK_SECRET, Settings, WebhookSender, WebhookSettings, app};
 use clap::Parser;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
@@ -30,6 +32,20 @@ struct Args {
     /// The seed of the failures' random choices.
     #[arg(long, env = "ACQUIRER_SEED")]
     seed: Option<u64>,
+    /// Where to send `charge.settled` webhooks (the charges demo's
+    /// `http://HOST:PORT/v1/webhooks/acquirer`); without it, none are sent.
+    #[arg(long, env = "ACQUIRER_WEBHOOK_URL")]
+    webhook_url: Option<String>,
+    /// The `whsec_...` secret the webhooks are signed with; without it, the development secret
+    /// the charges demo also uses by default.
+    #[arg(long, env = "ACQUIRER_WEBHOOK_SECRET", hide_env_values = true)]
+    webhook_secret: Option<String>,
+    /// How long after its authorization a charge settles, in milliseconds.
+    #[arg(long, env = "ACQUIRER_SETTLE_AFTER_MS", default_value_t = 1000)]
+    settle_after_ms: u64,
+    /// The share of webhook events sent twice on purpose, from 0 to 1.
+    #[arg(long, env = "ACQUIRER_DUPLICATE_RATE", default_value_t = 0.0, value_parser = rate)]
+    duplicate_rate: f64,
 }
 
 fn rate(text: &str) -> Result<f64, String> {
@@ -57,6 +73,21 @@ async fn main() -> ExitCode {
 }
 
 async fn serve(args: Args) -> io::Result<()> {
+    let webhooks = args.webhook_url.clone().map(|url| WebhookSettings {
+        url,
+        secret: (args.webhook_secret.clone()).unwrap_or_else(|| DEV_WEBHOOK_SECRET.to_owned()),
+        settle_after: Duration::from_millis(args.settle_after_ms),
+        duplicate_rate: args.duplicate_rate,
+    });
+    let sender = webhooks
+        .map(WebhookSender::new)
+        .transpose()
+        .map_err(|error| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("--webhook-secret: {error}"),
+            )
+        })?;
     let listener = TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
     tracing::info!(%addr, delay_ms = args.delay_ms, fail_rate = args.fail_rate, "ready");
@@ -64,11 +95,15 @@ async fn serve(args: Args) -> io::Result<()> {
     writeln!(stdout, "listening on {addr}")?;
     stdout.flush()?;
     drop(stdout);
-    let acquirer = Acquirer::new(Settings {
+    let mut acquirer = Acquirer::new(Settings {
         delay: Duration::from_millis(args.delay_ms),
         fail_rate: args.fail_rate,
         seed: args.seed,
     });
+    if let Some(sender) = sender {
+        tracing::info!(?sender, "charge.settled webhooks on");
+        acquirer = acquirer.with_webhooks(sender);
+    }
     axum::serve(listener, app(acquirer))
         .with_graceful_shutdown(async {
             // Without a handler the default action (exit) applies, which is as good.

@@ -11,6 +11,8 @@ pub struct AuthorizeParams {
     pub currency: String,
     /// A card token, `tok_...`.
     pub source: String,
+    /// The merchant's own id for the payment (optional), at most 255 bytes.
+    pub reference: Option<String>,
 }
 
 /// Why a request body was refused: the parameter and what is wrong with it.
@@ -54,10 +56,18 @@ impl AuthorizeParams {
         if !source.starts_with("tok_") || source.len() > 255 {
             return Err(invalid("source", "a card token, tok_..."));
         }
+        let reference = fields.get("reference").cloned();
+        if reference
+            .as_ref()
+            .is_some_and(|r| r.is_empty() || r.len() > 255)
+        {
+            return Err(invalid("reference", "1 to 255 bytes"));
+        }
         Ok(Self {
             amount,
             currency,
             source,
+            reference,
         })
     }
 }
@@ -114,6 +124,12 @@ mod tests {
             "currency"
         );
         assert_eq!(param(b"amount=1&currency=usd&source=card"), "source");
+        let base = "amount=1&currency=usd&source=tok_visa&reference=";
+        assert_eq!(param(base.as_bytes()), "reference");
+        let long = format!("{base}{}", "c".repeat(256));
+        assert_eq!(param(long.as_bytes()), "reference");
+        let told = AuthorizeParams::parse(None, format!("{base}ch_1").as_bytes()).unwrap();
+        assert_eq!(told.reference.as_deref(), Some("ch_1"));
         let error = AuthorizeParams::parse(Some("application/json"), b"[1]").unwrap_err();
         assert_eq!(error.param, "body");
     }

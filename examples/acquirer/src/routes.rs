@@ -46,6 +46,7 @@ pub(crate) async fn authorize(
             Decision::Declined(decline) => Some(decline.code),
         },
         idempotency_key: idempotency.key().as_str().to_owned(),
+        reference: params.reference,
     };
     tracing::info!(
         id = %authorization.id,
@@ -55,6 +56,11 @@ pub(crate) async fn authorize(
         "authorized"
     );
     acquirer.push(authorization.clone());
+    if let (Some(sender), Some(charge), Decision::Approved) =
+        (&acquirer.webhooks, &authorization.reference, decision)
+    {
+        sender.settle_later(charge.clone());
+    }
     (StatusCode::OK, Json(authorization)).into_response()
 }
 

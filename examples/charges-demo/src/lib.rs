@@ -56,6 +56,7 @@ pub mod auth;
 pub mod error;
 pub mod ledger;
 pub mod openapi;
+mod openapi_webhooks;
 pub mod params;
 pub mod processor;
 pub mod refusals;
@@ -63,6 +64,7 @@ pub mod request_id;
 mod routes;
 pub mod server;
 mod steps;
+pub mod webhooks;
 
 use std::{convert::Infallible, time::Duration};
 
@@ -82,6 +84,7 @@ pub use routes::{DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT};
 use crate::{
     ledger::{Ledger, MemoryLedger, PostgresLedger},
     processor::CardProcessor,
+    webhooks::{Inbox, WebhookSecret},
 };
 
 /// The largest `POST /v1/charges` or `POST /v1/refunds` body accepted (larger: the layer's `413`
@@ -105,6 +108,9 @@ pub struct Settings {
     /// The secret the steps' downstream keys are derived from (default
     /// [`DEV_STEP_SECRET`]).
     pub step_secret: StepSecret,
+    /// The secret the acquirer signs its webhooks with (default
+    /// [`DEV_WEBHOOK_SECRET`](webhooks::DEV_WEBHOOK_SECRET)).
+    pub webhook_secret: WebhookSecret,
 }
 
 /// The step secret used when none is given: for development only, as everyone knows it.
@@ -142,6 +148,7 @@ impl Default for Settings {
             in_flight_wait: None,
             acquirer_url: None,
             step_secret: StepSecret::default(),
+            webhook_secret: WebhookSecret::default(),
         }
     }
 }
@@ -187,23 +194,33 @@ pub fn idempotency_layer<St: Store>(
     }
 }
 
-/// Everything [`app`] serves from: the ledger, the card processor and the idempotency layer
-/// (with its store).
+/// Everything [`app`] serves from: the ledger, the card processor, the idempotency layer
+/// (with its store) and the webhooks' inbox.
 #[derive(Debug)]
 pub struct AppState<L, St> {
     ledger: L,
     processor: CardProcessor,
     idempotency: IdempotencyLayer<St>,
+    inbox: Inbox,
 }
 
 impl<L: Ledger, St: Store> AppState<L, St> {
-    /// The state from its parts.
+    /// The state from its parts, with webhooks signed with the development secret kept in
+    /// memory ([`with_inbox`](Self::with_inbox) to change that).
     pub fn new(ledger: L, idempotency: IdempotencyLayer<St>, processor: CardProcessor) -> Self {
         Self {
             ledger,
             processor,
             idempotency,
+            inbox: Inbox::memory(&WebhookSecret::default()),
         }
+    }
+
+    /// Replaces the webhooks' inbox (its store and secret).
+    #[must_use]
+    pub fn with_inbox(mut self, inbox: Inbox) -> Self {
+        self.inbox = inbox;
+        self
     }
 
     /// Replaces the card processor (to set a delay, or a hook that observes charges in flight).
@@ -238,11 +255,12 @@ impl<L: Ledger, St: Store> AppState<L, St> {
         St: Clone,
     {
         let store = SealingStore::new(self.idempotency.store().clone(), keys);
-        Ok(AppState::new(
+        let sealed = AppState::new(
             self.ledger,
             idempotency_layer(store, settings)?,
             self.processor,
-        ))
+        );
+        Ok(sealed.with_inbox(self.inbox))
     }
 }
 
@@ -253,11 +271,12 @@ impl AppState<MemoryLedger, MemoryStore> {
     ///
     /// As [`idempotency_layer`].
     pub fn memory(settings: &Settings) -> Result<Self, ConfigError> {
-        Ok(Self::new(
+        let state = Self::new(
             MemoryLedger::new(),
             idempotency_layer(MemoryStore::new(), settings)?,
             settings.processor(),
-        ))
+        );
+        Ok(state.with_inbox(Inbox::memory(&settings.webhook_secret)))
     }
 }
 
@@ -273,11 +292,13 @@ impl AppState<PostgresLedger, CachingStore<PostgresStore>> {
     ///
     /// As [`idempotency_layer`].
     pub fn postgres(pool: PgPool, settings: &Settings) -> Result<Self, ConfigError> {
-        Ok(Self::new(
+        let inbox = Inbox::postgres(pool.clone(), &settings.webhook_secret);
+        let state = Self::new(
             PostgresLedger::new(pool.clone()),
             idempotency_layer(CachingStore::new(PostgresStore::new(pool)), settings)?,
             settings.processor(),
-        ))
+        );
+        Ok(state.with_inbox(inbox))
     }
 }
 
@@ -297,14 +318,28 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Box<dyn std::error::Error + Se
 }
 
 /// The API: `POST /v1/charges` and `POST /v1/refunds` under the idempotency layer (one layer,
-/// so one key space), their lists and `GET /v1/charges/{id}`, `GET /v1/refunds/{id}`, all behind
-/// [`auth::authenticate`] and, outermost, [`request_id::request_ids`].
+/// so one key space), their lists and `GET /v1/charges/{id}`, `GET /v1/refunds/{id}`,
+/// `GET /v1/balance`, all behind [`auth::authenticate`]; `POST /v1/webhooks/acquirer`
+/// ([`webhooks`]), authenticated by its signature; and, outermost,
+/// [`request_id::request_ids`].
 pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
     let AppState {
         ledger,
         processor,
         idempotency,
+        inbox,
     } = state;
+    let hooks = webhooks::Webhooks {
+        ledger: ledger.clone(),
+        inbox,
+    };
+    let balance = Router::new()
+        .route("/v1/balance", get(webhooks::balance::<L>))
+        .with_state(hooks.clone());
+    // Authenticated by its signature, not an API key.
+    let acquirer_webhooks = Router::new()
+        .route("/v1/webhooks/acquirer", post(webhooks::receive::<L>))
+        .with_state(hooks);
     // Built from the layer as configured, so it cannot say other than what the layer does.
     let described = Json(openapi::document(&idempotency));
     let api = Router::new()
@@ -328,6 +363,7 @@ pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
         .route("/v1/refunds/{id}", get(routes::retrieve_refund::<L>))
         .fallback(routes::not_found)
         .with_state(routes::Api { ledger, processor })
+        .merge(balance)
         // Outside the idempotency layer, so the principal is in place when it looks for it.
         .layer(middleware::from_fn(auth::authenticate));
     Router::new()
@@ -336,6 +372,7 @@ pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
             "/openapi.json",
             get(move || std::future::ready(described.clone())),
         )
+        .merge(acquirer_webhooks)
         .merge(api)
         // Outermost, so every response has a `Request-Id`, a `401` too.
         .layer(middleware::from_fn(request_id::request_ids))

@@ -64,6 +64,7 @@ pub fn document<St: Store>(idempotency: &IdempotencyLayer<St>) -> OpenApi {
             item.get = Some(list(object));
         }
     }
+    crate::openapi_webhooks::add_to(&mut doc);
     idempotency
         .openapi()
         .with_refusal_schema(Ref::from_schema_name("Refusal"))

@@ -160,11 +160,17 @@ impl CardProcessor {
         if let Some(hook) = &self.hook {
             hook().await;
         }
-        let form = form_urlencoded::Serializer::new(String::new())
-            .append_pair("amount", &params.amount.to_string())
-            .append_pair("currency", &params.currency)
-            .append_pair("source", &params.source)
-            .finish();
+        let form = {
+            let mut form = form_urlencoded::Serializer::new(String::new());
+            form.append_pair("amount", &params.amount.to_string())
+                .append_pair("currency", &params.currency)
+                .append_pair("source", &params.source);
+            // The charge's id, for the acquirer's `charge.settled` event.
+            if let Some(charge) = crate::ledger::charge_id_for(key) {
+                form.append_pair("reference", &charge);
+            }
+            form.finish()
+        };
         let (status, body) = match &self.network {
             Network::InProcess(router) => call_in_process(router, key, form).await?,
             Network::Remote { client, url } => call_remote(client, url, key, form).await?,

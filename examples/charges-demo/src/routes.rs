@@ -67,7 +67,10 @@ pub(crate) async fn create_charge<L: Ledger>(
     // Between the authorization and the ledger write: the worst place for a crash.
     api.processor.processing().await;
     let authorization = authorized.authorization();
-    let charge = Charge::new(&account, params, authorization);
+    let mut charge = Charge::new(&account, params, authorization);
+    // The id the acquirer was told with the authorization (see `charge_id_for`).
+    let told = steps.downstream_key("authorize").to_string();
+    charge.id = crate::ledger::charge_id_for(&told).unwrap_or(charge.id);
     let charge = steps::record_charge(steps, &api.ledger, charge).await?;
     tracing::info!(
         charge = %charge.id,
@@ -341,7 +344,8 @@ pub(crate) async fn not_found(method: Method, OriginalUri(uri): OriginalUri) -> 
         crate::error::ErrorType::InvalidRequestError,
         format!(
             "Unrecognized request URL ({method}: {}). This demo serves POST and GET /v1/charges, \
-             GET /v1/charges/{{id}}, POST and GET /v1/refunds and GET /v1/refunds/{{id}}.",
+             GET /v1/charges/{{id}}, POST and GET /v1/refunds, GET /v1/refunds/{{id}}, GET \
+             /v1/balance and POST /v1/webhooks/acquirer.",
             uri.path()
         ),
     )

@@ -44,7 +44,7 @@ use tower_idempotency::{
     store::{ExpiredDeletion, SealingKeys, Store, continuously_delete_expired},
 };
 
-use crate::{AppState, Settings, StepSecret, app, ledger::Ledger};
+use crate::{AppState, Settings, StepSecret, app, ledger::Ledger, webhooks::WebhookSecret};
 
 /// How often expired idempotency records are deleted, and how many per batch.
 const EXPIRY_PERIOD: Duration = Duration::from_secs(60);
@@ -134,6 +134,12 @@ pub struct Args {
         value_name = "SECRET"
     )]
     pub step_secret: Option<String>,
+
+    /// The secret the acquirer signs its webhooks with (`whsec_` and base64, as Standard
+    /// Webhooks writes it); without it, a development secret, printed at start-up.
+    #[arg(long, env = "CHARGES_DEMO_WEBHOOK_SECRET", hide_env_values = true,
+          value_name = "WHSEC", value_parser = WebhookSecret::parse)]
+    pub webhook_secret: Option<WebhookSecret>,
     // `--completer` (driving claims abandoned mid-way) is wired here when it lands.
 }
 
@@ -174,6 +180,7 @@ impl Args {
                 .map_or_else(StepSecret::default, |secret| {
                     StepSecret(secret.as_bytes().to_vec())
                 }),
+            webhook_secret: self.webhook_secret.clone().unwrap_or_default(),
         }
     }
 }
@@ -290,6 +297,13 @@ where
         tracing::warn!(
             "no CHARGES_DEMO_STEP_SECRET: the steps' downstream keys use the development \
              secret; give every instance the same one of your own"
+        );
+    }
+    if settings.webhook_secret.is_development() {
+        // Printed on purpose: it is public, and the acquirer needs it to sign.
+        tracing::warn!(
+            secret = crate::webhooks::DEV_WEBHOOK_SECRET,
+            "no CHARGES_DEMO_WEBHOOK_SECRET: webhooks are checked with the development secret"
         );
     }
     announce(addr).map_err(RunError::Serve)?;

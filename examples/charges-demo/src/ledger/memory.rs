@@ -1,12 +1,14 @@
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap, HashSet},
     convert::Infallible,
     sync::{Arc, Mutex, MutexGuard},
 };
 
 use sqlx::PgConnection;
 
-use super::{Charge, ChargePage, Ledger, Page, Refund, RefundRefusal};
+use super::{
+    Balance, Charge, ChargePage, ChargeStatus, Ledger, Page, Refund, RefundRefusal, Settlement,
+};
 use crate::{auth::Account, params::RefundParams};
 
 /// A [`Ledger`] in the process's memory: the embedded mode's. Everything is lost on exit.
@@ -19,6 +21,10 @@ pub struct MemoryLedger {
 struct Books {
     charges: Book<Charge>,
     refunds: Book<Refund>,
+    /// The ids of the settled charges.
+    settled: HashSet<String>,
+    /// Each account's available balance, per currency.
+    available: HashMap<Account, BTreeMap<String, i64>>,
 }
 
 /// Objects of one kind, per account, in the order they were made.
@@ -78,6 +84,14 @@ impl<T: Clone> Book<T> {
             data,
             has_more: newest_first.next().is_some(),
         }
+    }
+}
+
+impl Books {
+    /// The available balance of `account` in `currency`, created at zero.
+    fn available(&mut self, account: &Account, currency: &str) -> &mut i64 {
+        let currencies = self.available.entry(account.clone()).or_default();
+        currencies.entry(currency.to_owned()).or_default()
     }
 }
 
@@ -152,8 +166,53 @@ impl Ledger for MemoryLedger {
         };
         charge.amount_refunded += amount;
         let refund = Refund::new(charge, amount, params.metadata.clone());
+        if books.settled.contains(&refund.charge) {
+            // Taken back from what the settlement made available (see `settlement`).
+            *books.available(account, &refund.currency) -= amount;
+        }
         books.refunds.insert(account, &refund.id, refund.clone());
         Ok(Ok(refund))
+    }
+
+    /// Checked and written under the ledger's one lock: a charge is settled once.
+    async fn settle(
+        &self,
+        id: &str,
+        _transaction: Option<&mut PgConnection>,
+    ) -> Result<Settlement, Infallible> {
+        let mut books = self.books();
+        let Some((account, _)) = books.charges.by_id.get(id).cloned() else {
+            return Ok(Settlement::NoSuchCharge);
+        };
+        let Some(charge) = books.charges.get(&account, id) else {
+            return Ok(Settlement::NoSuchCharge);
+        };
+        if charge.status != ChargeStatus::Succeeded {
+            return Ok(Settlement::NotPaid);
+        }
+        if !books.settled.insert(charge.id.clone()) {
+            return Ok(Settlement::AlreadySettled);
+        }
+        let amount = charge.amount - charge.amount_refunded;
+        *books.available(&account, &charge.currency) += amount;
+        Ok(Settlement::Settled {
+            amount,
+            currency: charge.currency,
+        })
+    }
+
+    async fn balance(&self, account: &Account) -> Result<Balance, Infallible> {
+        let books = self.books();
+        let mut pending = BTreeMap::new();
+        let charges = books.charges.by_account.get(account).into_iter().flatten();
+        for charge in charges {
+            if charge.status == ChargeStatus::Succeeded && !books.settled.contains(&charge.id) {
+                *pending.entry(charge.currency.clone()).or_default() +=
+                    charge.amount - charge.amount_refunded;
+            }
+        }
+        let available = books.available.get(account).cloned().unwrap_or_default();
+        Ok(Balance { available, pending })
     }
 
     async fn retrieve_refund(

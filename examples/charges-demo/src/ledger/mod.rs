@@ -56,6 +56,7 @@ use crate::{
 mod memory;
 mod postgres;
 mod refund;
+mod settlement;
 
 pub use memory::MemoryLedger;
 pub use postgres::{
@@ -63,6 +64,7 @@ pub use postgres::{
     refund_charge,
 };
 pub use refund::{Refund, RefundRefusal};
+pub use settlement::{Balance, Funds, Settlement, balance_of, settle_charge};
 
 /// Stripe's `failure_code` of a declined charge.
 pub const CARD_DECLINED: &str = "card_declined";
@@ -299,6 +301,22 @@ pub trait Ledger: Clone + Send + Sync + 'static {
         transaction: Option<&mut PgConnection>,
     ) -> impl Future<Output = Result<Result<Refund, RefundRefusal>, Self::Error>> + Send;
 
+    /// Settles the charge `id`, whichever account's (the acquirer names charges, not
+    /// accounts): marks it settled and adds its amount, less its refunds, to its account's
+    /// available balance, once per charge however often it is called ([`Settlement`]). Inside
+    /// `transaction` when one is given: the webhook's inbox record commits with it.
+    fn settle(
+        &self,
+        id: &str,
+        transaction: Option<&mut PgConnection>,
+    ) -> impl Future<Output = Result<Settlement, Self::Error>> + Send;
+
+    /// The balance of `account` ([`Balance`]).
+    fn balance(
+        &self,
+        account: &Account,
+    ) -> impl Future<Output = Result<Balance, Self::Error>> + Send;
+
     /// The refund `id` of `account`, if it exists.
     fn retrieve_refund(
         &self,
@@ -317,8 +335,19 @@ pub trait Ledger: Clone + Send + Sync + 'static {
 
 /// A new object id: `prefix`, `_`, and 22 base62 characters of 122 random bits.
 pub fn new_id(prefix: &str) -> String {
+    id_of(prefix, uuid::Uuid::new_v4().as_u128())
+}
+
+/// The id of the charge authorized under the downstream key `key` (a UUID): `ch_` and the key
+/// in base62. Known before the charge is recorded, so the acquirer is told it with the
+/// authorization and names it in its `charge.settled` events; the same on every attempt.
+pub fn charge_id_for(key: &str) -> Option<String> {
+    let key = uuid::Uuid::parse_str(key).ok()?;
+    Some(id_of("ch", key.as_u128()))
+}
+
+fn id_of(prefix: &str, mut n: u128) -> String {
     const ALPHABET: &[u8; 62] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
-    let mut n = uuid::Uuid::new_v4().as_u128();
     let mut digits = [b'0'; 22];
     for digit in digits.iter_mut().rev() {
         *digit = ALPHABET[(n % 62) as usize];

@@ -2,7 +2,10 @@ use std::{collections::BTreeMap, fmt};
 
 use sqlx::{PgConnection, PgExecutor, PgPool, Row, migrate::Migrator, postgres::PgRow};
 
-use super::{Charge, ChargePage, ChargeStatus, Failure, Ledger, Page, Refund, RefundRefusal};
+use super::{
+    Balance, Charge, ChargePage, ChargeStatus, Failure, Ledger, Page, Refund, RefundRefusal,
+    Settlement, balance_of, settle_charge, settlement::REFUND_SETTLED,
+};
 use crate::{auth::Account, params::RefundParams};
 
 /// The demo's own migrations (`examples/charges-demo/migrations`): the `charges` and `refunds`
@@ -199,6 +202,11 @@ pub async fn refund_charge(
         }
         added => added?,
     };
+    sqlx::query(REFUND_SETTLED)
+        .bind(&charge.id)
+        .bind(amount)
+        .execute(&mut *connection)
+        .await?;
     let refund = Refund::new(&charge, amount, params.metadata.clone());
     let metadata = serde_json::to_string(&refund.metadata)
         .map_err(|error| sqlx::Error::Encode(Box::new(error)))?;
@@ -265,6 +273,25 @@ impl Ledger for PostgresLedger {
             .map(decode)
             .collect::<Result<_, _>>()?;
         Ok(ChargePage { data, has_more })
+    }
+
+    /// Without a transaction the settlement runs in one of its own.
+    async fn settle(
+        &self,
+        id: &str,
+        transaction: Option<&mut PgConnection>,
+    ) -> Result<Settlement, PostgresLedgerError> {
+        if let Some(connection) = transaction {
+            return Ok(settle_charge(connection, id).await?);
+        }
+        let mut own = self.pool.begin().await?;
+        let settled = settle_charge(&mut own, id).await?;
+        own.commit().await?;
+        Ok(settled)
+    }
+
+    async fn balance(&self, account: &Account) -> Result<Balance, PostgresLedgerError> {
+        Ok(balance_of(&self.pool, account.as_str()).await?)
     }
 
     /// Without a transaction (lease mode) the refund runs in one of its own.

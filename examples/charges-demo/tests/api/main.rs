@@ -33,3 +33,4 @@ mod refunds;
 mod requests;
 mod steps;
 mod transactional;
+mod webhooks;

@@ -266,7 +266,7 @@ async fn postgres_migrations_live_apart_and_charges_are_rows() {
         };
         assert_eq!(
             applied("public._sqlx_migrations").await,
-            ["create charges", "create refunds"]
+            ["create charges", "create refunds", "create balances"]
         );
         // Every migration the store ships, in order, in the store's own table.
         let shipped: Vec<String> = tower_idempotency::store::PostgresStore::migrator()

@@ -47,8 +47,8 @@ fn succeeds(program: &str, args: &[&str]) -> bool {
 }
 
 /// The scenarios of `examples/curl/run-all.sh`: a lost response, a double click, a changed
-/// amount, a declined card, a refund.
-const CURL_SCENARIOS: usize = 5;
+/// amount, a declined card, a refund, a webhook redelivered.
+const CURL_SCENARIOS: usize = 6;
 
 #[tokio::test]
 async fn curl_scenarios_pass_against_the_binary_on_postgres() {
@@ -72,7 +72,7 @@ async fn curl_scenarios_pass_against_the_binary_on_postgres() {
 
     // The scenarios left their charges in PostgreSQL: one each (the declined one too), and the
     // refund scenario its one refund, of 500.
-    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 5);
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 6);
     assert_eq!(
         count(&db, "SELECT count(*) FROM refunds WHERE amount = 500").await,
         1
@@ -154,7 +154,7 @@ async fn curl_scenarios_pass_against_the_binary_that_waits() {
         .env("BASE_URL", server.url(""))
         .env("DEMO_WAITS", "1");
     run_scenarios(bash, CURL_SCENARIOS).await;
-    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 5);
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 6);
     assert_eq!(count(&db, "SELECT count(*) FROM refunds").await, 1);
     server.sigterm();
     assert_eq!(server.exit_code().await, Some(0));

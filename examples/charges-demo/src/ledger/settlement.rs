@@ -135,7 +135,7 @@ SELECT false, currency, sum(amount - amount_refunded)::bigint
  GROUP BY currency
 "#;
 
-/// Settles charge `id` on `connection` (a transaction: the webhook's inbox). See [`SETTLE`].
+/// Settles charge `id` on `connection` (a transaction: the webhook's inbox). See the statement `SETTLE` above.
 ///
 /// # Errors
 ///

@@ -53,6 +53,7 @@
 #![warn(missing_docs)]
 
 pub mod auth;
+pub mod completer;
 pub mod error;
 pub mod ledger;
 pub mod openapi;
@@ -75,7 +76,7 @@ use axum::{
 use http::Method;
 use sqlx::PgPool;
 use tower_idempotency::{
-    ConfigError, IdempotencyLayer, InFlightWait, KeySource, Limits, Rendering, Scope,
+    Completion, ConfigError, IdempotencyLayer, InFlightWait, KeySource, Limits, Rendering, Scope,
     store::{CachingStore, MemoryStore, PostgresStore, SealingKeys, SealingStore, Store},
 };
 
@@ -111,6 +112,9 @@ pub struct Settings {
     /// The secret the acquirer signs its webhooks with (default
     /// [`DEV_WEBHOOK_SECRET`](webhooks::DEV_WEBHOOK_SECRET)).
     pub webhook_secret: WebhookSecret,
+    /// With the [`completer`] on, how long a client has to retry a charge left mid-way after
+    /// its lease lapsed (default none: off).
+    pub completer_grace: Option<Duration>,
 }
 
 /// The step secret used when none is given: for development only, as everyone knows it.
@@ -149,6 +153,7 @@ impl Default for Settings {
             acquirer_url: None,
             step_secret: StepSecret::default(),
             webhook_secret: WebhookSecret::default(),
+            completer_grace: None,
         }
     }
 }
@@ -188,6 +193,11 @@ pub fn idempotency_layer<St: Store>(
         .with_ttl(settings.key_ttl)?
         .with_lease(settings.lease)?
         .with_step_secret(settings.step_secret.0.clone())?;
+    let layer = match settings.completer_grace {
+        // The handlers read no header beyond those always kept.
+        Some(_) => layer.with_completion(Completion::new())?,
+        None => layer,
+    };
     match settings.in_flight_wait {
         Some(wait) => layer.with_in_flight_wait(InFlightWait::up_to(wait)),
         None => Ok(layer),
@@ -323,26 +333,61 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Box<dyn std::error::Error + Se
 /// ([`webhooks`]), authenticated by its signature; and, outermost,
 /// [`request_id::request_ids`].
 pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
-    let AppState {
-        ledger,
-        processor,
-        idempotency,
-        inbox,
-    } = state;
-    let hooks = webhooks::Webhooks {
-        ledger: ledger.clone(),
-        inbox,
-    };
-    let balance = Router::new()
-        .route("/v1/balance", get(webhooks::balance::<L>))
-        .with_state(hooks.clone());
-    // Authenticated by its signature, not an API key.
-    let acquirer_webhooks = Router::new()
-        .route("/v1/webhooks/acquirer", post(webhooks::receive::<L>))
-        .with_state(hooks);
-    // Built from the layer as configured, so it cannot say other than what the layer does.
-    let described = Json(openapi::document(&idempotency));
-    let api = Router::new()
+    Routers::new(state).app
+}
+
+/// The routers [`app`] is made of.
+pub(crate) struct Routers {
+    /// What is served.
+    pub(crate) app: Router,
+    /// The charges and refunds API without its authentication, for the [`completer`], whose
+    /// kept principal stands for it.
+    pub(crate) completing: Router,
+}
+
+impl Routers {
+    pub(crate) fn new<L: Ledger, St: Store>(state: AppState<L, St>) -> Self {
+        let AppState {
+            ledger,
+            processor,
+            idempotency,
+            inbox,
+        } = state;
+        let hooks = webhooks::Webhooks {
+            ledger: ledger.clone(),
+            inbox,
+        };
+        let balance = Router::new()
+            .route("/v1/balance", get(webhooks::balance::<L>))
+            .with_state(hooks.clone());
+        // Authenticated by its signature, not an API key.
+        let acquirer_webhooks = Router::new()
+            .route("/v1/webhooks/acquirer", post(webhooks::receive::<L>))
+            .with_state(hooks);
+        // Built from the layer as configured, so it cannot say other than what the layer does.
+        let described = Json(openapi::document(&idempotency));
+        let api = api(idempotency, routes::Api { ledger, processor }).merge(balance);
+        let completing = api
+            .clone()
+            .layer(middleware::from_fn(request_id::request_ids));
+        let app = Router::new()
+            // Public: the description needs no API key.
+            .route(
+                "/openapi.json",
+                get(move || std::future::ready(described.clone())),
+            )
+            .merge(acquirer_webhooks)
+            // Outside the idempotency layer, so the principal is in place when it looks for it.
+            .merge(api.layer(middleware::from_fn(auth::authenticate)))
+            // Outermost, so every response has a `Request-Id`, a `401` too.
+            .layer(middleware::from_fn(request_id::request_ids));
+        Self { app, completing }
+    }
+}
+
+/// The charges and refunds, unauthenticated: `POST`s under the idempotency layer.
+fn api<L: Ledger, St: Store>(idempotency: IdempotencyLayer<St>, state: routes::Api<L>) -> Router {
+    Router::new()
         .route(
             "/v1/charges",
             // Only the POST handler is wrapped: reads need no key. `Original-Request` is set
@@ -362,20 +407,7 @@ pub fn app<L: Ledger, St: Store>(state: AppState<L, St>) -> Router {
         )
         .route("/v1/refunds/{id}", get(routes::retrieve_refund::<L>))
         .fallback(routes::not_found)
-        .with_state(routes::Api { ledger, processor })
-        .merge(balance)
-        // Outside the idempotency layer, so the principal is in place when it looks for it.
-        .layer(middleware::from_fn(auth::authenticate));
-    Router::new()
-        // Public: the description needs no API key.
-        .route(
-            "/openapi.json",
-            get(move || std::future::ready(described.clone())),
-        )
-        .merge(acquirer_webhooks)
-        .merge(api)
-        // Outermost, so every response has a `Request-Id`, a `401` too.
-        .layer(middleware::from_fn(request_id::request_ids))
+        .with_state(state)
 }
 
 #[cfg(test)]

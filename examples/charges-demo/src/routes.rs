@@ -8,7 +8,7 @@ use axum::{
 };
 use http::{HeaderMap, Method, StatusCode, header};
 use serde::Serialize;
-use tower_idempotency::{IdempotencyContext, IdempotentTx};
+use tower_idempotency::{Completing, IdempotencyContext, IdempotentTx};
 
 use crate::{
     auth::Account,
@@ -45,10 +45,19 @@ pub(crate) async fn create_charge<L: Ledger>(
     Extension(account): Extension<Account>,
     idempotency: IdempotencyContext,
     transaction: Option<IdempotentTx>,
+    completing: Option<Extension<Completing>>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let params = ChargeParams::parse(content_type(&headers), &body)?;
+    if let Some(Extension(completing)) = completing {
+        // Its client went away: the servers finish the charge as its retry would.
+        tracing::info!(
+            key = %idempotency.scope_key(),
+            attempt = completing.attempt(),
+            "completing a charge its client left mid-way"
+        );
+    }
     if let Some(transaction) = transaction {
         return charge_in_transaction(&api, &account, &idempotency, transaction, params).await;
     }

@@ -40,6 +40,12 @@ impl Server {
         Self::start_with_env(args, &[]).await
     }
 
+    /// [`Server::start`] with owned arguments.
+    async fn start_owned(args: Vec<String>) -> Self {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Self::start(&args).await
+    }
+
     /// [`Server::start`], with these variables in the otherwise clean environment.
     async fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(BINARY)

@@ -112,3 +112,70 @@ async fn a_crash_after_the_authorization_is_finished_by_the_retry_authorizing_on
     server.sigterm();
     assert_eq!(server.exit_code().await, Some(0));
 }
+
+/// A server killed between the authorization and the ledger write, whose client never comes
+/// back: a restarted server with `--completer` finishes the charge once its lease lapsed and
+/// the grace passed, without asking the acquirer again; the client's late retry is its replay.
+#[tokio::test]
+async fn a_charge_left_mid_way_is_finished_by_the_completer_and_replayed_to_its_client() {
+    let db = TestDb::new().await;
+    let url = db.url();
+    let (acquirer, acquirer_url) = acquirer().await;
+    let charge = |server: &Server| {
+        client()
+            .post(server.url("/v1/charges"))
+            .bearer_auth("sk_test_abandoned")
+            .header("Idempotency-Key", "abandoned-1")
+            .form(&[("amount", "1500"), ("currency", "eur")])
+            .send()
+    };
+    // Every server keeps its charges' requests, so that any of them can finish them.
+    let completing = |delay_ms: &'static str| {
+        Server::start_owned(vec![
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--database-url".into(),
+            url.clone(),
+            "--processing-delay-ms".into(),
+            delay_ms.into(),
+            "--acquirer-url".into(),
+            acquirer_url.clone(),
+            "--lease-secs".into(),
+            "1".into(),
+            "--completer".into(),
+            "--completer-grace-secs".into(),
+            "1".into(),
+        ])
+    };
+    let server = completing("600000").await;
+    let lost = tokio::spawn(charge(&server));
+    wait_for_authorizations(&acquirer, 1).await;
+    server.crash().await;
+    assert!(lost.await.expect("task").is_err());
+
+    let server = completing("0").await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while count(&db, "SELECT count(*) FROM charges").await == 0 {
+        assert!(Instant::now() < deadline, "the completer never finished it");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let retry = charge(&server).await.expect("the client's late retry");
+    assert_eq!(retry.status(), 200);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    let body: serde_json::Value = retry.json().await.expect("a charge");
+    assert_eq!(
+        (body["amount"].as_i64(), body["currency"].as_str()),
+        (Some(1500), Some("eur"))
+    );
+    assert_eq!(count(&db, "SELECT count(*) FROM charges").await, 1);
+    assert_eq!(acquirer.authorizations().len(), 1, "authorized once");
+
+    server.sigterm();
+    let (code, log) = server.exit().await;
+    assert_eq!(code, Some(0));
+    assert!(
+        log.iter()
+            .any(|line| line.contains("completing a charge its client left mid-way")),
+        "the charge was the completer's: {log:#?}"
+    );
+}

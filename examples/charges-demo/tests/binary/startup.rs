@@ -230,3 +230,14 @@ async fn an_invalid_seal_key_fails_start_up_and_a_valid_one_seals() {
     assert_eq!(code, Some(0));
     assert!(logs.iter().any(|line| line.contains("sealed")), "{logs:#?}");
 }
+
+#[tokio::test]
+async fn the_completer_without_a_database_fails_start_up_saying_why() {
+    let (code, stdout, stderr) = failed_start_with(&["--completer"], &[]).await;
+    assert_eq!(code, Some(1));
+    assert!(stdout.is_empty(), "never announced: {stdout}");
+    assert!(
+        stderr.contains("--completer needs --database-url"),
+        "{stderr}"
+    );
+}

@@ -223,18 +223,27 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// `value` as [`json`] writes it in a body.
+pub(crate) fn json_text<T: Serialize>(value: &T) -> Result<String, serde_json::Error> {
+    let mut text = serde_json::to_string_pretty(value)?;
+    text.push('\n');
+    Ok(text)
+}
+
+/// A response of JSON `body` written already (by [`json_text`]).
+pub(crate) fn json_response(status: StatusCode, body: String) -> Response {
+    let mut response = (status, body).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
 /// A JSON response, pretty-printed as Stripe's API answers (readable under `curl`).
 pub(crate) fn json<T: Serialize>(status: StatusCode, value: &T) -> Response {
-    match serde_json::to_vec_pretty(value) {
-        Ok(mut body) => {
-            body.push(b'\n');
-            let mut response = (status, body).into_response();
-            response.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            response
-        }
+    match json_text(value) {
+        Ok(body) => json_response(status, body),
         Err(error) => {
             tracing::error!(%error, "response could not be serialised");
             (

@@ -12,7 +12,7 @@ use tower_idempotency::{Completing, IdempotencyContext, IdempotentTx};
 
 use crate::{
     auth::Account,
-    error::{ApiError, json},
+    error::{ApiError, json, json_response},
     ledger::{Charge, Ledger, Page},
     params::{ChargeParams, RefundParams},
     processor::{Authorization, CardProcessor},
@@ -80,7 +80,7 @@ pub(crate) async fn create_charge<L: Ledger>(
     // The id the acquirer was told with the authorization (see `charge_id_for`).
     let told = steps.downstream_key("authorize").to_string();
     charge.id = crate::ledger::charge_id_for(&told).unwrap_or(charge.id);
-    let charge = steps::record_charge(steps, &api.ledger, charge).await?;
+    let body = steps::record_charge(steps, &api.ledger, &charge).await?;
     tracing::info!(
         charge = %charge.id,
         account = account.as_str(),
@@ -92,7 +92,10 @@ pub(crate) async fn create_charge<L: Ledger>(
         "charge created"
     );
 
-    answer(&charge, authorization)
+    match authorization {
+        Authorization::Approved => Ok(json_response(StatusCode::OK, body)),
+        declined => answer(&charge, declined),
+    }
 }
 
 /// The charge's answer: the charge, or its decline as a `402` card error.

@@ -16,7 +16,7 @@ use tower_idempotency::{DownstreamKey, IdempotencyContext, StepError, Steps};
 
 use crate::{
     auth::Account,
-    error::{ApiError, ErrorType},
+    error::{ApiError, ErrorType, json_text},
     ledger::{Charge, Ledger, Refund, RefundRefusal},
     params::{ChargeParams, RefundParams},
     processor::{Authorized, CardProcessor, NetworkError},
@@ -65,40 +65,33 @@ pub(crate) fn network_failed(error: &NetworkError) -> ApiError {
     )
 }
 
-/// Step `ledger`: records `charge` once per key and answers the charge recorded, which is
-/// `charge` unless an earlier attempt recorded its own.
+/// Step `ledger`: records `charge` once per key, with the body of its answer. A later attempt
+/// (a takeover, the completer) answers the body recorded, byte for byte, whatever happened to
+/// the charge since (a refund), as a replay of the first answer would.
 pub(crate) async fn record_charge<L: Ledger>(
     steps: &Steps,
     ledger: &L,
-    charge: Charge,
-) -> Result<Charge, ApiError> {
-    let (made, account) = (charge.id.clone(), charge.account.clone());
-    let owned = (ledger.clone(), charge.clone());
+    charge: &Charge,
+) -> Result<String, ApiError> {
+    let body = json_text(charge).map_err(|error| step_failed("ledger", &error))?;
+    let owned = (ledger.clone(), charge.clone(), body);
     let recorded = if L::IN_STORE_DATABASE {
         let write = in_transaction(move |tx, _key| {
             async move {
-                owned
-                    .0
-                    .insert(&owned.1, Some(tx))
-                    .await
-                    .map(|()| owned.1.id)
+                let (ledger, charge, body) = owned;
+                ledger.insert(&charge, Some(tx)).await.map(|()| body)
             }
             .boxed()
         });
         steps.run_in_transaction("ledger", write).await
     } else {
-        let write = |_key| async move { owned.0.insert(&owned.1, None).await.map(|()| owned.1.id) };
+        let write = |_key| async move {
+            let (ledger, charge, body) = owned;
+            ledger.insert(&charge, None).await.map(|()| body)
+        };
         steps.run("ledger", write).await
     };
-    let id = recorded.map_err(|error| step_failed("ledger", &error))?;
-    if id == made {
-        return Ok(charge);
-    }
-    match ledger.retrieve(&account, &id).await {
-        Ok(Some(recorded)) => Ok(recorded),
-        Ok(None) => Err(internal("a recorded charge is not in the ledger")),
-        Err(error) => Err(step_failed("ledger", &error)),
-    }
+    recorded.map_err(|error| step_failed("ledger", &error))
 }
 
 /// Why a refund step recorded nothing.

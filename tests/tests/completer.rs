@@ -479,3 +479,47 @@ async fn a_store_that_keeps_no_requests_and_zero_settings_are_refused() {
         Err(ConfigError::Zero(_))
     ));
 }
+
+/// A request that cannot be kept is refused before its handler runs, and its key is free:
+/// a handler that ran without its request kept could be left half done by a crash with no
+/// completer able to finish it.
+#[tokio::test]
+async fn a_request_that_cannot_be_kept_is_refused_before_its_handler_runs() {
+    bounded(async {
+        let (db, store) = migrated().await;
+        sqlx::raw_sql(
+            "CREATE FUNCTION refuse_keeping() RETURNS trigger LANGUAGE plpgsql AS
+                 $$ BEGIN RAISE EXCEPTION 'keeping refused by the test'; END $$;
+             CREATE TRIGGER refuse_keeping BEFORE INSERT OR UPDATE
+                 ON idempotency.pending_requests
+                 FOR EACH ROW EXECUTE FUNCTION refuse_keeping();",
+        )
+        .execute(db.pool())
+        .await
+        .unwrap();
+        let seen = Arc::new(Seen {
+            hang_always: false,
+            ..Seen::default()
+        });
+        let app = app(layer(store.clone()), &seen);
+        let (status, replay, body) = send(&app, "/v1/charges", "k1").await;
+        assert_eq!((status, replay), (StatusCode::SERVICE_UNAVAILABLE, false));
+        assert!(body.contains("StoreUnavailable"), "{body}");
+        assert_eq!(Seen::count(&seen.started, "k1"), 0, "the handler never ran");
+
+        sqlx::raw_sql("DROP TRIGGER refuse_keeping ON idempotency.pending_requests")
+            .execute(db.pool())
+            .await
+            .unwrap();
+        // The key is free: the retry runs (its first run hangs, as every test's crash does).
+        let (status, _, _) = send(&app, "/v1/charges", "k1").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            Seen::count(&seen.started, "k1"),
+            1,
+            "the retry ran the handler"
+        );
+        assert_eq!(pending_rows(&db).await, 1, "and its request is kept");
+    })
+    .await;
+}

@@ -24,21 +24,21 @@ pub(crate) struct Keep<'a> {
 }
 
 impl Keep<'_> {
-    /// Keeps the request under `claim`. A request the completer sent is kept already; a claim
-    /// without a fence (transactional mode) leaves nothing to complete. A failure is logged and
-    /// the handler runs: the client's own retry still finishes the key.
+    /// Keeps the request under `claim`; `false` when keeping it failed (logged). A request the
+    /// completer sent is kept already; a claim without a fence (transactional mode) leaves
+    /// nothing to complete.
     pub(crate) async fn under<St: Store>(
         self,
         store: &St,
         claim: &St::Claim,
         fingerprint: &Fingerprint,
-    ) {
+    ) -> bool {
         if self.parts.extensions.get::<Completing>().is_some() {
-            return;
+            return true;
         }
         let (Some(log), Some(fence)) = (store.capabilities().pending_log().cloned(), claim.fence())
         else {
-            return;
+            return true;
         };
         // The content type decides how the body is fingerprinted and parsed.
         let mut names: Vec<&HeaderName> = self.completion.headers.iter().collect();
@@ -46,14 +46,19 @@ impl Keep<'_> {
         names.push(&CONTENT_TYPE);
         let kept = KeptRequest::new(self.parts, self.uri, &names, self.body, self.principal);
         match log.keep(&fence, fingerprint, kept.encode()).await {
-            Ok(ClaimStatus::Held) => {}
-            Ok(_) => tracing::debug!("the claim was lost before its request was kept"),
+            Ok(ClaimStatus::Held) => true,
+            Ok(_) => {
+                // The run that follows finds the claim lost too, and stops there.
+                tracing::debug!("the claim was lost before its request was kept");
+                true
+            }
             Err(error) => {
                 metrics::completion("keep_error");
                 tracing::warn!(
                     error = %Chain(&*error),
-                    "keeping a request for completion failed; only its client's retry can finish it"
+                    "keeping a request for completion failed"
                 );
+                false
             }
         }
     }

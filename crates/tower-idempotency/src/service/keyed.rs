@@ -4,7 +4,7 @@
 use std::{future::Future, pin::pin, sync::Arc, task::Poll};
 
 use bytes::Bytes;
-use http::{Request, request::Parts};
+use http::{Request, Response, request::Parts};
 
 use super::{
     HttpBody, Inner, Keyed, Shared,
@@ -112,7 +112,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                          may have run in part"
                     );
                 }
-                keep_for_completion(
+                let kept = keep_for_completion(
                     &self.shared,
                     &self.principal,
                     &claim,
@@ -121,6 +121,9 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                     &body,
                 )
                 .await;
+                if !kept {
+                    return Ok(self.unkept(claim).await);
+                }
                 let context = IdempotencyContext {
                     key: claimed.key,
                     scope_key: claimed.scope_key,
@@ -138,6 +141,23 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             }
             KeyState::Mismatch => Ok(mismatch(&self.shared.config)),
         }
+    }
+
+    /// A request the completer could not have finished, had it been left half done: refused
+    /// before its handler runs, its key released (the lease frees it if that fails too).
+    async fn unkept(self, claim: St::Claim) -> Response<ResponseBody<S::ResBody>> {
+        let retry_after_secs = match self.shared.config.store_failure {
+            StoreFailure::FailClosed { retry_after_secs } => retry_after_secs,
+            StoreFailure::FailOpen => 1,
+        };
+        if let Err(error) = self.shared.store.release(&claim).await {
+            tracing::warn!(error = %Chain(&error), "releasing an unkept request's key failed");
+        }
+        outcome(Outcome::StoreError);
+        reject(
+            &self.shared.config,
+            Rejection::store_unavailable(retry_after_secs),
+        )
     }
 
     /// The handler without protection: no key and none required, or the store down and the
@@ -190,10 +210,10 @@ async fn keep_for_completion<St: Store>(
     claimed: &Claimed,
     parts: &Parts,
     body: &Bytes,
-) {
+) -> bool {
     let config = &*shared.config;
     let Some(completion) = &config.completion else {
-        return;
+        return true;
     };
     let keep = Keep {
         completion,
@@ -204,7 +224,9 @@ async fn keep_for_completion<St: Store>(
         body,
     };
     // Boxed: only layers with completion on pay for its state in the request's future.
-    Box::pin(keep.under(&*shared.store, claim, &claimed.fingerprint)).await;
+    let kept = Box::pin(keep.under(&*shared.store, claim, &claimed.fingerprint)).await;
+    // Failing open, the handler runs unkept, as it would run with the store down.
+    kept || config.store_failure == StoreFailure::FailOpen
 }
 
 /// What a keyed request was claimed by: its key, as sent and scoped, and its fingerprint.

@@ -38,7 +38,7 @@
 use std::{
     sync::{
         Arc, OnceLock,
-        atomic::{AtomicU32, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -71,6 +71,7 @@ pub(crate) struct Behaviour {
     pub(crate) catch_percent: u8,
     pub(crate) refund_percent: u8,
     pub(crate) wait_hangup_percent: u8,
+    pub(crate) abandon_percent: u8,
 }
 
 /// Of two senders of a charge sent at once, the second that hangs up while it waits starts
@@ -130,6 +131,8 @@ pub(crate) struct Stats {
     /// reads failed.
     pub(crate) wait_read_503s: AtomicU64,
     pub(crate) unexpected: AtomicU64,
+    /// Logical charges whose client went away at a connection error, to come back late.
+    pub(crate) abandoned: AtomicU64,
 }
 
 impl Stats {
@@ -152,10 +155,12 @@ pub(crate) struct Plan {
     pub(crate) declined: bool,
     /// Handled by the instances' handler that catches a database error ([`catch`]).
     pub(crate) caught_error: bool,
+    /// Its client goes away at its first connection error, and comes back after the run.
+    pub(crate) abandon: bool,
 }
 
 impl Plan {
-    fn call(&self) -> Call<'_> {
+    pub(crate) fn call(&self) -> Call<'_> {
         let source = if self.declined {
             "tok_chargeDeclined"
         } else {
@@ -176,6 +181,7 @@ impl Plan {
             expected: vec![self.expected_status()],
             wait_read_503s: AtomicU32::new(0),
             attempts: AtomicU32::new(0),
+            abandoned: AtomicBool::new(false),
         }
     }
 
@@ -226,6 +232,7 @@ impl RefundPlan {
             expected,
             wait_read_503s: AtomicU32::new(0),
             attempts: AtomicU32::new(0),
+            abandoned: AtomicBool::new(false),
         }
     }
 }
@@ -292,6 +299,9 @@ pub(crate) struct Observed {
     /// First attempts of its senders (sent at once) answered `503 StoreUnavailable` while
     /// waiting reads failed: a failed read while waiting must answer `409`.
     pub(crate) wait_read_503s: u32,
+    /// Its client went away at a connection error; its answer is the one it got when it came
+    /// back after the run ([`late`](crate::late)).
+    pub(crate) abandoned: bool,
 }
 
 /// What the senders of one logical refund saw.
@@ -317,6 +327,7 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
     while !*shared.stop.borrow() {
         n += 1;
         let caught_error = rng.percent(behaviour.catch_percent);
+        let parallel = rng.percent(behaviour.parallel_percent);
         let plan = Plan {
             api_key: api_key.clone(),
             key: rng.uuid().to_string(),
@@ -324,8 +335,8 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             amount: i64::try_from(rng.between(50, 99_999)).unwrap_or(100),
             declined: !caught_error && rng.percent(behaviour.decline_percent),
             caught_error,
+            abandon: !caught_error && !parallel && rng.percent(behaviour.abandon_percent),
         };
-        let parallel = rng.percent(behaviour.parallel_percent);
         let mut answers = Vec::new();
         let mut unresolved = 0;
         let mut record = |result: Option<Answer>| match result {
@@ -352,8 +363,16 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             record(a);
             record(b);
         } else {
-            record(send(&sender, &call, First::default(), &mut rng).await);
+            let first = First {
+                abandon: plan.abandon,
+                ..First::default()
+            };
+            let answer = send(&sender, &call, first, &mut rng).await;
+            if !call.abandoned.load(Ordering::Relaxed) {
+                record(answer);
+            }
         }
+        let abandoned = call.abandoned.load(Ordering::Relaxed);
         // A client whose response was lost sends again: a replay of the same bytes, or, for a
         // caught error, whose key must have been released, a fresh answer.
         let resent = answers.len() == usize::from(parallel) + 1
@@ -386,6 +405,7 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             resent,
             refunds,
             wait_read_503s,
+            abandoned,
         });
     }
     observed
@@ -416,6 +436,7 @@ pub(crate) async fn storm_charges(shared: &Shared, index: usize, mut rng: Rng) -
             amount: i64::try_from(rng.between(50, 99_999)).unwrap_or(100),
             declined: false,
             caught_error: false,
+            abandon: false,
         };
         Stats::add(&shared.stats.storm_charges);
         let stormed = First {
@@ -432,6 +453,7 @@ pub(crate) async fn storm_charges(shared: &Shared, index: usize, mut rng: Rng) -
             resent: false,
             refunds: Vec::new(),
             wait_read_503s: 0,
+            abandoned: false,
         });
     }
     observed

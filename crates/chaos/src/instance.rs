@@ -26,7 +26,7 @@ use tokio::{
     process::{Child, ChildStdin, ChildStdout, Command},
 };
 
-use crate::{BoxError, rng::Rng, serve::Bug, waits::WaitCounts};
+use crate::{BoxError, Mode, rng::Rng, serve::Bug, waits::WaitCounts};
 
 /// How many instances run.
 pub(crate) const INSTANCES: usize = 2;
@@ -46,14 +46,24 @@ const START_RETRY: Duration = Duration::from_millis(500);
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The demo's environment variables, removed so that only our flags configure an instance.
-const DEMO_ENV: [&str; 6] = [
+const DEMO_ENV: [&str; 12] = [
     "LISTEN_ADDR",
     "DATABASE_URL",
     "CHARGE_PROCESSING_DELAY_MS",
     "IDEMPOTENCY_KEY_TTL_SECS",
     "IDEMPOTENCY_LEASE_SECS",
     "IDEMPOTENCY_IN_FLIGHT_WAIT_MS",
+    "CHARGES_DEMO_ACQUIRER_URL",
+    "CHARGES_DEMO_STEP_SECRET",
+    "CHARGES_DEMO_WEBHOOK_SECRET",
+    "CHARGES_DEMO_SEAL_KEY",
+    "CHARGES_DEMO_COMPLETER",
+    "CHARGES_DEMO_COMPLETER_GRACE_SECS",
 ];
+
+/// In steps mode, how long after a key's lease lapsed the completer takes it: short, so that
+/// the run's abandoned charges are finished soon after the chaos.
+pub(crate) const COMPLETER_GRACE: Duration = Duration::from_secs(2);
 
 /// How every instance is started.
 #[derive(Debug, Clone)]
@@ -68,6 +78,11 @@ pub(crate) struct Spec {
     /// The sessions' `search_path`, when not the default (see [`wait_reads`](crate::wait_reads)).
     pub(crate) search_path: Option<&'static str>,
     pub(crate) inject_bug: Option<Bug>,
+    pub(crate) mode: Mode,
+    /// In steps mode, the network the instances authorize at, and the secret of the
+    /// downstream keys (the same on every instance).
+    pub(crate) acquirer_url: Option<String>,
+    pub(crate) step_secret: String,
 }
 
 /// The `application_name` of an instance's database sessions (`chaos_b_3` for `b#3`), by
@@ -148,6 +163,14 @@ impl Instance {
             .arg(spec.in_flight_wait_ms.to_string());
         if let Some(bug) = spec.inject_bug {
             command.args(["--inject-bug", bug.name()]);
+        }
+        command.args(["--mode", spec.mode.name()]);
+        if let Some(url) = &spec.acquirer_url {
+            command
+                .args(["--acquirer-url", url])
+                .args(["--step-secret", &spec.step_secret])
+                .args(["--completer", "--completer-grace-secs"])
+                .arg(COMPLETER_GRACE.as_secs().to_string());
         }
         for name in DEMO_ENV {
             command.env_remove(name);
@@ -390,6 +413,10 @@ pub(crate) struct DemoLog {
     /// handler writes through its transaction: a failed store is then a failed commit).
     pub(crate) background_stores: AtomicU64,
     pub(crate) panics: AtomicU64,
+    /// Charges the completer sent through a handler, and keys it completed or gave up on.
+    pub(crate) completer_charges: AtomicU64,
+    pub(crate) completed_keys: AtomicU64,
+    pub(crate) completer_gave_up: AtomicU64,
     /// How the duplicates' waits for their keys ended.
     pub(crate) waits: WaitCounts,
 }
@@ -413,6 +440,9 @@ impl DemoLog {
             aborted_successes: AtomicU64::new(0),
             background_stores: AtomicU64::new(0),
             panics: AtomicU64::new(0),
+            completer_charges: AtomicU64::new(0),
+            completed_keys: AtomicU64::new(0),
+            completer_gave_up: AtomicU64::new(0),
             waits: WaitCounts::default(),
         })
     }
@@ -457,6 +487,15 @@ impl DemoLog {
         }
         if line.contains("panicked") {
             count(&self.panics);
+        }
+        if line.contains("completing a charge its client left mid-way") {
+            count(&self.completer_charges);
+        }
+        if line.contains("completed an abandoned idempotency key") {
+            count(&self.completed_keys);
+        }
+        if line.contains("gave up completing an abandoned idempotency key") {
+            count(&self.completer_gave_up);
         }
         self.waits.ingest(line);
         let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());

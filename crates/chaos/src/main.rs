@@ -1,8 +1,22 @@
-//! The chaos run: proof that tower-idempotency's transactional mode charges exactly once
-//! through crashes, database restarts, refused completions, handlers that catch a database
-//! error, timeouts, hang-ups (and storms of them) and duplicate requests.
+//! The chaos run: proof that tower-idempotency charges exactly once through crashes, database
+//! restarts, refused completions, timeouts, hang-ups (and storms of them) and duplicate
+//! requests, in either of its modes (`--mode`):
 //!
-//! Run with `cargo run --release -p chaos -- --duration-secs 60` (the CI command). Everything is on
+//! * **steps** (the default, the demo's own mode): lease mode, each charge authorized at a
+//!   separate acquirer process (step `authorize`, under its downstream key), then written to
+//!   the ledger (step `ledger`), the completer on. Kills land between the two (the processing
+//!   delay); some clients go away at the kill and come back only after the run. The acquirer's
+//!   authorizations are counted per charge: one each (*double authorizations*: 0), none without
+//!   its charge once the completer ran and before any client came back (*orphaned
+//!   authorizations*: 0). `--inject-bug no-completer` must fail on the latter.
+//!   A client that goes away after a `503` (the acquirer did not answer: the key is released,
+//!   the authorization may stand) is not simulated: the completer sees only keys in flight, so
+//!   such an authorization waits for its client's retry, which finds it under the same key.
+//! * **transactional**: each charge written through the request's transaction, committed with
+//!   its response; handlers that catch a database error too (described below).
+//!
+//! Run with `cargo run --release -p chaos -- --mode steps --duration-secs 60` and
+//! `--mode transactional --duration-secs 30` (the CI commands). Everything is on
 //! loopback and bounded in time: setup (about 3 s), the chaos (`--duration-secs`), a drain of at
 //! most `--drain-secs` (60 s; normally about a second), the checks and the teardown. Only the
 //! PostgreSQL server binaries need to be installed (`apt install postgresql`); nothing needs to
@@ -16,7 +30,7 @@
 //!    (and by a watchdog if this program is killed with `SIGKILL`).
 //! 2. Starts **two `charges-demo` instances** on that database ([`instance`]), as child
 //!    processes of this same binary re-executed as `chaos serve` ([`serve`]): the demo through
-//!    its library, in PostgreSQL mode, that is the layer's transactional mode, with a 2 s lease.
+//!    its library on PostgreSQL, in the run's mode, with a 2 s lease.
 //!    Each listens on `127.0.0.1:0` and takes a random processing delay (10–50 ms), so kills
 //!    land mid-charge. Both make a duplicate of a charge in flight wait up to 1 s for its answer
 //!    (`--in-flight-wait-ms`), and log how each wait ended ([`waits`]). Charges marked so go to a
@@ -49,6 +63,12 @@
 //!    For refunds: no charge refunded past its amount, its `amount_refunded` the sum of its
 //!    refund rows, one row per refund answered `200` and none for one refused, and a refusal only
 //!    where the other refund sent at once left too little.
+//!
+//! In steps mode, after the drain, the run waits (up to 60 s) until no key with a kept request
+//! is in flight, counts the acquirer's authorizations against the charge rows, then lets each
+//! client that went away send its charge again: its answer is held to every rule above, and
+//! is the replay of what the completer finished. A takeover that resumes from recorded steps
+//! answers the same bytes again, unmarked: counted as *answered fresh again*, not as a failure.
 //!
 //! The choices (kill times and targets, keys, amounts, hang-ups, jitter, the refusal's window,
 //! the storms and whom they strike, the charges that catch an error) follow from `--seed`;
@@ -101,6 +121,8 @@ mod client;
 mod cluster;
 mod faults;
 mod instance;
+mod late;
+mod network;
 mod replay;
 mod report;
 mod rng;
@@ -129,7 +151,8 @@ pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[command(
     name = "chaos",
     version,
-    about = "Chaos run for tower-idempotency: two charges-demo instances on a throwaway \
+    about = "Chaos run for tower-idempotency: two charges-demo instances (steps mode with an \
+             acquirer and the completer, or transactional mode) on a throwaway \
              PostgreSQL, retrying clients, SIGKILLs, a database restart, refused completions, \
              handlers that catch a database error, hang-up storms and duplicates waiting for \
              their keys (some hanging up, some whose reads fail); then checks that every \
@@ -247,6 +270,24 @@ pub(crate) struct RunArgs {
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub(crate) storm_percent: u8,
 
+    /// How the instances make a charge exactly once: in lease mode with steps, a separate
+    /// acquirer process and the completer on (the demo's own mode), or in transactional mode.
+    #[arg(long, value_enum, default_value_t = Mode::Steps, value_name = "MODE")]
+    pub(crate) mode: Mode,
+
+    /// Percentage of charges whose client goes away if its first attempt meets a connection
+    /// error (its instance was killed mid-charge), and comes back only after the run, once the completer
+    /// has had its time; its answer then must be the replay of what the completer finished.
+    #[arg(long, default_value_t = 10, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) abandon_percent: u8,
+
+    /// In steps mode, the percentage of calls the acquirer fails with `503` (half before
+    /// authorizing, half after: a lost answer, which must not authorize twice).
+    #[arg(long, default_value_t = 5, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) acquirer_fail_percent: u8,
+
     /// Keep the demo's and the server's logs even when the run passes.
     #[arg(long)]
     pub(crate) keep_logs: bool,
@@ -254,6 +295,26 @@ pub(crate) struct RunArgs {
     /// SELF-CHECK ONLY: run the demo with a deliberate exactly-once bug; the run must FAIL.
     #[arg(long, hide = true, value_enum, value_name = "BUG")]
     pub(crate) inject_bug: Option<serve::Bug>,
+}
+
+/// `--mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Mode {
+    /// Lease mode with steps: each charge authorized at a separate acquirer (step `authorize`),
+    /// then written to the ledger (step `ledger`); the completer finishes abandoned charges.
+    Steps,
+    /// Transactional mode: each charge written through the request's transaction, committed
+    /// with its stored response.
+    Transactional,
+}
+
+impl Mode {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Steps => "steps",
+            Self::Transactional => "transactional",
+        }
+    }
 }
 
 /// `--pg-stop-mode`.
@@ -268,6 +329,11 @@ pub(crate) enum PgStopMode {
 fn main() -> ExitCode {
     if std::env::args_os().nth(1).as_deref() == Some(OsStr::new("serve")) {
         return serve::main(serve::ServeArgs::parse_from(std::env::args_os().skip(1)));
+    }
+    if std::env::args_os().nth(1).as_deref() == Some(OsStr::new("acquirer")) {
+        return network::main(network::NetworkArgs::parse_from(
+            std::env::args_os().skip(1),
+        ));
     }
     let args = RunArgs::parse();
     START.get_or_init(Instant::now);

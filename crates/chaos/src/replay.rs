@@ -79,6 +79,16 @@ pub(crate) fn args(args: &RunArgs, seed: u64) -> String {
             args.storm_percent.into(),
             defaults.storm_percent.into(),
         ),
+        (
+            "abandon-percent",
+            args.abandon_percent.into(),
+            defaults.abandon_percent.into(),
+        ),
+        (
+            "acquirer-fail-percent",
+            args.acquirer_fail_percent.into(),
+            defaults.acquirer_fail_percent.into(),
+        ),
     ];
     for (name, value, default) in numbers {
         if value != default {
@@ -89,6 +99,9 @@ pub(crate) fn args(args: &RunArgs, seed: u64) -> String {
         && let Some(value) = mode.to_possible_value()
     {
         line.push_str(&format!(" --pg-stop-mode {}", value.get_name()));
+    }
+    if args.mode != defaults.mode {
+        line.push_str(&format!(" --mode {}", args.mode.name()));
     }
     if let Some(bug) = args.inject_bug {
         line.push_str(&format!(" --inject-bug {}", bug.name()));
@@ -122,6 +135,7 @@ mod tests {
             "--refuse-completions-secs 9 --catch-percent 100 --storms 7 --storm-percent 100",
             "--in-flight-wait-ms 0 --wait-hangup-percent 0 --fail-wait-reads-secs 0",
             "--in-flight-wait-ms 2500 --wait-hangup-percent 100 --fail-wait-reads-secs 9",
+            "--mode transactional --abandon-percent 0 --acquirer-fail-percent 50",
         ] {
             let args = parse(given);
             let replayed = parse(&replay_args(&args, 7));

@@ -8,7 +8,7 @@ use std::{
 };
 
 use crate::{
-    RunArgs,
+    Mode, RunArgs,
     client::Stats,
     cluster::Cluster,
     faults::{DatabaseFaults, DatabaseRestart, Refusal, RefusalFaults, Storm, StormFaults},
@@ -112,6 +112,11 @@ pub(crate) struct Report {
     log_errors: u64,
     log_warnings: u64,
     panics: u64,
+    mode: Mode,
+    abandoned: u64,
+    completer_charges: u64,
+    completed_keys: u64,
+    completer_gave_up: u64,
     pub(crate) verdict: Verdict,
     phases: Phases,
 }
@@ -196,6 +201,11 @@ impl Report {
             log_errors: get(&log.errors),
             log_warnings: get(&log.warnings),
             panics: get(&log.panics),
+            mode: args.mode,
+            abandoned: get(&stats.abandoned),
+            completer_charges: get(&log.completer_charges),
+            completed_keys: get(&log.completed_keys),
+            completer_gave_up: get(&log.completer_gave_up),
             verdict,
             phases,
         }
@@ -213,8 +223,9 @@ impl Report {
         };
         println!();
         println!(
-            "chaos run, seed {}: {} s, {} clients, 2 instances, PostgreSQL {}{}",
+            "chaos run, seed {}: {} mode, {} s, {} clients, 2 instances, PostgreSQL {}{}",
             self.seed,
+            self.mode.name(),
             self.duration_secs,
             self.clients,
             self.postgres,
@@ -426,6 +437,11 @@ impl Report {
         );
         let takeovers = v.takeover_records.max(self.layer_takeovers);
         let takeover_note = match self.inject_bug {
+            _ if self.mode == Mode::Steps => format!(
+                "lease mode: {} logged by the layer, {} seen by the charge handler (its finished \
+                 steps taken back), {} records",
+                self.layer_takeovers, self.handler_takeovers, v.takeover_records
+            ),
             Some(Bug::LeaseMode) => format!(
                 "lease mode: {} logged by the layer, {} seen by the handler, {} records",
                 self.layer_takeovers, self.handler_takeovers, v.takeover_records
@@ -437,6 +453,9 @@ impl Report {
             ),
         };
         line("takeovers", takeovers, takeover_note);
+        if self.mode == Mode::Steps {
+            self.print_steps(&line);
+        }
         line(
             "demo log errors",
             self.log_errors,
@@ -484,5 +503,42 @@ impl Report {
             );
         }
         println!("{}", if v.passed() { "PASS" } else { "FAIL" });
+    }
+
+    /// The steps run's own lines: the clients that went away, the completer, the network.
+    fn print_steps(&self, line: &impl Fn(&str, u64, String)) {
+        let v = &self.verdict;
+        line(
+            "clients that went away",
+            self.abandoned,
+            format!(
+                "at a connection error mid-charge; {} logical charges, each sent again after \
+                 the run",
+                v.abandoned
+            ),
+        );
+        line(
+            "completer",
+            self.completed_keys,
+            format!(
+                "keys completed ({} charges driven through a handler, {} given up)",
+                self.completer_charges, self.completer_gave_up
+            ),
+        );
+        line(
+            "answered fresh again",
+            v.resumed_fresh,
+            "logical charges and refunds whose takeover resumed from their recorded steps \
+             and answered the same bytes again, unmarked"
+                .to_owned(),
+        );
+        line(
+            "acquirer authorizations",
+            v.authorizations,
+            format!(
+                "{} calls, {} of them answered as replays (a downstream key sent again)",
+                v.network_calls, v.network_replays
+            ),
+        );
     }
 }

@@ -12,16 +12,18 @@ use sqlx::postgres::PgPoolOptions;
 use tokio::{sync::watch, task::JoinSet};
 
 use crate::{
-    BoxError, PgStopMode, RunArgs,
+    BoxError, Mode, PgStopMode, RunArgs,
     client::{self, Behaviour, Shared, Stats},
     cluster::{Cluster, StopMode},
     faults::{self, DatabaseFaults, DatabaseRestart, RefusalFaults, Storm, StormFaults},
     instance::{DemoLog, Fleet, Spec},
+    late,
+    network::Network,
     progress,
     report::{Faults, Phases, Report},
     rng::Rng,
     serve::Bug,
-    verify,
+    verify::{self, Verdict, authorizations},
     wait_reads::{self, Phase, WaitReadFaults},
 };
 
@@ -29,19 +31,33 @@ use crate::{
 const SETTLE: Duration = Duration::from_secs(10);
 /// Slack beyond the drain for client tasks to return (one request timeout and one backoff).
 const DRAIN_SLACK: Duration = Duration::from_secs(15);
+/// How long the acquirer takes to authorize, in steps mode.
+const NETWORK_DELAY: Duration = Duration::from_millis(5);
 /// How often progress is printed.
 const TICK: Duration = Duration::from_secs(10);
 
 /// The whole run; the exit status.
 pub(crate) async fn main(args: RunArgs) -> ExitCode {
+    if let Some(bug) = args.inject_bug
+        && bug.mode() != args.mode
+    {
+        eprintln!(
+            "chaos: --inject-bug {} breaks {} mode: add --mode {}",
+            bug.name(),
+            bug.mode().name(),
+            bug.mode().name()
+        );
+        return ExitCode::from(2);
+    }
     let seed = args.seed.unwrap_or_else(clock_seed);
     // Caught from the start: a Ctrl-C during setup still cleans up.
     let mut signals = Signals::install();
     eprintln!(
-        "chaos run: seed {seed}, {} s, {} clients, 2 charges-demo instances (processing delay \
+        "chaos run: seed {seed}, {} mode, {} s, {} clients, 2 charges-demo instances (processing delay \
          {}–{} ms), a SIGKILL every {:.1}–{:.1} s, one PostgreSQL restart, completions refused \
          for {} s, {} % caught database errors, {} hang-up storms of {} % of the clients, \
          duplicates waiting up to {} ms ({} % of them hanging up), waiting reads failing for {} s",
+        args.mode.name(),
         args.duration_secs,
         args.clients,
         args.delay_min_ms,
@@ -166,13 +182,21 @@ async fn run(
     if !fail_wait_reads.is_zero() {
         wait_reads::prepare(&pool).await?;
     }
+    let exe = own_executable()?;
+    let network = match args.mode {
+        Mode::Steps => Some(start_network(&exe, args, seed, cluster).await?),
+        Mode::Transactional => None,
+    };
     let spec = Spec {
-        exe: own_executable()?,
+        exe,
         database_url: cluster.url(),
         delay_ms: (args.delay_min_ms, args.delay_max_ms),
         in_flight_wait_ms: args.in_flight_wait_ms,
         search_path: (!fail_wait_reads.is_zero()).then_some(wait_reads::SEARCH_PATH),
         inject_bug: args.inject_bug,
+        mode: args.mode,
+        acquirer_url: network.as_ref().map(Network::url),
+        step_secret: format!("chaos run {seed}: the secret of the downstream keys"),
     };
     let fleet = Fleet::start(spec, Arc::clone(&log), pool.clone(), rng.fork()).await?;
     let setup = setup_started.elapsed();
@@ -223,6 +247,7 @@ async fn run(
             catch_percent: catch_percent(args),
             refund_percent: args.refund_percent,
             wait_hangup_percent: args.wait_hangup_percent,
+            abandon_percent: args.abandon_percent,
         },
         stats: Stats::default(),
         stop: stop_rx.clone(),
@@ -349,15 +374,19 @@ async fn run(
     while verify::open_transactions(&pool).await? > 0 && Instant::now() < settle_until {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let verdict = after_the_chaos(&pool, &mut observed, &shared, &fleet, network.as_ref()).await?;
     let drain_time = drain_started.elapsed();
 
     progress(format_args!("checking {} logical charges", observed.len()));
     let verify_started = Instant::now();
-    let mut verdict = verify::verify(&pool, &observed).await?;
+    let mut verdict = verify::verify(&pool, &observed, verdict).await?;
     verdict.client_failures = client_failures;
     let verify_time = verify_started.elapsed();
     pool.close().await;
     fleet.stop().await;
+    if let Some(network) = network {
+        network.stop().await;
+    }
     log.flush();
 
     Ok(Report::new(
@@ -385,6 +414,73 @@ async fn run(
         },
         cluster,
     ))
+}
+
+/// The acquirer of a steps run, its log beside the demo's.
+async fn start_network(
+    exe: &Path,
+    args: &RunArgs,
+    seed: u64,
+    cluster: &Cluster,
+) -> Result<Network, BoxError> {
+    let log = std::fs::File::create(cluster.dir().join("acquirer.log"))?;
+    let fail_rate = f64::from(args.acquirer_fail_percent) / 100.0;
+    let network = Network::start(exe, NETWORK_DELAY, fail_rate, seed, log).await?;
+    progress(format_args!(
+        "acquirer listening on {} ({} % of calls failing)",
+        network.url(),
+        args.acquirer_fail_percent
+    ));
+    Ok(network)
+}
+
+/// Once the clients are done: the completer's time (no key left in flight), the network's
+/// authorizations counted before any client comes back (none may lack its charge), then the
+/// clients that went away come back, and the authorizations are counted again.
+async fn after_the_chaos(
+    pool: &sqlx::PgPool,
+    observed: &mut [client::Observed],
+    shared: &Shared,
+    fleet: &Fleet,
+    network: Option<&Network>,
+) -> Result<Verdict, BoxError> {
+    let mut verdict = Verdict {
+        steps_mode: network.is_some(),
+        ..Verdict::default()
+    };
+    let started = Instant::now();
+    let (in_flight, kept) = late::wait_for_completion(pool, late::COMPLETION_LIMIT).await?;
+    progress(format_args!(
+        "{:.1} s after the clients finished: {in_flight} keys in flight, {kept} of them with a \
+         kept request",
+        started.elapsed().as_secs_f64()
+    ));
+    let before = match network {
+        Some(network) => {
+            let made = network.authorizations().await?;
+            Some(authorizations::tally(pool, &made, &mut verdict).await?)
+        }
+        None => None,
+    };
+    let returning = observed.iter().filter(|charge| charge.abandoned).count();
+    progress(format_args!("{returning} clients that went away come back"));
+    late::come_back(observed, fleet.addrs(), &shared.stats).await;
+    if let (Some(network), Some(before)) = (network, before) {
+        let made = network.authorizations().await?;
+        let after = authorizations::tally(pool, &made, &mut Verdict::default()).await?;
+        if after.double > before.double || after.mismatched > before.mismatched {
+            verdict.example(
+                "double authorization",
+                format!("after the clients came back: {after:?}, before: {before:?}"),
+            );
+        }
+        verdict.authorizations = after.authorizations;
+        verdict.orphaned_authorizations = before.orphaned;
+        verdict.double_authorizations = before.double.max(after.double);
+        verdict.authorization_mismatches = before.mismatched.max(after.mismatched);
+        (verdict.network_calls, verdict.network_replays) = network.counts().await?;
+    }
+    Ok(verdict)
 }
 
 /// Prints the traffic so far every [`TICK`], until the stop.
@@ -422,8 +518,8 @@ async fn tick(
 /// `--catch-percent`, but none in lease mode (`--inject-bug lease-mode`): the catching handler
 /// fails inside the request's transaction, which lease mode has not.
 pub(crate) fn catch_percent(args: &RunArgs) -> u8 {
-    match args.inject_bug {
-        Some(Bug::LeaseMode) => 0,
+    match (args.mode, args.inject_bug) {
+        (Mode::Steps, _) | (_, Some(Bug::LeaseMode)) => 0,
         _ => args.catch_percent,
     }
 }

@@ -4,7 +4,7 @@
 //! up, and those a storm strikes dropped (see [`client`](crate::client)).
 
 use std::{
-    sync::atomic::{AtomicU32, Ordering},
+    sync::atomic::{AtomicBool, AtomicU32, Ordering},
     time::{Duration, Instant},
 };
 
@@ -38,6 +38,9 @@ pub(crate) struct Call<'a> {
     pub(crate) wait_read_503s: AtomicU32,
     /// Attempts its senders made so far.
     pub(crate) attempts: AtomicU32,
+    /// Set when its client went away ([`First::abandon`]): the sender returned without an
+    /// answer, to come back after the run.
+    pub(crate) abandoned: AtomicBool,
 }
 
 /// How [`send`] makes a logical request's first attempt.
@@ -49,6 +52,9 @@ pub(crate) struct First {
     pub(crate) pair: bool,
     /// The second of them hangs up this long after sending, while it waits.
     pub(crate) hang_up: Option<Duration>,
+    /// The client goes away if this send's first attempt meets a connection error, as if it
+    /// died with the instance: nothing retries the key until it comes back after the run.
+    pub(crate) abandon: bool,
 }
 
 /// One client's HTTP connections and request timeout, and its index, which storms strike or
@@ -193,6 +199,14 @@ pub(crate) async fn send(
             }
             Attempt::ConnectionError => {
                 Stats::add(&stats.connection_errors);
+                if first.abandon && attempt == 0 {
+                    // As if the client died with the instance: nothing retries this key now.
+                    // (Only a first attempt: a key an earlier attempt's 5xx released is not the
+                    // completer's to finish; see the crate documentation.)
+                    Stats::add(&stats.abandoned);
+                    call.abandoned.store(true, Ordering::Relaxed);
+                    return None;
+                }
                 instance = 1 - instance;
             }
             Attempt::Timeout => {

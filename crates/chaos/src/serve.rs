@@ -26,7 +26,7 @@ use std::{
 use charges_demo::{
     AppState, app,
     auth::Account,
-    idempotency_layer,
+    completer, idempotency_layer,
     ledger::{
         Balance, Charge, ChargePage, Ledger, Page, PostgresLedger, PostgresLedgerError, Refund,
         RefundRefusal, Settlement,
@@ -44,7 +44,7 @@ use tokio::{io::AsyncReadExt, net::TcpListener};
 use tower_idempotency::store::{PostgresStore, continuously_delete_expired};
 use tracing_subscriber::EnvFilter;
 
-use crate::{BoxError, catch};
+use crate::{BoxError, Mode, catch};
 
 /// The demo's pool (`server::run`): its size bounds the layer's detached handlers (half of it).
 const POOL_SIZE: u32 = 20;
@@ -63,6 +63,10 @@ const EXPIRY_BATCH: u32 = 1_000;
 pub(crate) struct ServeArgs {
     #[command(flatten)]
     demo: server::Args,
+
+    /// How the instance makes a charge exactly once.
+    #[arg(long, value_enum, default_value_t = Mode::Transactional)]
+    mode: Mode,
 
     /// Run the demo with a deliberate exactly-once bug (the chaos run's self-check).
     #[arg(long, value_enum)]
@@ -87,13 +91,25 @@ pub(crate) enum Bug {
     /// response is stored afterwards; a kill between the two, and the takeover after the lease
     /// lapses charges again.
     LeaseMode,
+    /// Steps mode without the completer: a charge whose instance was killed mid-way and whose
+    /// client went away leaves its authorization at the network without a charge.
+    NoCompleter,
 }
 
 impl Bug {
+    /// The mode whose wiring this bug breaks.
+    pub(crate) fn mode(self) -> Mode {
+        match self {
+            Self::WritesOutsideTx | Self::LeaseMode => Mode::Transactional,
+            Self::NoCompleter => Mode::Steps,
+        }
+    }
+
     pub(crate) fn name(self) -> &'static str {
         match self {
             Self::WritesOutsideTx => "writes-outside-tx",
             Self::LeaseMode => "lease-mode",
+            Self::NoCompleter => "no-completer",
         }
     }
 
@@ -103,6 +119,7 @@ impl Bug {
                 "transactional claims, but charges written outside the request's transaction"
             }
             Self::LeaseMode => "lease mode (2 s lease): charges and stored responses commit apart",
+            Self::NoCompleter => "steps mode without the completer: abandoned charges left mid-way",
         }
     }
 }
@@ -131,9 +148,11 @@ pub(crate) fn main(args: ServeArgs) -> ExitCode {
         if let Some(bug) = args.inject_bug {
             tracing::warn!(bug = bug.name(), "SELF-CHECK: {}", bug.describe());
         }
-        serve(args.demo, args.inject_bug)
-            .await
-            .map_err(|error| ErrorChain(&*error).to_string())
+        let served = match args.mode {
+            Mode::Steps => serve_steps(args.demo, args.inject_bug).await,
+            Mode::Transactional => serve(args.demo, args.inject_bug).await,
+        };
+        served.map_err(|error| ErrorChain(&*error).to_string())
     });
     // Exit at once: dropping the runtime would wait for the blocking read of standard input.
     match served {
@@ -202,7 +221,52 @@ async fn serve(args: server::Args, bug: Option<Bug>) -> Result<(), BoxError> {
         EXPIRY_PERIOD,
         EXPIRY_BATCH,
     ));
-    let listener = TcpListener::bind(args.listen).await?;
+    listen_and_serve(args.listen, router).await
+}
+
+/// The demo as [`server::run`] serves it on PostgreSQL: lease mode with steps, the acquirer at
+/// `--acquirer-url`, and the completer on (off with [`Bug::NoCompleter`]).
+async fn serve_steps(args: server::Args, bug: Option<Bug>) -> Result<(), BoxError> {
+    let mut settings = args.settings();
+    if bug == Some(Bug::NoCompleter) {
+        settings.completer_grace = None;
+    }
+    let pool = connect(&args).await?;
+    let state = AppState::postgres(pool.clone(), &settings)?;
+    let store = state.idempotency_store().clone();
+    let (demo, completer) = completer::app_and_completer(state, &settings)?;
+    if let (Some(completer), Some(grace)) = (completer, settings.completer_grace) {
+        tokio::spawn(completer.run(completer::period(grace)));
+    }
+    tokio::spawn(continuously_delete_expired(
+        store,
+        EXPIRY_PERIOD,
+        EXPIRY_BATCH,
+    ));
+    listen_and_serve(args.listen, demo).await
+}
+
+/// The instance's pool, sized as [`server::run`] sizes it, and the migrations applied.
+async fn connect(args: &server::Args) -> Result<sqlx::PgPool, BoxError> {
+    let url = args
+        .database_url
+        .as_deref()
+        .ok_or("chaos serve needs --database-url")?;
+    let pool = PgPoolOptions::new()
+        .max_connections(POOL_SIZE)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_with(PgConnectOptions::from_str(url)?)
+        .await?;
+    charges_demo::migrate(&pool).await?;
+    Ok(pool)
+}
+
+/// Binds, prints `listening on ADDR` and serves.
+async fn listen_and_serve(
+    listen: std::net::SocketAddr,
+    router: axum::Router,
+) -> Result<(), BoxError> {
+    let listener = TcpListener::bind(listen).await?;
     let mut stdout = io::stdout().lock();
     writeln!(stdout, "listening on {}", listener.local_addr()?)?;
     stdout.flush()?;

@@ -23,6 +23,7 @@ pub(super) fn check_charge(
     verdict.resent += u64::from(charge.resent);
     verdict.declined += u64::from(plan.declined);
     verdict.caught += u64::from(plan.caught_error);
+    verdict.abandoned += u64::from(charge.abandoned);
 
     let account = Account::from_api_key(&plan.api_key);
     let record = take_record(records, &account, &plan.key);
@@ -100,8 +101,7 @@ pub(super) fn check_charge(
         );
     }
     if answers.iter().filter(|a| !a.replayed).count() > 1 {
-        verdict.fresh_twice += 1;
-        verdict.example("answered fresh twice", format!("{what}: [{seen}]"));
+        verdict.fresh_again(&format!("{what}: [{seen}]"));
     }
     if let [row] = charge_rows.as_slice() {
         let status = if plan.declined { "failed" } else { "succeeded" };

@@ -23,6 +23,7 @@
 //! `200`, its stored record the answer delivered), but for a refusal: a `400` is never stored,
 //! so each send of a refused refund runs again, and is refused again, fresh.
 
+pub(crate) mod authorizations;
 mod charge;
 mod refunds;
 
@@ -105,6 +106,22 @@ pub(crate) struct Verdict {
     pub(crate) phantom_refund_rows: u64,
     /// First attempts of charges sent at once answered `503` while waiting reads failed.
     pub(crate) wait_read_503s: u64,
+    /// Steps mode: the network's authorizations, calls, and calls it answered as replays.
+    pub(crate) authorizations: u64,
+    pub(crate) network_calls: u64,
+    pub(crate) network_replays: u64,
+    /// Authorizations beyond the first of a charge, after the returning clients.
+    pub(crate) double_authorizations: u64,
+    /// Authorizations without a charge once the completer ran (before any client came back).
+    pub(crate) orphaned_authorizations: u64,
+    /// Authorizations of another amount than their charge's.
+    pub(crate) authorization_mismatches: u64,
+    /// Logical charges whose client went away, and came back after the run.
+    pub(crate) abandoned: u64,
+    /// Steps mode: answers are fresh again when a takeover resumes from the recorded steps.
+    pub(crate) steps_mode: bool,
+    /// Logical charges and refunds answered fresh more than once so, the same bytes each time.
+    pub(crate) resumed_fresh: u64,
 
     /// Failure examples by kind, in the order the kinds were first met: up to [`EXAMPLES`]
     /// each, and how many more there were.
@@ -113,7 +130,7 @@ pub(crate) struct Verdict {
 
 impl Verdict {
     /// Every invariant, its count, and whether it holds.
-    pub(crate) fn invariants(&self) -> [(&'static str, u64); 21] {
+    pub(crate) fn invariants(&self) -> [(&'static str, u64); 24] {
         [
             ("double executions", self.double_executions),
             ("answered fresh twice", self.fresh_twice),
@@ -136,6 +153,9 @@ impl Verdict {
             ("unresolved refunds", self.unresolved_refunds),
             ("phantom refund rows", self.phantom_refund_rows),
             ("503s for failed wait reads", self.wait_read_503s),
+            ("double authorizations", self.double_authorizations),
+            ("orphaned authorizations", self.orphaned_authorizations),
+            ("authorization mismatches", self.authorization_mismatches),
         ]
     }
 
@@ -143,7 +163,19 @@ impl Verdict {
         self.invariants().iter().all(|(_, count)| *count == 0)
     }
 
-    fn example(&mut self, kind: &'static str, text: String) {
+    /// A logical request answered fresh more than once (its answers' bytes are checked apart).
+    /// In steps mode a takeover resumed from the recorded steps does so, having run no step
+    /// twice; otherwise it is a second execution.
+    fn fresh_again(&mut self, what: &str) {
+        if self.steps_mode {
+            self.resumed_fresh += 1;
+        } else {
+            self.fresh_twice += 1;
+            self.example("answered fresh twice", what.to_owned());
+        }
+    }
+
+    pub(crate) fn example(&mut self, kind: &'static str, text: String) {
         let index = match self.examples.iter().position(|(k, _, _)| *k == kind) {
             Some(index) => index,
             None => {
@@ -197,8 +229,12 @@ pub(crate) async fn open_transactions(pool: &PgPool) -> Result<u64, sqlx::Error>
 }
 
 /// Checks `observed` against the database.
-pub(crate) async fn verify(pool: &PgPool, observed: &[Observed]) -> Result<Verdict, sqlx::Error> {
-    let mut verdict = Verdict::default();
+/// The checks, adding to `verdict` (which may hold the network's tally already).
+pub(crate) async fn verify(
+    pool: &PgPool,
+    observed: &[Observed],
+    mut verdict: Verdict,
+) -> Result<Verdict, sqlx::Error> {
     let (mut refund_rows, refunded) = read_refunds(pool, &mut verdict).await?;
     let mut rows = read_charges(pool, &mut verdict, &refunded).await?;
     let mut records = read_records(pool, &mut verdict).await?;

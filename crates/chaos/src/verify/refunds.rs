@@ -102,8 +102,7 @@ pub(super) fn check_refunds(
         }
         outcomes.push((refund, first.amount));
         if answers.iter().filter(|a| !a.replayed).count() > 1 {
-            verdict.fresh_twice += 1;
-            verdict.example("answered fresh twice", format!("{what}: [{seen}]"));
+            verdict.fresh_again(&format!("{what}: [{seen}]"));
         }
         match refund_rows.as_slice() {
             [] => {

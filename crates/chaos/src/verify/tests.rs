@@ -18,6 +18,7 @@ fn plan(caught_error: bool) -> Plan {
         amount: 100,
         declined: false,
         caught_error,
+        abandon: false,
     }
 }
 
@@ -38,6 +39,7 @@ fn observed(plan: Plan, answers: Vec<Answer>) -> Observed {
         resent: true,
         refunds: Vec::new(),
         wait_read_503s: 0,
+        abandoned: false,
     }
 }
 
@@ -322,4 +324,21 @@ fn a_refund_answered_without_its_row_fails() {
     let (done, _) = refunded("re_1", 50);
     let verdict = check_refunded(vec![refund(0, None, false, vec![done])], Vec::new());
     assert_eq!(failed(&verdict), [("refund mismatches", 1)]);
+}
+
+/// In steps mode a second fresh answer (of the same bytes, checked apart) is a takeover that
+/// resumed from the recorded steps; in transactional mode it is a second execution.
+#[test]
+fn a_second_fresh_answer_fails_only_outside_steps_mode() {
+    let mut transactional = Verdict::default();
+    transactional.fresh_again("order 1");
+    assert_eq!(transactional.fresh_twice, 1);
+    assert!(!transactional.passed());
+    let mut steps = Verdict {
+        steps_mode: true,
+        ..Verdict::default()
+    };
+    steps.fresh_again("order 1");
+    assert_eq!((steps.fresh_twice, steps.resumed_fresh), (0, 1));
+    assert!(steps.passed());
 }

@@ -1,0 +1,94 @@
+//! After the chaos, the charges whose clients went away ([`Observed::abandoned`]): first the
+//! completer's time, until no key is left in flight, then each client comes back and sends its
+//! charge once more, as a client restarted the next day would. Its answer must be the replay of
+//! what the completer finished (or, for a key never claimed, the charge made now); the checks
+//! then hold it to every rule a charge's answers are held to.
+
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use sqlx::PgPool;
+
+use crate::{
+    client::{Answer, Observed, Stats},
+    instance::Addrs,
+};
+
+/// How long the completer may take to finish the abandoned keys (a lease, the grace, a few
+/// rounds and attempts).
+pub(crate) const COMPLETION_LIMIT: Duration = Duration::from_secs(60);
+/// How long a returning client keeps retrying an answer that is not final.
+const RETURN_LIMIT: Duration = Duration::from_secs(30);
+const RETRY_EVERY: Duration = Duration::from_millis(200);
+
+/// Keys in flight, and of them those with a kept request (the completer's to finish). A key
+/// claimed by an instance killed before it kept the request never reached its handler: only
+/// its client can finish it, as it does here when it comes back.
+const IN_FLIGHT: &str = "SELECT count(*), count(*) FILTER (WHERE EXISTS (
+        SELECT 1 FROM idempotency.pending_requests p WHERE p.scope_key = r.scope_key))
+    FROM idempotency.records r WHERE r.status IS NULL";
+
+/// Waits until no key with a kept request is in flight, at most `limit`; returns the keys in
+/// flight then, and of them those with a kept request (0 when the completer finished them).
+pub(crate) async fn wait_for_completion(
+    pool: &PgPool,
+    limit: Duration,
+) -> Result<(u64, u64), sqlx::Error> {
+    let until = Instant::now() + limit;
+    loop {
+        let (in_flight, kept): (i64, i64) = sqlx::query_as(IN_FLIGHT).fetch_one(pool).await?;
+        if kept == 0 || Instant::now() >= until {
+            let count = |n: i64| u64::try_from(n).unwrap_or(0);
+            return Ok((count(in_flight), count(kept)));
+        }
+        // Polled: the completer's progress is only visible in the database.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Each abandoned charge's client comes back and sends it again until a final answer.
+pub(crate) async fn come_back(observed: &mut [Observed], addrs: &Addrs, stats: &Stats) {
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .expect("an HTTP client without TLS or proxies builds");
+    for (n, charge) in observed.iter_mut().filter(|c| c.abandoned).enumerate() {
+        let call = charge.plan.call();
+        let until = Instant::now() + RETURN_LIMIT;
+        let answer = loop {
+            let url = format!("http://{}{}", addrs.get(n % 2), call.path);
+            Stats::add(&stats.requests);
+            let sent = http
+                .post(url)
+                .bearer_auth(call.api_key)
+                .header("idempotency-key", call.key)
+                .form(&call.form)
+                .send()
+                .await;
+            if let Ok(response) = sent {
+                let status = response.status();
+                let replayed = response
+                    .headers()
+                    .get("idempotent-replayed")
+                    .is_some_and(|v| v.as_bytes() == b"true");
+                let final_answer = status != StatusCode::CONFLICT && !status.is_server_error();
+                if let (true, Ok(body)) = (final_answer, response.bytes().await) {
+                    if replayed {
+                        Stats::add(&stats.replays);
+                    }
+                    break Some(Answer::new(status, replayed, &body));
+                }
+            }
+            if Instant::now() >= until {
+                break None;
+            }
+            tokio::time::sleep(RETRY_EVERY).await;
+        };
+        drop(call);
+        match answer {
+            Some(answer) => charge.answers.push(answer),
+            None => charge.unresolved += 1,
+        }
+    }
+}

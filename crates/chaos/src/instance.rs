@@ -68,6 +68,8 @@ pub(crate) struct Spec {
     /// The sessions' `search_path`, when not the default (see [`wait_reads`](crate::wait_reads)).
     pub(crate) search_path: Option<&'static str>,
     pub(crate) inject_bug: Option<Bug>,
+    /// `--webhook-secret`: the run's own, which the [webhook sender](crate::webhooks) signs with.
+    pub(crate) webhook_secret: String,
 }
 
 /// The `application_name` of an instance's database sessions (`chaos_b_3` for `b#3`), by
@@ -145,7 +147,9 @@ impl Instance {
             .arg("--lease-secs")
             .arg(LEASE.as_secs().to_string())
             .arg("--in-flight-wait-ms")
-            .arg(spec.in_flight_wait_ms.to_string());
+            .arg(spec.in_flight_wait_ms.to_string())
+            .arg("--webhook-secret")
+            .arg(&spec.webhook_secret);
         if let Some(bug) = spec.inject_bug {
             command.args(["--inject-bug", bug.name()]);
         }

@@ -79,6 +79,11 @@ pub(crate) fn args(args: &RunArgs, seed: u64) -> String {
             args.storm_percent.into(),
             defaults.storm_percent.into(),
         ),
+        (
+            "settle-percent",
+            args.settle_percent.into(),
+            defaults.settle_percent.into(),
+        ),
     ];
     for (name, value, default) in numbers {
         if value != default {
@@ -122,6 +127,8 @@ mod tests {
             "--refuse-completions-secs 9 --catch-percent 100 --storms 7 --storm-percent 100",
             "--in-flight-wait-ms 0 --wait-hangup-percent 0 --fail-wait-reads-secs 0",
             "--in-flight-wait-ms 2500 --wait-hangup-percent 100 --fail-wait-reads-secs 9",
+            "--settle-percent 0",
+            "--settle-percent 100",
         ] {
             let args = parse(given);
             let replayed = parse(&replay_args(&args, 7));

@@ -506,7 +506,8 @@ fn print_webhooks(w: &WebhookVerdict, line: &impl Fn(&str, u64, String)) {
         "copies",
         w.copies,
         format!(
-            "at most {} of one event in flight at once; all {COPIES} at once for {} events",
+            "at most {} of one event in flight at once; all {COPIES} at once for {} events (their \
+             waits for a copy in flight count among the duplicates that waited)",
             w.peak_at_once, w.all_at_once
         ),
     );
@@ -528,8 +529,13 @@ fn print_webhooks(w: &WebhookVerdict, line: &impl Fn(&str, u64, String)) {
         "settled charges",
         w.settled_charges,
         format!(
-            "{} of them refunded, {} settled by two events; {} inbox records",
-            w.settled_refunded, w.settled_twice_sent, w.inbox_records
+            "{} of them refunded ({} in part before their settlement, {} after it), {} sent \
+             two events; {} inbox records",
+            w.settled_refunded,
+            w.refunded_before,
+            w.refunded_after,
+            w.settled_twice_sent,
+            w.inbox_records
         ),
     );
     line(

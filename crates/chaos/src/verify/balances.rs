@@ -55,6 +55,9 @@ pub(crate) struct WebhookVerdict {
     /// Charges settled (an event answered `2xx`), of them refunded, and with two events so.
     pub(crate) settled_charges: u64,
     pub(crate) settled_refunded: u64,
+    /// Settled charges refunded (in part) before their settlement, and after it.
+    pub(crate) refunded_before: u64,
+    pub(crate) refunded_after: u64,
     pub(crate) settled_twice_sent: u64,
     pub(crate) inbox_records: u64,
     pub(crate) accounts: u64,
@@ -347,48 +350,59 @@ fn check_charges(
     }
     for (charge, facts) in facts {
         let outcomes = settled.get(charge).map_or(&[][..], Vec::as_slice);
-        let w = &mut verdict.webhooks;
-        if !outcomes.is_empty() {
-            w.settled_charges += 1;
-            w.settled_refunded += u64::from(!facts.refunds.is_empty());
-            w.settled_twice_sent += u64::from(outcomes.len() > 1);
-        }
         let by_settling: Vec<&Value> = outcomes
             .iter()
             .filter(|outcome| outcome["outcome"] == "settled")
             .collect();
+        count_settled(&mut verdict.webhooks, facts, outcomes, &by_settling);
         if by_settling.len() > 1 {
-            w.double_settlements += by_settling.len() as u64 - 1;
+            verdict.webhooks.double_settlements += by_settling.len() as u64 - 1;
             let text = format!(
                 "charge {charge}: settled by {} events: {outcomes:?}",
                 by_settling.len()
             );
             verdict.example("double settlement", text);
         }
-        let answered = !outcomes.is_empty();
-        let wrong = if facts.settled != answered {
-            Some(format!(
-                "marked settled: {}; answered: {outcomes:?}",
-                facts.settled
-            ))
-        } else if !outcomes.is_empty() && by_settling.is_empty() {
-            Some(format!("no event settled it: {outcomes:?}"))
-        } else {
-            by_settling
-                .iter()
-                .find(|outcome| !settles_as_defined(facts, outcome))
-                .map(|outcome| {
-                    format!(
-                        "settled {outcome}; the charge is {} {} with refunds {:?}",
-                        facts.amount, facts.currency, facts.refunds
-                    )
-                })
-        };
-        if let Some(wrong) = wrong {
+        if let Some(wrong) = settlement_wrong(facts, outcomes, &by_settling) {
             verdict.webhooks.settlement_mismatches += 1;
             verdict.example("settlement mismatch", format!("charge {charge}: {wrong}"));
         }
     }
+}
+
+/// The figures of a settled charge: refunded, before or after its settlement, sent twice.
+fn count_settled(w: &mut WebhookVerdict, facts: &Facts, outcomes: &[Value], by: &[&Value]) {
+    if outcomes.is_empty() {
+        return;
+    }
+    w.settled_charges += 1;
+    w.settled_refunded += u64::from(!facts.refunds.is_empty());
+    w.settled_twice_sent += u64::from(outcomes.len() > 1);
+    if let Some(added) = by.first().and_then(|settled| settled["amount"].as_i64()) {
+        w.refunded_before += u64::from(added < facts.amount);
+        w.refunded_after += u64::from(added > facts.net());
+    }
+}
+
+/// What is wrong with a charge's settlement, if anything: marked settled exactly when an event
+/// was answered `2xx`, by one that says `settled`, of an amount its refunds explain.
+fn settlement_wrong(facts: &Facts, outcomes: &[Value], by_settling: &[&Value]) -> Option<String> {
+    if facts.settled == outcomes.is_empty() {
+        return Some(format!(
+            "marked settled: {}; answered: {outcomes:?}",
+            facts.settled
+        ));
+    }
+    if !outcomes.is_empty() && by_settling.is_empty() {
+        return Some(format!("no event settled it: {outcomes:?}"));
+    }
+    let wrong = by_settling
+        .iter()
+        .find(|outcome| !settles_as_defined(facts, outcome))?;
+    Some(format!(
+        "settled {wrong}; the charge is {} {} with refunds {:?}",
+        facts.amount, facts.currency, facts.refunds
+    ))
 }
 
 /// Whether `settlement` added the charge's amount less the refunds made before it: some of its

@@ -493,6 +493,16 @@ impl Report {
 /// The settlements' figures ([`webhooks`](crate::webhooks)).
 fn print_webhooks(w: &WebhookVerdict, line: &impl Fn(&str, u64, String)) {
     println!("webhooks (charge.settled, {COPIES} copies at once)");
+    if w.settle_percent == 0 {
+        let off = "off (--settle-percent 0): the balances are all pending".to_owned();
+        line("events", 0, off);
+        let read = format!(
+            "{} balances read (each account on both instances)",
+            w.balance_reads
+        );
+        line("accounts checked", w.accounts, read);
+        return;
+    }
     line(
         "events",
         w.events,

@@ -15,7 +15,7 @@
 //!   the charge (5 % of them) as often as it follows it.
 //! * [`SECOND_EVENT_PERCENT`] of the settled charges get a second event with another id, at
 //!   the same time as the first or after its answers: the charge must still settle once.
-//! * [`UNKNOWN_PERCENT`] of the charges offered also bring an event naming a charge that does
+//! * [`UNKNOWN_PERCENT`] of the settled charges also bring an event naming a charge that does
 //!   not exist: every copy must be answered `404`, and it must leave no inbox record.
 //!
 //! Every copy's final answer is kept in the [`Log`]; the checks
@@ -45,7 +45,7 @@ use crate::{BoxError, client::Shared, rng::Rng};
 pub(crate) const COPIES: usize = 20;
 /// Of the settled charges, those that get a second event (another id).
 pub(crate) const SECOND_EVENT_PERCENT: u8 = 20;
-/// Of the charges offered, those that also bring an event for a charge that does not exist.
+/// Of the settled charges, those that also bring an event for a charge that does not exist.
 pub(crate) const UNKNOWN_PERCENT: u8 = 3;
 /// The demo's endpoint.
 const PATH: &str = "/v1/webhooks/acquirer";
@@ -209,6 +209,9 @@ pub(crate) async fn run(
         };
         let Some(paid) = paid else { break };
         offered += 1;
+        if !rng.percent(settle_percent) {
+            continue;
+        }
         if rng.percent(UNKNOWN_PERCENT) {
             let unknown = Paid {
                 api_key: String::new(),
@@ -217,10 +220,8 @@ pub(crate) async fn run(
             let (sender, rng) = (Arc::clone(&sender), rng.fork());
             tasks.spawn(async move { vec![sender.unknown(unknown, rng).await] });
         }
-        if rng.percent(settle_percent) {
-            let (sender, rng) = (Arc::clone(&sender), rng.fork());
-            tasks.spawn(async move { sender.settle(paid, rng).await });
-        }
+        let (sender, rng) = (Arc::clone(&sender), rng.fork());
+        tasks.spawn(async move { sender.settle(paid, rng).await });
     }
     let mut log = Log {
         settle_percent,

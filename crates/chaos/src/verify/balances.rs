@@ -307,7 +307,8 @@ fn check_copies(verdict: &mut Verdict, event: &Event, what: &str) -> Option<Valu
         };
         if !expected {
             verdict.webhooks.unexpected_answers += 1;
-            let excerpt = String::from_utf8_lossy(&body[..body.len().min(160)]).into_owned();
+            let text = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+            let excerpt = text.split_whitespace().collect::<Vec<_>>().join(" ");
             verdict.example(
                 "unexpected webhook answer",
                 format!("{what}: {status} {excerpt}"),

@@ -55,6 +55,7 @@ use crate::{
     rng::Rng,
     send::{Call, First, Sender, send, struck},
     wait_reads::Phase,
+    webhooks::Feed,
 };
 
 /// How the clients behave (the command line's client options).
@@ -99,6 +100,8 @@ pub(crate) struct Shared {
     pub(crate) storms: watch::Receiver<Storm>,
     /// The window in which waiting reads fail.
     pub(crate) wait_reads: Phase,
+    /// Where charges that succeeded are offered for settlement ([`webhooks`](crate::webhooks)).
+    pub(crate) webhooks: Feed,
 }
 
 /// Counters of what the clients did and met.
@@ -390,6 +393,9 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
             .first()
             .filter(|answer| answer.status == StatusCode::OK && !plan.caught_error)
             .and_then(|answer| answer.object_id.clone());
+        if let Some(charge_id) = &succeeded {
+            shared.webhooks.offer(&plan.api_key, charge_id);
+        }
         let refunds = match succeeded {
             Some(charge_id) if rng.percent(behaviour.refund_percent) => {
                 refund(&sender, &plan, charge_id, &mut rng).await

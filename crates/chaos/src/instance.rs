@@ -83,6 +83,8 @@ pub(crate) struct Spec {
     /// downstream keys (the same on every instance).
     pub(crate) acquirer_url: Option<String>,
     pub(crate) step_secret: String,
+    /// `--webhook-secret`: the run's own, which the [webhook sender](crate::webhooks) signs with.
+    pub(crate) webhook_secret: String,
 }
 
 /// The `application_name` of an instance's database sessions (`chaos_b_3` for `b#3`), by
@@ -160,7 +162,9 @@ impl Instance {
             .arg("--lease-secs")
             .arg(LEASE.as_secs().to_string())
             .arg("--in-flight-wait-ms")
-            .arg(spec.in_flight_wait_ms.to_string());
+            .arg(spec.in_flight_wait_ms.to_string())
+            .arg("--webhook-secret")
+            .arg(&spec.webhook_secret);
         if let Some(bug) = spec.inject_bug {
             command.args(["--inject-bug", bug.name()]);
         }

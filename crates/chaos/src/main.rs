@@ -44,6 +44,10 @@
 //!    after their answer, 3 % marked for the catching handler; and **refund** 5 % of the charges
 //!    that succeed (a random part or all; some twice at once with different keys, together often
 //!    more than the charge; some sent again after their answer).
+//!    As an acquirer, it **settles 30 %** of the charges that succeed (`--settle-percent`,
+//!    [`webhooks`]): a signed `charge.settled` webhook (the run's own secret) delivered as **20
+//!    copies at once** over both instances, each retried until a final answer; some charges get
+//!    a second event with another id, and a few events name a charge that does not exist.
 //! 4. Meanwhile ([`faults`]) **`SIGKILL`s a random instance every 2–5 s** and restarts it on a
 //!    new port (the clients learn it), **restarts PostgreSQL once** (`pg_ctl stop -m fast`
 //!    or `immediate`, down 1–3 s) between 30 % and 60 % of the run, **refuses completions for
@@ -63,6 +67,10 @@
 //!    For refunds: no charge refunded past its amount, its `amount_refunded` the sum of its
 //!    refund rows, one row per refund answered `200` and none for one refused, and a refusal only
 //!    where the other refund sent at once left too little.
+//!    For settlements: every account's `GET /v1/balance` (on both instances) equals what its
+//!    charge and refund rows give for the charges whose events were answered `2xx`, no charge
+//!    settled twice, every such event has its inbox record, every unknown charge's copy got a
+//!    `404` and left none, and no copy got another answer.
 //!
 //! In steps mode, after the drain, the run waits (up to 60 s) until no key with a kept request
 //! is in flight, counts the acquirer's authorizations against the charge rows, then lets each
@@ -71,8 +79,8 @@
 //! answers the same bytes again, unmarked: counted as *answered fresh again*, not as a failure.
 //!
 //! The choices (kill times and targets, keys, amounts, hang-ups, jitter, the refusal's window,
-//! the storms and whom they strike, the charges that catch an error) follow from `--seed`;
-//! without one a seed is drawn and printed. Timing still differs between runs.
+//! the storms and whom they strike, the charges that catch an error, the webhooks) follow from
+//! `--seed`; without one a seed is drawn and printed. Timing still differs between runs.
 //!
 //! # Reading the output
 //!
@@ -101,6 +109,9 @@
 //!   handler writes through its transaction); takeovers (always 0 in transactional mode: a claim
 //!   commits only together with its response, so no record is ever left in flight for a
 //!   retry to take over; a killed holder's transaction is simply aborted);
+//! * **webhooks**: events (second events, unknown charges), copies and deliveries, retries
+//!   (and why), the most copies of one event in flight at once, `404`s, charges settled (and of
+//!   them refunded), accounts and balances checked;
 //! * **invariants**: each with its count; any non-zero count is a failure, explained by up to
 //!   20 examples below the table;
 //! * **time**: each phase, and the total.
@@ -132,6 +143,7 @@ mod serve;
 mod verify;
 mod wait_reads;
 mod waits;
+mod webhooks;
 
 use std::{
     ffi::OsStr,
@@ -287,6 +299,12 @@ pub(crate) struct RunArgs {
     #[arg(long, default_value_t = 5, value_name = "P",
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub(crate) acquirer_fail_percent: u8,
+
+    /// Percentage of the charges that succeeded which get a `charge.settled` webhook, each
+    /// delivered as 20 copies at once over both instances (see [`webhooks`]).
+    #[arg(long, default_value_t = 10, value_name = "P",
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub(crate) settle_percent: u8,
 
     /// Keep the demo's and the server's logs even when the run passes.
     #[arg(long)]

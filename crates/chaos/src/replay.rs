@@ -89,6 +89,11 @@ pub(crate) fn args(args: &RunArgs, seed: u64) -> String {
             args.acquirer_fail_percent.into(),
             defaults.acquirer_fail_percent.into(),
         ),
+        (
+            "settle-percent",
+            args.settle_percent.into(),
+            defaults.settle_percent.into(),
+        ),
     ];
     for (name, value, default) in numbers {
         if value != default {
@@ -136,6 +141,8 @@ mod tests {
             "--in-flight-wait-ms 0 --wait-hangup-percent 0 --fail-wait-reads-secs 0",
             "--in-flight-wait-ms 2500 --wait-hangup-percent 100 --fail-wait-reads-secs 9",
             "--mode transactional --abandon-percent 0 --acquirer-fail-percent 50",
+            "--settle-percent 0",
+            "--settle-percent 100",
         ] {
             let args = parse(given);
             let replayed = parse(&replay_args(&args, 7));

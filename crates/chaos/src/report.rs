@@ -14,8 +14,9 @@ use crate::{
     faults::{DatabaseFaults, DatabaseRestart, Refusal, RefusalFaults, Storm, StormFaults},
     instance::{DemoLog, Fleet, LEASE},
     serve::Bug,
-    verify::Verdict,
+    verify::{Verdict, WebhookVerdict},
     wait_reads::{WaitReadFault, WaitReadFaults},
+    webhooks::COPIES,
 };
 
 /// How long each phase took.
@@ -464,8 +465,10 @@ impl Report {
                 self.log_warnings, self.panics, self.log_path
             ),
         );
+        print_webhooks(&v.webhooks, &line);
         println!("invariants");
-        for (name, count) in v.invariants() {
+        let settlements = v.webhooks.invariants();
+        for (name, count) in v.invariants().into_iter().chain(settlements) {
             line(
                 name,
                 count,
@@ -541,4 +544,72 @@ impl Report {
             ),
         );
     }
+}
+
+/// The settlements' figures ([`webhooks`](crate::webhooks)).
+fn print_webhooks(w: &WebhookVerdict, line: &impl Fn(&str, u64, String)) {
+    println!("webhooks (charge.settled, {COPIES} copies at once)");
+    if w.settle_percent == 0 {
+        let off = "off (--settle-percent 0): the balances are all pending".to_owned();
+        line("events", 0, off);
+        let read = format!(
+            "{} balances read (each account on both instances)",
+            w.balance_reads
+        );
+        line("accounts checked", w.accounts, read);
+        return;
+    }
+    line(
+        "events",
+        w.events,
+        format!(
+            "for {} % of {} charges that succeeded: {} second events (another id), {} for \
+             unknown charges",
+            w.settle_percent, w.offered, w.second_events, w.unknown_events
+        ),
+    );
+    line(
+        "copies",
+        w.copies,
+        format!(
+            "at most {} of one event in flight at once; all {COPIES} at once for {} events (their \
+             waits for a copy in flight count among the duplicates that waited)",
+            w.peak_at_once, w.all_at_once
+        ),
+    );
+    line(
+        "deliveries",
+        w.deliveries,
+        format!(
+            "{} retries: {} connection errors, {} timeouts, {} × 5xx, {} × 409 (another copy \
+             in flight)",
+            w.retries, w.connection_errors, w.timeouts, w.server_errors, w.conflicts
+        ),
+    );
+    line(
+        "404 answers",
+        w.not_found,
+        "copies of events for unknown charges".to_owned(),
+    );
+    line(
+        "settled charges",
+        w.settled_charges,
+        format!(
+            "{} of them refunded ({} in part before their settlement, {} after it), {} sent \
+             two events; {} inbox records",
+            w.settled_refunded,
+            w.refunded_before,
+            w.refunded_after,
+            w.settled_twice_sent,
+            w.inbox_records
+        ),
+    );
+    line(
+        "accounts checked",
+        w.accounts,
+        format!(
+            "{} balances read (each account on both instances)",
+            w.balance_reads
+        ),
+    );
 }

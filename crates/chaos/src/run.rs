@@ -25,6 +25,7 @@ use crate::{
     serve::Bug,
     verify::{self, Verdict, authorizations},
     wait_reads::{self, Phase, WaitReadFaults},
+    webhooks,
 };
 
 /// How long the database's transactions may take to end once the clients are done.
@@ -187,6 +188,7 @@ async fn run(
         Mode::Steps => Some(start_network(&exe, args, seed, cluster).await?),
         Mode::Transactional => None,
     };
+    let webhook_secret = webhooks::secret();
     let spec = Spec {
         exe,
         database_url: cluster.url(),
@@ -197,6 +199,7 @@ async fn run(
         mode: args.mode,
         acquirer_url: network.as_ref().map(Network::url),
         step_secret: format!("chaos run {seed}: the secret of the downstream keys"),
+        webhook_secret: webhook_secret.clone(),
     };
     let fleet = Fleet::start(spec, Arc::clone(&log), pool.clone(), rng.fork()).await?;
     let setup = setup_started.elapsed();
@@ -235,6 +238,7 @@ async fn run(
     let wait_read_fault = wait_reads::plan(&mut rng, duration, fail_wait_reads, &avoid);
     let (storm_tx, storm_rx) = watch::channel(Storm::default());
     let (stop_tx, stop_rx) = watch::channel(false);
+    let (feed, paid) = webhooks::Feed::channel(args.settle_percent > 0);
     let shared = Arc::new(Shared {
         addrs: Arc::clone(fleet.addrs()),
         behaviour: Behaviour {
@@ -254,6 +258,7 @@ async fn run(
         deadline: OnceLock::new(),
         storms: storm_rx,
         wait_reads: Phase::default(),
+        webhooks: feed,
     });
     let stop = || {
         let _ = shared.deadline.set(Instant::now() + drain);
@@ -290,6 +295,10 @@ async fn run(
         },
     ));
     let chaos_started = Instant::now();
+    let sending = tokio::spawn({
+        let (shared, percent) = (Arc::clone(&shared), args.settle_percent);
+        async move { webhooks::run(shared, paid, &webhook_secret, percent).await }
+    });
     let mut clients = JoinSet::new();
     for index in 0..usize::from(args.clients) {
         let shared = Arc::clone(&shared);
@@ -369,6 +378,7 @@ async fn run(
         progress(format_args!("{} client(s) did not finish", clients.len()));
         clients.abort_all();
     }
+    let settled = webhooks::finish(sending, drain_started + drain + DRAIN_SLACK).await;
     // Handlers whose clients hung up finish on their own; wait for their transactions to end.
     let settle_until = Instant::now() + SETTLE;
     while verify::open_transactions(&pool).await? > 0 && Instant::now() < settle_until {
@@ -379,7 +389,7 @@ async fn run(
 
     progress(format_args!("checking {} logical charges", observed.len()));
     let verify_started = Instant::now();
-    let mut verdict = verify::verify(&pool, &observed, verdict).await?;
+    let mut verdict = verify::verify(&pool, &observed, verdict, &settled, &shared.addrs).await?;
     verdict.client_failures = client_failures;
     let verify_time = verify_started.elapsed();
     pool.close().await;

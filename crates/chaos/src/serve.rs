@@ -34,6 +34,7 @@ use charges_demo::{
     params::RefundParams,
     processor::CardProcessor,
     server::{self, ErrorChain},
+    webhooks::Inbox,
 };
 use clap::{Parser, ValueEnum};
 use sqlx::{
@@ -200,12 +201,15 @@ async fn serve(args: server::Args, bug: Option<Bug>) -> Result<(), BoxError> {
     };
     // What `AppState::postgres` builds, keeping the layer for the catching handler.
     let layer = idempotency_layer(store.clone(), &settings)?;
+    // The webhooks' inbox as `AppState::postgres` keeps it: settlements commit with their record.
+    let inbox = Inbox::postgres(pool.clone(), &settings.webhook_secret);
     let demo = match bug {
         None => app(AppState::new(
             PostgresLedger::new(pool.clone()),
             layer.clone(),
             CardProcessor::new(settings.processing_delay),
-        )),
+        )
+        .with_inbox(inbox)),
         Some(_) => app(AppState::new(
             WriteFirst {
                 ledger: PostgresLedger::new(pool.clone()),
@@ -213,7 +217,8 @@ async fn serve(args: server::Args, bug: Option<Bug>) -> Result<(), BoxError> {
             },
             layer.clone(),
             CardProcessor::new(Duration::ZERO),
-        )),
+        )
+        .with_inbox(inbox)),
     };
     let router = catch::route(demo, layer);
     tokio::spawn(continuously_delete_expired(

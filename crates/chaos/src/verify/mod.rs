@@ -13,6 +13,7 @@
 //! | never refunded past the charge | no charge's `amount_refunded` exceeds its `amount` (*over-refunded*), and it is the sum of its refund rows (else a *refund sum off*) |
 //! | each refund exactly once | one `refunds` row per logical refund answered `200` (by `metadata->>'refund_id'`; every row beyond it is a *double refund*), of the amount, charge and id the answer names; none for one refused (else a *refund mismatch*); no row of no logical refund (*phantom refund rows*) |
 //! | a failed read while waiting is a `409` | no sender of a charge sent at once (one of them waits for the other's answer) had its first attempt answered `503 StoreUnavailable` while waiting reads failed ([`wait_reads`](crate::wait_reads)); else a *503 for a failed wait read* |
+//! | settled once, balances right | every account's balance equals its rows for the charges whose `charge.settled` webhooks were answered `2xx`, no charge settled twice, each such event has its inbox record; see [`balances`] |
 //! | refused only when it had to be | a refund is refused (`400 amount_too_large` or `charge_already_refunded`) only when sent at once with another refund of the charge that left it too little (else a *refund mismatch*, or an *unexpected answer* for any other refusal) |
 //!
 //! A charge whose handler caught a database error ([`catch`](crate::catch)) must leave nothing:
@@ -24,6 +25,7 @@
 //! so each send of a refused refund runs again, and is refused again, fresh.
 
 pub(crate) mod authorizations;
+mod balances;
 mod charge;
 mod refunds;
 
@@ -33,8 +35,14 @@ use charges_demo::auth::Account;
 use sqlx::{PgPool, Row};
 use tower_idempotency::{IdempotencyKey, Principal, ScopeKey};
 
+pub(crate) use self::balances::WebhookVerdict;
 use self::{charge::check_charge, refunds::check_refunds};
-use crate::client::{Answer, Observed};
+use crate::{
+    BoxError,
+    client::{Answer, Observed},
+    instance::Addrs,
+    webhooks,
+};
 
 /// How many failure examples of each kind the report shows.
 const EXAMPLES: usize = 5;
@@ -123,6 +131,9 @@ pub(crate) struct Verdict {
     /// Logical charges and refunds answered fresh more than once so, the same bytes each time.
     pub(crate) resumed_fresh: u64,
 
+    /// The settlements by webhook ([`balances`]).
+    pub(crate) webhooks: balances::WebhookVerdict,
+
     /// Failure examples by kind, in the order the kinds were first met: up to [`EXAMPLES`]
     /// each, and how many more there were.
     pub(crate) examples: Vec<(&'static str, Vec<String>, u64)>,
@@ -160,7 +171,11 @@ impl Verdict {
     }
 
     pub(crate) fn passed(&self) -> bool {
-        self.invariants().iter().all(|(_, count)| *count == 0)
+        let settlements = self.webhooks.invariants();
+        self.invariants()
+            .iter()
+            .chain(&settlements)
+            .all(|(_, count)| *count == 0)
     }
 
     /// A logical request answered fresh more than once (its answers' bytes are checked apart).
@@ -228,13 +243,16 @@ pub(crate) async fn open_transactions(pool: &PgPool) -> Result<u64, sqlx::Error>
     Ok(u64::try_from(open).unwrap_or(0))
 }
 
-/// Checks `observed` against the database.
-/// The checks, adding to `verdict` (which may hold the network's tally already).
+/// Checks `observed`, and the settlements `webhooks` made, against the database (and the
+/// instances at `addrs`, for the balances), adding to `verdict` (which may hold the network's
+/// tally already).
 pub(crate) async fn verify(
     pool: &PgPool,
     observed: &[Observed],
     mut verdict: Verdict,
-) -> Result<Verdict, sqlx::Error> {
+    webhooks: &webhooks::Log,
+    addrs: &Addrs,
+) -> Result<Verdict, BoxError> {
     let (mut refund_rows, refunded) = read_refunds(pool, &mut verdict).await?;
     let mut rows = read_charges(pool, &mut verdict, &refunded).await?;
     let mut records = read_records(pool, &mut verdict).await?;
@@ -248,6 +266,8 @@ pub(crate) async fn verify(
         verdict.example("stuck key", text);
     }
 
+    balances::check_settlements(pool, &mut verdict, webhooks, observed, addrs, &mut records)
+        .await?;
     for charge in observed {
         check_charge(&mut verdict, charge, &mut rows, &mut records);
         check_refunds(&mut verdict, charge, &mut refund_rows, &mut records);

@@ -11,3 +11,6 @@ CREATE SCHEMA idempotency;
 \ir ../../../migrations/20261125000003_claimants_and_ttl.sql
 \ir ../../../migrations/20261125000004_settled_notifications.sql
 \ir ../../../migrations/20261125000005_notify_waited_keys.sql
+\ir ../../../migrations/20261126000001_steps.sql
+\ir ../../../migrations/20261127000001_pending_requests.sql
+\ir ../../../migrations/20261127000002_steps_recorded.sql

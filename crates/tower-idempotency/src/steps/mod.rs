@@ -91,7 +91,7 @@ struct Shared {
     fingerprint: Fingerprint,
     secret: StepSecret,
     /// The finished steps: those recorded before this request, loaded by its first `run` (one
-    /// round trip), and those it recorded since.
+    /// round trip, saved when the claim found none), and those it recorded since.
     finished: OnceCell<Mutex<Vec<StepRecord>>>,
 }
 
@@ -209,13 +209,20 @@ pub(crate) fn offer<St: Store>(
     let log = capabilities
         .step_log()
         .ok_or(MissingSteps(Reason::NoLogInStore))?;
+    // A claim that found no steps of its key has none to read: no later holder's can appear
+    // without taking the key over, which fences this one out.
+    let finished = if claim.may_have_steps() {
+        OnceCell::new()
+    } else {
+        OnceCell::new_with(Some(Mutex::new(Vec::new())))
+    };
     Ok(Steps {
         shared: Arc::new(Shared {
             log: Arc::clone(log),
             fence,
             fingerprint,
             secret: secret.clone(),
-            finished: OnceCell::new(),
+            finished,
         }),
     })
 }

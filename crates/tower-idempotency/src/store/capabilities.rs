@@ -33,6 +33,13 @@ pub trait ClaimHandle: Send + Sync + 'static {
     fn fence(&self) -> Option<Fence> {
         None
     }
+
+    /// Whether steps may have been recorded for this claim's key and payload before it was
+    /// claimed; `false` only when the store found out in the claim itself that none were, so
+    /// that [`Steps`](crate::Steps) does not read them. The default is `true`.
+    fn may_have_steps(&self) -> bool {
+        true
+    }
 }
 
 /// What a store can do, as [`Store::capabilities`](super::Store::capabilities) tells the layer.

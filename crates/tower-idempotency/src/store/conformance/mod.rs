@@ -32,7 +32,8 @@
 //!   carry the same payload or not, and never disturb other keys;
 //! * for a store whose capabilities offer a [`StepLog`](super::StepLog): steps come back in
 //!   order after a takeover, a stale holder records none, they survive a release for the same
-//!   payload only, and they expire with their record.
+//!   payload only, and they expire with their record; a claim that finds them does not say
+//!   it has none ([`ClaimHandle::may_have_steps`](super::ClaimHandle::may_have_steps)).
 //!
 //! [`check_expired_deletion`] adds the rules of [`ExpiredDeletion`]: batches are bounded,
 //! expired records go, live ones (and claims whose lease outlives their TTL) stay.

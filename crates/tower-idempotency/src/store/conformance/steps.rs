@@ -42,7 +42,7 @@ async fn steps_survive_a_takeover_and_a_stale_holder_records_nothing<St: Store>(
         }
     })
     .await;
-    let fresh = fence(RULE, &fresh);
+    let fresh = found(RULE, &fresh);
     assert_eq!(
         names(RULE, log, &fresh, &request).await,
         ["one", "two"],
@@ -72,7 +72,7 @@ async fn steps_survive_a_release_for_the_same_payload_only<St: Store>(
     held(RULE, "release", store.release(&claim).await);
     record(RULE, log, &released, &request, "two", ClaimStatus::Lost).await;
     let again = acquire(RULE, store, &request).await;
-    let again = fence(RULE, &again);
+    let again = found(RULE, &again);
     assert_eq!(names(RULE, log, &again, &request).await, ["one"], "{RULE}");
     let claim = store.claim(&request).await;
     assert!(
@@ -139,7 +139,7 @@ async fn steps_found_by_a_later_claim_live_as_long_as_it<St: Store>(
         ttl: LONG,
         ..first
     };
-    let again = fence(RULE, &acquire(RULE, store, &later).await);
+    let again = found(RULE, &acquire(RULE, store, &later).await);
     assert_eq!(names(RULE, log, &again, &later).await, ["one"], "{RULE}");
     tokio::time::sleep(short * 3).await;
     let left = names(RULE, log, &again, &later).await;
@@ -155,6 +155,16 @@ fn fence<C: ClaimHandle>(rule: &str, claim: &C) -> Fence {
     claim
         .fence()
         .unwrap_or_else(|| panic!("{rule}: a store with a step log must fence its claims"))
+}
+
+/// The fence of a claim whose key has steps: the claim must not say it has none
+/// ([`ClaimHandle::may_have_steps`]), or its handler would run them again.
+fn found<C: ClaimHandle>(rule: &str, claim: &C) -> Fence {
+    assert!(
+        claim.may_have_steps(),
+        "{rule}: the claim of a key with steps says it has none"
+    );
+    fence(rule, claim)
 }
 
 async fn record(

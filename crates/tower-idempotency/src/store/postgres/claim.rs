@@ -10,7 +10,9 @@ use super::{
     PgClaim, PostgresStore, PostgresStoreError,
     attempt::{ClaimAttempt, new_claimant},
     group_commit::{Batched, claim_new_keys},
-    sql::{CLAIM_LEASE, CLAIM_LEASE_WAITING, CLAIM_PARTITIONED, CLAIM_TRANSACTIONAL},
+    sql::{
+        CLAIM_LEASE, CLAIM_LEASE_STEPS, CLAIM_LEASE_WAITING, CLAIM_PARTITIONED, CLAIM_TRANSACTIONAL,
+    },
     statement::{Param, Statement, stored_key},
     transaction::{Fallback, TxClaim, TxSlot},
 };
@@ -33,6 +35,7 @@ impl PostgresStore {
             (true, _) => CLAIM_PARTITIONED,
             (false, true) => CLAIM_TRANSACTIONAL,
             (false, false) if self.marks(request) => CLAIM_LEASE_WAITING,
+            (false, false) if self.uses_steps() => CLAIM_LEASE_STEPS,
             (false, false) => CLAIM_LEASE,
         };
         let statement = Statement::new(sql)
@@ -58,20 +61,20 @@ impl PostgresStore {
         let mut attempt = ClaimAttempt::new(self, request.key);
         // A waiter's key has a row: the batch of new keys would only cost it a round trip.
         if self.batches() && !request.waiting {
-            let (pool, timeout) = (self.pool.clone(), self.timeout);
+            let (pool, timeout, steps) = (self.pool.clone(), self.timeout, self.uses_steps());
             let store = self.clone();
             let claimed = tokio::time::timeout(
                 self.timeout,
                 self.new_claims.run(
                     (request.clone(), attempt.claimant),
-                    move |writer, batch| claim_new_keys(pool.clone(), timeout, writer, batch),
+                    move |writer, batch| claim_new_keys(pool.clone(), timeout, steps, writer, batch),
                     // Claimed for a request that stopped waiting (it timed out, or was
                     // cancelled): free the key now rather than when its lease lapses.
                     move |claimed| {
-                        if let Batched::Done(Some(fence)) = claimed {
+                        if let Batched::Done(Some(claimed)) = claimed {
                             let store = store.clone();
                             tokio::spawn(async move {
-                                let claim = PgClaim { fence, tx: None };
+                                let claim = PgClaim::lease(claimed.fence, false);
                                 if let Err(error) = store.release(&claim).await {
                                     tracing::warn!(%error, "releasing an abandoned claim failed; it frees itself when its lease lapses");
                                 }
@@ -82,10 +85,10 @@ impl PostgresStore {
             )
             .await;
             match claimed {
-                Ok(Some(Batched::Done(Some(fence)))) => {
+                Ok(Some(Batched::Done(Some(claimed)))) => {
                     attempt.settle();
                     return Ok(KeyState::Acquired {
-                        claim: PgClaim { fence, tx: None },
+                        claim: PgClaim::lease(claimed.fence, claimed.stepless),
                         takeover: false,
                     });
                 }
@@ -104,12 +107,22 @@ impl PostgresStore {
                     continue;
                 }
                 attempt.settle();
-                return Ok(state.map_claim(|fence| PgClaim { fence, tx: None }));
+                let stepless = self.stepless(&row)?;
+                return Ok(state.map_claim(|fence| PgClaim::lease(fence, stepless)));
             }
         }
         // No row in any try: nothing was claimed.
         attempt.settle();
         Err(PostgresStoreError::Contended)
+    }
+
+    /// Whether the claim statement's answer `row` says its key had no steps: only the plain
+    /// table's statement says (partitioned mode's reads them).
+    fn stepless(&self, row: &PgRow) -> Result<bool, PostgresStoreError> {
+        if self.partitions.is_some() {
+            return Ok(false);
+        }
+        Ok(row.try_get::<Option<bool>, _>("stepless")?.unwrap_or(false))
     }
 
     /// Whether `request` is a waiter whose key this store marks (see [`ClaimRequest::waiting`]):
@@ -174,11 +187,12 @@ impl PostgresStore {
                             request: request.clone(),
                             fallback: std::sync::Mutex::new(Fallback::None),
                         })),
+                        stepless: false,
                     },
                     takeover,
                 }),
                 other => {
-                    let other = other.map_claim(|fence| PgClaim { fence, tx: None });
+                    let other = other.map_claim(|fence| PgClaim::lease(fence, false));
                     // Nothing was written; end the transaction (and its lock attempt) now.
                     self.timed("claim", tx.rollback()).await?;
                     Ok(other)

@@ -3,11 +3,11 @@
 
 use std::{collections::HashMap, time::Duration};
 
-use sqlx::{PgPool, Postgres, Row, pool::PoolConnection, types::Uuid};
+use sqlx::{PgPool, Postgres, Row, pool::PoolConnection, postgres::PgRow, types::Uuid};
 
 use super::{
     batch::Batcher,
-    sql::{CLAIM_NEW_KEYS, COMPLETE_MANY},
+    sql::{CLAIM_NEW_KEYS, CLAIM_NEW_KEYS_STEPS, COMPLETE_MANY},
     statement::{interval, stored_key},
 };
 use crate::{
@@ -16,7 +16,16 @@ use crate::{
 };
 
 /// Lease mode's claims of new keys, each with its attempt's claimant, batched.
-pub(super) type ClaimBatcher = Batcher<(ClaimRequest, Uuid), Batched<Option<Fence>>>;
+pub(super) type ClaimBatcher = Batcher<(ClaimRequest, Uuid), Batched<Option<NewClaim>>>;
+
+/// A key a batch of [`CLAIM_NEW_KEYS`] claimed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct NewClaim {
+    /// The key and its new token.
+    pub(super) fence: Fence,
+    /// No steps were recorded for the key and the claim's payload.
+    pub(super) stepless: bool,
+}
 
 /// The most operations one batch writes.
 pub(super) const MAX_BATCH: usize = 256;
@@ -37,15 +46,17 @@ pub(super) enum Batched<T> {
     TimedOut,
 }
 
-/// Writes a batch of [`CLAIM_NEW_KEYS`]: for each request its new claim, `None` when its key
-/// has a row already. Bounded by [`FLUSH_BOUND`], not by the store's timeout: a caller that
-/// stops waiting has its claim released when the batch's answer comes (see `claim_lease`).
+/// Writes a batch of [`CLAIM_NEW_KEYS`] (asking whether each key has `steps`, when they are in
+/// use): for each request its new claim, `None` when its key has a row already. Bounded by
+/// [`FLUSH_BOUND`], not by the store's timeout: a caller that stops waiting has its claim
+/// released when the batch's answer comes (see `claim_lease`).
 pub(super) async fn claim_new_keys(
     pool: PgPool,
     timeout: Duration,
+    steps: bool,
     mut writer: BatchWriter,
     batch: Vec<(ClaimRequest, Uuid)>,
-) -> (BatchWriter, Vec<Batched<Option<Fence>>>) {
+) -> (BatchWriter, Vec<Batched<Option<NewClaim>>>) {
     crate::metrics::batch("claim", batch.len());
     let keys: Vec<Uuid> = batch.iter().map(|(r, _)| stored_key(&r.key)).collect();
     let mut order: Vec<usize> = (0..batch.len()).collect();
@@ -59,26 +70,36 @@ pub(super) async fn claim_new_keys(
     }
     let sent: Vec<usize> = order.into_iter().filter(|&i| !alone[i]).collect();
     let micros = |d: Duration| i64::try_from(interval(d).as_micros()).unwrap_or(i64::MAX);
-    let query = sqlx::query(CLAIM_NEW_KEYS)
-        .bind(sent.iter().map(|&i| keys[i]).collect::<Vec<_>>())
-        .bind(
-            sent.iter()
-                .map(|&i| &batch[i].0.fingerprint.as_bytes()[..])
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            sent.iter()
-                .map(|&i| micros(batch[i].0.lease))
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            sent.iter()
-                .map(|&i| micros(batch[i].0.ttl))
-                .collect::<Vec<_>>(),
-        )
-        .bind(sent.iter().map(|&i| batch[i].1).collect::<Vec<_>>());
+    let query = sqlx::query(if steps {
+        CLAIM_NEW_KEYS_STEPS
+    } else {
+        CLAIM_NEW_KEYS
+    })
+    .bind(sent.iter().map(|&i| keys[i]).collect::<Vec<_>>())
+    .bind(
+        sent.iter()
+            .map(|&i| &batch[i].0.fingerprint.as_bytes()[..])
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        sent.iter()
+            .map(|&i| micros(batch[i].0.lease))
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        sent.iter()
+            .map(|&i| micros(batch[i].0.ttl))
+            .collect::<Vec<_>>(),
+    )
+    .bind(sent.iter().map(|&i| batch[i].1).collect::<Vec<_>>());
     let bound = timeout.max(FLUSH_BOUND);
-    let tokens = match written(query, &pool, bound, &mut writer).await {
+    let read = |row: &PgRow| {
+        Some((
+            row.try_get(0).ok()?,
+            (row.try_get(1).ok()?, row.try_get(2).ok()?),
+        ))
+    };
+    let tokens = match written(query, &pool, bound, &mut writer, read).await {
         Ok(tokens) => tokens,
         Err(failed) => return (writer, vec![failed; batch.len()]),
     };
@@ -90,9 +111,12 @@ pub(super) async fn claim_new_keys(
             if alone {
                 Batched::Alone
             } else {
-                Batched::Done(tokens.get(&key).map(|&token| Fence {
-                    key: request.key,
-                    token,
+                Batched::Done(tokens.get(&key).map(|&(token, stepless)| NewClaim {
+                    fence: Fence {
+                        key: request.key,
+                        token,
+                    },
+                    stepless,
                 }))
             }
         })
@@ -147,7 +171,8 @@ pub(super) async fn complete_many(
         .bind(names)
         .bind(values)
         .bind(notify);
-    let held = match written(query, &pool, timeout, &mut writer).await {
+    let read = |row: &PgRow| Some((row.try_get(0).ok()?, row.try_get(1).ok()?));
+    let held = match written(query, &pool, timeout, &mut writer, read).await {
         Ok(held) => held,
         Err(failed) => return (writer, vec![failed; batch.len()]),
     };
@@ -179,17 +204,18 @@ pub(super) struct BatchWriter {
 /// How many batches a flusher writes on one pool connection before giving it back.
 pub(super) const BATCHES_PER_CHECKOUT: u32 = 256;
 
-/// Runs a batch statement returning `(scope_key, token)` rows: each key it wrote, with its
-/// token. Otherwise what each of the batch's operations does instead: a timeout is every
-/// operation's timeout; any other failure (a deadlock with another instance's batch, a lost
-/// connection, a row it cannot read) sends each to do its operation alone, where it succeeds or
-/// fails on its own.
-pub(super) async fn written<T>(
+/// Runs a batch statement returning a row for each key it wrote, which `read` turns into the
+/// key and what it says of it (its token, at least). Otherwise what each of the batch's
+/// operations does instead: a timeout is every operation's timeout; any other failure (a
+/// deadlock with another instance's batch, a lost connection, a row it cannot read) sends each
+/// to do its operation alone, where it succeeds or fails on its own.
+pub(super) async fn written<T, V>(
     query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
     pool: &PgPool,
     timeout: Duration,
     writer: &mut BatchWriter,
-) -> Result<HashMap<Uuid, i64>, Batched<T>> {
+    read: impl Fn(&PgRow) -> Option<(Uuid, V)>,
+) -> Result<HashMap<Uuid, V>, Batched<T>> {
     // Taken out, so that the writer starts afresh whatever goes wrong below.
     let BatchWriter {
         connection: held,
@@ -226,12 +252,7 @@ pub(super) async fn written<T>(
         Err(_) => return Err(Batched::TimedOut),
     };
     rows.iter()
-        .map(|row| {
-            Some((
-                row.try_get::<Uuid, _>(0).ok()?,
-                row.try_get::<i64, _>(1).ok()?,
-            ))
-        })
+        .map(read)
         .collect::<Option<_>>()
         .ok_or(Batched::Alone)
 }

@@ -1,7 +1,7 @@
 use std::{
     sync::{
         Arc, LazyLock,
-        atomic::{AtomicI64, AtomicUsize},
+        atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -123,6 +123,9 @@ pub struct PostgresStore {
     in_flight_polling: Option<Duration>,
     /// Lease mode's group commit of completions.
     completions: Arc<Batcher<(Fence, Record), Batched<ClaimStatus>>>,
+    /// Whether a handler on this store recorded or read steps: from then on, a claim of a new
+    /// key says whether it has any, a check that apps without steps do not pay for.
+    steps_used: Arc<AtomicBool>,
 }
 
 /// A claim held in a [`PostgresStore`]: its fencing token and, in transactional mode, the open
@@ -131,9 +134,20 @@ pub struct PostgresStore {
 pub struct PgClaim {
     fence: Fence,
     tx: Option<Box<TxClaim>>,
+    /// The claim inserted its key's row and found no steps for its payload.
+    stepless: bool,
 }
 
 impl PgClaim {
+    /// A lease-mode claim of `fence`; `stepless` when it found no steps of its key.
+    fn lease(fence: Fence, stepless: bool) -> Self {
+        Self {
+            fence,
+            tx: None,
+            stepless,
+        }
+    }
+
     /// The claimed key and its fencing token.
     pub fn fence(&self) -> &Fence {
         &self.fence
@@ -173,6 +187,7 @@ impl PostgresStore {
             unsettled: Arc::default(),
             notifications,
             in_flight_polling: None,
+            steps_used: Arc::default(),
         }
     }
 
@@ -322,6 +337,11 @@ impl PostgresStore {
     }
 
     /// Whether operations go out in batches (see [`PostgresStore`]'s group commit).
+    /// Whether a handler on this store used steps (see `steps_used`).
+    fn uses_steps(&self) -> bool {
+        self.steps_used.load(Ordering::Relaxed)
+    }
+
     fn batches(&self) -> bool {
         self.prepared && self.partitions.is_none() && !self.transactional
     }
@@ -490,5 +510,10 @@ impl ClaimHandle for PgClaim {
     /// handler has no steps to record.
     fn fence(&self) -> Option<Fence> {
         self.tx.is_none().then_some(self.fence)
+    }
+
+    /// `false` when the claim inserted its key's row and found no steps in the same statement.
+    fn may_have_steps(&self) -> bool {
+        !self.stepless
     }
 }

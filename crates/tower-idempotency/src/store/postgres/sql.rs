@@ -19,9 +19,11 @@
 // a claim it finds in flight as waited for (`mark`), once per claim, and says in `marked` whether
 // the claim is marked, by it or before: if not, the claim settled meanwhile and its settlement
 // announced nothing, so the caller reads the key again rather than waiting to be woken.
+// `stepless` says of an inserted key whether it has no steps (a `taken` row is not asked), so that
+// its handler need not read them (see the migration `steps_recorded`); `false` claims nothing.
 macro_rules! claim_statement {
     (lock: $lock:literal, mark: $mark:literal, marked: $marked:literal, gate: $gate:literal,
-     existing: $existing:literal, busy: $busy:literal) => {
+     existing: $existing:literal, busy: $busy:literal, stepless: $stepless:literal) => {
         concat!(
             "WITH ",
             $lock,
@@ -40,7 +42,9 @@ macro_rules! claim_statement {
                 WHERE NOT EXISTS (SELECT FROM existing) ",
             $gate,
             " ON CONFLICT (scope_key) DO NOTHING
-                RETURNING token, takeover
+                RETURNING token, takeover, ",
+            $stepless,
+            " AS stepless
             ),
             taken AS (
                 UPDATE idempotency.records r SET
@@ -64,10 +68,11 @@ macro_rules! claim_statement {
                        OR (r.created_at + $4::interval <= now()
                            AND (r.status IS NOT NULL OR r.lease_until <= now()))
                        OR (r.status IS NULL AND r.lease_until <= now() AND r.fingerprint = $2))
-                RETURNING r.token, r.takeover
+                RETURNING r.token, r.takeover, false AS stepless
             ),
-            claimed AS (SELECT token, takeover FROM inserted UNION ALL SELECT token, takeover FROM taken)
-            SELECT 'acquired' AS outcome, token, takeover,
+            claimed AS (SELECT token, takeover, stepless FROM inserted
+                        UNION ALL SELECT token, takeover, stepless FROM taken)
+            SELECT 'acquired' AS outcome, token, takeover, stepless,
                    NULL::boolean AS same_fingerprint, NULL::float8 AS lease_remaining,
                    NULL::float8 AS expires_in,
                    NULL::int2 AS status, NULL::text[] AS header_names, NULL::bytea[] AS header_values,
@@ -75,7 +80,7 @@ macro_rules! claim_statement {
             FROM claimed ",
             $busy,
             " UNION ALL
-            SELECT 'existing', e.token, e.takeover,
+            SELECT 'existing', e.token, e.takeover, false,
                    e.fingerprint = $2, extract(epoch FROM e.lease_until - now())::float8,
                    extract(epoch FROM least(e.expires_at, e.created_at + $4::interval) - now())::float8,
                    e.status, e.header_names, e.header_values, e.body,
@@ -93,7 +98,15 @@ macro_rules! claim_statement {
 }
 
 pub(super) const CLAIM_LEASE: &str = claim_statement!(
-    lock: "", mark: "", marked: "NULL::boolean", gate: "", existing: "", busy: ""
+    lock: "", mark: "", marked: "NULL::boolean", gate: "", existing: "", busy: "",
+    stepless: "false"
+);
+
+/// [`CLAIM_LEASE`] for a store whose handlers use steps: a key it inserts says whether it has
+/// any, which costs a function call that apps without steps need not pay.
+pub(super) const CLAIM_LEASE_STEPS: &str = claim_statement!(
+    lock: "", mark: "", marked: "NULL::boolean", gate: "", existing: "", busy: "",
+    stepless: "NOT idempotency.steps_recorded(scope_key, fingerprint)"
 );
 
 /// [`CLAIM_LEASE`] for a waiting duplicate ([`ClaimRequest::waiting`](crate::store::ClaimRequest)):
@@ -111,7 +124,9 @@ pub(super) const CLAIM_LEASE_WAITING: &str = claim_statement!(
     marked: "EXISTS (SELECT FROM marked) OR coalesce(e.waited, false)",
     gate: "",
     existing: "",
-    busy: ""
+    busy: "",
+    // A waiter's key has a row: it seldom inserts one.
+    stepless: "false"
 );
 
 pub(super) const CLAIM_TRANSACTIONAL: &str = claim_statement!(
@@ -121,10 +136,13 @@ pub(super) const CLAIM_TRANSACTIONAL: &str = claim_statement!(
     gate: "AND (SELECT held FROM lock)",
     // Without the lock, only a completed record is answered: an uncommitted claim is invisible.
     existing: "AND ((SELECT held FROM lock) OR e.status IS NOT NULL)",
-    busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+    busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                  NULL
            FROM lock WHERE NOT lock.held AND NOT EXISTS (
                SELECT FROM existing e WHERE e.status IS NOT NULL AND e.expires_at > now()
-                 AND e.created_at + $4::interval > now())"
+                 AND e.created_at + $4::interval > now())",
+    // A transactional claim's handler has no steps.
+    stepless: "false"
 );
 
 // The fenced statements, for the plain table and the partitioned one. `expires_at > now()` costs
@@ -250,18 +268,32 @@ pub(super) const SETTLED_CHANNEL: &str = "idempotency_settled";
 pub(super) const NOTIFY_ONE: &str = "SELECT pg_notify('idempotency_settled', $1::text)";
 
 /// Lease mode's group commit of claims (see [`PostgresStore`]): inserts the keys that have no
-/// row, each with its own fencing token, and returns them. The keys come sorted, so two batches
-/// racing for the same keys take them in the same order and cannot deadlock.
-pub(super) const CLAIM_NEW_KEYS: &str = r#"
-INSERT INTO idempotency.records (scope_key, fingerprint, token, expires_at, lease_until, claimant)
-SELECT c.key, c.fingerprint, nextval('idempotency.fencing_tokens'),
-       now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
-       now() + c.lease * interval '1 microsecond', c.claimant
-FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[], $5::uuid[])
-    AS c(key, fingerprint, lease, ttl, claimant)
-ON CONFLICT (scope_key) DO NOTHING
-RETURNING scope_key, token
-"#;
+/// row, each with its own fencing token, and returns them, each with `stepless` as
+/// [`CLAIM_LEASE`]'s. The keys come sorted, so two batches racing for the same keys take them in
+/// the same order and cannot deadlock.
+macro_rules! claim_new_keys {
+    ($stepless:literal) => {
+        concat!(
+            "INSERT INTO idempotency.records
+                (scope_key, fingerprint, token, expires_at, lease_until, claimant)
+             SELECT c.key, c.fingerprint, nextval('idempotency.fencing_tokens'),
+                    now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
+                    now() + c.lease * interval '1 microsecond', c.claimant
+             FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[], $5::uuid[])
+                 AS c(key, fingerprint, lease, ttl, claimant)
+             ON CONFLICT (scope_key) DO NOTHING
+             RETURNING scope_key, token, ",
+            $stepless,
+            " AS stepless"
+        )
+    };
+}
+
+pub(super) const CLAIM_NEW_KEYS: &str = claim_new_keys!("false");
+
+/// [`CLAIM_NEW_KEYS`] saying whether each key has steps, as [`CLAIM_LEASE_STEPS`].
+pub(super) const CLAIM_NEW_KEYS_STEPS: &str =
+    claim_new_keys!("NOT idempotency.steps_recorded(scope_key, fingerprint)");
 
 /// Lease mode's group commit of completions: `complete` for many claims, each fenced by its
 /// token, by the migrations' `idempotency.complete_many` (one primary-key `UPDATE` per record,

@@ -1,7 +1,7 @@
 //! The PostgreSQL store's [`StepLog`]: `idempotency.steps`, each step recorded by one
 //! statement fenced by the claim (see the migration `20261126000001_steps.sql`).
 
-use std::sync::Arc;
+use std::sync::{Arc, atomic::Ordering};
 
 use futures_util::future::BoxFuture;
 use sqlx::Row;
@@ -78,6 +78,11 @@ impl PostgresStore {
         Arc::new(PgStepLog(self.clone()))
     }
 
+    /// Notes that a handler uses steps: claims of new keys now say whether they have any.
+    fn steps_in_use(&self) {
+        self.steps_used.store(true, Ordering::Relaxed);
+    }
+
     /// Deletes at most `batch` expired steps; how many.
     pub(super) async fn delete_expired_steps(&self, batch: u32) -> Result<u64, PostgresStoreError> {
         let statement = Statement::new(DELETE_EXPIRED_STEPS).with(Param::Int(i64::from(batch)));
@@ -117,6 +122,7 @@ impl StepLog for PgStepLog {
         fingerprint: &Fingerprint,
     ) -> BoxFuture<'_, Result<Vec<StepRecord>, StepLogError>> {
         let store = &self.0;
+        store.steps_in_use();
         let sql = if store.partitions.is_some() {
             RECORDED_STEPS_PARTITIONED
         } else {
@@ -153,6 +159,7 @@ impl StepLog for PgStepLog {
         step: &StepRecord,
     ) -> BoxFuture<'_, Result<ClaimStatus, StepLogError>> {
         let store = &self.0;
+        store.steps_in_use();
         let (fence, fingerprint, step) = (*fence, *fingerprint, step.clone());
         Box::pin(async move {
             let statement = store.record_step_statement(&fence, &fingerprint, &step);
@@ -172,6 +179,7 @@ impl StepLog for PgStepLog {
         step: &'a StepRecord,
     ) -> BoxFuture<'a, Result<ClaimStatus, StepLogError>> {
         let store = &self.0;
+        store.steps_in_use();
         let statement = store.record_step_statement(fence, fingerprint, step);
         Box::pin(async move { Ok(store.fenced("record_step", statement, tx).await?) })
     }

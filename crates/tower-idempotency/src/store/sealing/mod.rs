@@ -134,6 +134,10 @@ impl<C: ClaimHandle> ClaimHandle for SealedClaim<C> {
     fn fence(&self) -> Option<Fence> {
         self.inner.fence()
     }
+
+    fn may_have_steps(&self) -> bool {
+        self.inner.may_have_steps()
+    }
 }
 
 /// The error of a [`SealingStore`]: the wrapped store's, or a record it cannot seal or open.

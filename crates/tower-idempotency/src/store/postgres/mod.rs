@@ -336,12 +336,12 @@ impl PostgresStore {
         }
     }
 
-    /// Whether operations go out in batches (see [`PostgresStore`]'s group commit).
     /// Whether a handler on this store used steps (see `steps_used`).
     fn uses_steps(&self) -> bool {
         self.steps_used.load(Ordering::Relaxed)
     }
 
+    /// Whether operations go out in batches (see [`PostgresStore`]'s group commit).
     fn batches(&self) -> bool {
         self.prepared && self.partitions.is_none() && !self.transactional
     }

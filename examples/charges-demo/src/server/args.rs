@@ -10,7 +10,7 @@ use tower_idempotency::store::SealingKeys;
 use super::RunError;
 use crate::{Settings, StepSecret, webhooks::WebhookSecret};
 
-/// The command line; see the [module documentation](self).
+/// The command line; see the [server's documentation](super) for the table of options.
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "charges-demo",

@@ -18,14 +18,15 @@ use axum::{
     body::Body,
     extract::State,
     http::{HeaderMap, HeaderName, Request, StatusCode},
+    response::{IntoResponse, Response},
     routing,
 };
 use http_body_util::BodyExt;
 use idempotency_tests::{bounded, db::TestDb, postgres::migrated, requests::replayed};
 use tower::ServiceExt;
 use tower_idempotency::{
-    Completer, Completing, Completion, ConfigError, IdempotencyLayer, Limits, Principal, Round,
-    Scope, StepError, Steps,
+    Completer, Completing, Completion, ConfigError, IdempotencyContext, IdempotencyLayer, Limits,
+    Principal, Retention, Round, Scope, StepError, Steps,
     store::{MemoryStore, PostgresStore, SealingKeys, SealingStore, Store},
 };
 
@@ -47,6 +48,8 @@ struct Seen {
     /// The completer's attempt, when a run came from it, and the headers it carried.
     completions: Mutex<Vec<(u32, HeaderMap)>>,
     authorize_calls: AtomicU32,
+    /// The downstream keys the steps were handed, in order.
+    downstream: Mutex<Vec<String>>,
 }
 
 impl Seen {
@@ -116,11 +119,48 @@ async fn charge_in_steps(
     Ok((StatusCode::CREATED, format!("auth_{auth}")))
 }
 
+/// A call downstream whose answer each key's first run loses: that run answers `503` and gives
+/// its key up part-way ([`Retention::Abandon`]), not knowing whether the call went through.
+async fn charge_losing_an_answer(
+    State(seen): State<Arc<Seen>>,
+    headers: HeaderMap,
+    idempotency: IdempotencyContext,
+    steps: Steps,
+) -> Result<Response, StepError<StatusCode>> {
+    let key = key_of(&headers);
+    let lost = seen.start(&key);
+    let s = Arc::clone(&seen);
+    let sent = steps
+        .run("authorize", move |downstream| async move {
+            s.downstream.lock().unwrap().push(downstream.to_string());
+            if lost {
+                return Err(StatusCode::BAD_GATEWAY);
+            }
+            Ok(s.authorize_calls.fetch_add(1, Ordering::SeqCst) + 1)
+        })
+        .await;
+    let auth: u32 = match sent {
+        Err(StepError::Failed(_)) => {
+            let abandon = Extension(Retention::Abandon);
+            return Ok((StatusCode::SERVICE_UNAVAILABLE, abandon, "answer lost").into_response());
+        }
+        other => other?,
+    };
+    seen.finish(&key);
+    let took_over = idempotency.takeover();
+    Ok((
+        StatusCode::CREATED,
+        format!("auth_{auth} takeover={took_over}"),
+    )
+        .into_response())
+}
+
 /// The app with `layer` (its authentication stands outside: requests carry their principal).
 fn app<St: Store>(layer: IdempotencyLayer<St>, seen: &Arc<Seen>) -> Router {
     Router::new()
         .route("/v1/charges", routing::post(charge))
         .route("/v1/steps", routing::post(charge_in_steps))
+        .route("/v1/lost", routing::post(charge_losing_an_answer))
         .layer(layer)
         .with_state(Arc::clone(seen))
 }
@@ -520,6 +560,60 @@ async fn a_request_that_cannot_be_kept_is_refused_before_its_handler_runs() {
             "the retry ran the handler"
         );
         assert_eq!(pending_rows(&db).await, 1, "and its request is kept");
+    })
+    .await;
+}
+
+/// A handler that lost a downstream answer gives its key up part-way: the client's retry takes
+/// it over at once (no `409` while a lease runs) and sends the same downstream key again.
+#[tokio::test]
+async fn an_abandoned_key_is_taken_over_at_once_by_its_retry() {
+    bounded(async {
+        let (_db, store) = migrated().await;
+        let seen = Arc::new(Seen::default());
+        let app = app(layer(store), &seen);
+        let (status, replay, _) = send(&app, "/v1/lost", "k1").await;
+        assert_eq!((status, replay), (StatusCode::SERVICE_UNAVAILABLE, false));
+        let (status, replay, body) = send(&app, "/v1/lost", "k1").await;
+        assert_eq!((status, replay), (StatusCode::CREATED, false), "{body}");
+        assert_eq!(body, "auth_1 takeover=true");
+        let downstream = seen.downstream.lock().unwrap().clone();
+        assert_eq!(downstream.len(), 2);
+        assert_eq!(
+            downstream[0], downstream[1],
+            "the same downstream key, resent"
+        );
+        let (status, replay, body) = send(&app, "/v1/lost", "k1").await;
+        assert_eq!(
+            (status, replay, body.as_str()),
+            (StatusCode::CREATED, true, "auth_1 takeover=true")
+        );
+    })
+    .await;
+}
+
+/// With no retry, the completer finishes an abandoned key after the grace; the client's late
+/// retry replays it.
+#[tokio::test]
+async fn the_completer_finishes_a_key_its_handler_abandoned() {
+    bounded(async {
+        let (db, store) = migrated().await;
+        let seen = Arc::new(Seen::default());
+        let app = app(layer(store.clone()), &seen);
+        let (status, _, _) = send(&app, "/v1/lost", "k1").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            pending_rows(&db).await,
+            1,
+            "the abandoned key's request is kept"
+        );
+        let completer = completer(&store, &app);
+        let round = rounds_until(&completer, |r| r.completed == 1).await;
+        assert_eq!(round.failed, 0);
+        let (status, replay, body) = send(&app, "/v1/lost", "k1").await;
+        assert_eq!((status, replay), (StatusCode::CREATED, true));
+        assert_eq!(body, "auth_1 takeover=true");
+        assert_eq!(seen.authorize_calls.load(Ordering::SeqCst), 1);
     })
     .await;
 }

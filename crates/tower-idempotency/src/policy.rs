@@ -24,6 +24,12 @@ pub enum Retention {
     /// Store nothing and free the key: the response means nothing was done, so a retry (perhaps
     /// corrected) may run the handler again.
     Release,
+    /// Store nothing and give the key up part-way: the handler stopped not knowing what a call
+    /// outside it did (a downstream answer was lost). The key stays claimed with its recorded
+    /// [steps](crate::Steps), its lease lapsed: the next request with it takes it over at once
+    /// and goes on from them, and with [completion](crate::guide::completion) on the
+    /// [`Completer`](crate::Completer) finishes it if its client never comes back.
+    Abandon,
 }
 
 /// Which responses are kept; set with

@@ -124,14 +124,14 @@ impl<St: Store> HeldKey<St> {
 
     /// Gives the claim up without releasing it ([`Store::abandon`]): the next request takes the
     /// key over at once, told that a handler may have run in part.
-    pub(super) async fn abandon(mut self) {
+    pub(crate) async fn abandon(mut self) {
         let Some(claim) = self.claim.take() else {
             return;
         };
         if let Err(error) = self.store.abandon(&claim).await {
             tracing::warn!(
                 error = %Chain(&error),
-                "giving up a stopped handler's key failed; it is taken over when its lease lapses"
+                "giving up a key part-way failed; it is taken over when its lease lapses"
             );
         }
     }

@@ -145,6 +145,10 @@ fn settle<'a, St: Store, B: HttpBody, E: 'a>(
                 outcome(Outcome::Released);
                 guard.release().await;
             }
+            Retention::Abandon => {
+                outcome(Outcome::Abandoned);
+                guard.abandon().await;
+            }
         }
         Ok(Response::from_parts(parts, body))
     }

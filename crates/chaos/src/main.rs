@@ -9,9 +9,6 @@
 //!   authorizations are counted per charge: one each (*double authorizations*: 0), none without
 //!   its charge once the completer ran and before any client came back (*orphaned
 //!   authorizations*: 0). `--inject-bug no-completer` must fail on the latter.
-//!   A client that goes away after a `503` (the acquirer did not answer: the key is released,
-//!   the authorization may stand) is not simulated: the completer sees only keys in flight, so
-//!   such an authorization waits for its client's retry, which finds it under the same key.
 //! * **transactional**: each charge written through the request's transaction, committed with
 //!   its response; handlers that catch a database error too (described below).
 //!
@@ -287,8 +284,8 @@ pub(crate) struct RunArgs {
     #[arg(long, value_enum, default_value_t = Mode::Steps, value_name = "MODE")]
     pub(crate) mode: Mode,
 
-    /// Percentage of charges whose client goes away if its first attempt meets a connection
-    /// error (its instance was killed mid-charge), and comes back only after the run, once the completer
+    /// Percentage of charges whose client goes away at its first connection error (its
+    /// instance was killed mid-charge, perhaps after a `503` the client was retrying), and comes back only after the run, once the completer
     /// has had its time; its answer then must be the replay of what the completer finished.
     #[arg(long, default_value_t = 10, value_name = "P",
           value_parser = clap::value_parser!(u8).range(0..=100))]

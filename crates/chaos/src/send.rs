@@ -52,8 +52,8 @@ pub(crate) struct First {
     pub(crate) pair: bool,
     /// The second of them hangs up this long after sending, while it waits.
     pub(crate) hang_up: Option<Duration>,
-    /// The client goes away if this send's first attempt meets a connection error, as if it
-    /// died with the instance: nothing retries the key until it comes back after the run.
+    /// The client goes away at this send's first connection error, as if it died with the
+    /// instance: nothing retries the key until it comes back after the run.
     pub(crate) abandon: bool,
 }
 
@@ -199,10 +199,8 @@ pub(crate) async fn send(
             }
             Attempt::ConnectionError => {
                 Stats::add(&stats.connection_errors);
-                if first.abandon && attempt == 0 {
+                if first.abandon {
                     // As if the client died with the instance: nothing retries this key now.
-                    // (Only a first attempt: a key an earlier attempt's 5xx released is not the
-                    // completer's to finish; see the crate documentation.)
                     Stats::add(&stats.abandoned);
                     call.abandoned.store(true, Ordering::Relaxed);
                     return None;

@@ -9,6 +9,7 @@
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
 use serde::Serialize;
+use tower_idempotency::Retention;
 
 /// Stripe's error `type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -45,6 +46,9 @@ pub struct ApiError {
     param: Option<Box<str>>,
     #[serde(rename = "type")]
     kind: ErrorType,
+    /// What the idempotency layer does with the key (default: its policy for the status).
+    #[serde(skip)]
+    retention: Option<Retention>,
 }
 
 impl ApiError {
@@ -144,7 +148,16 @@ impl ApiError {
             message: message.into(),
             param: None,
             kind,
+            retention: None,
         }
+    }
+
+    /// Tells the idempotency layer what to do with the key instead of its policy for the
+    /// status ([`Retention`]).
+    #[must_use]
+    pub fn with_retention(mut self, retention: Retention) -> Self {
+        self.retention = Some(retention);
+        self
     }
 
     /// Sets Stripe's machine-readable error `code`.
@@ -213,6 +226,9 @@ impl IntoResponse for ApiError {
             error: &'a ApiError,
         }
         let mut response = json(self.status, &Envelope { error: &self });
+        if let Some(retention) = self.retention {
+            response.extensions_mut().insert(retention);
+        }
         if self.status == StatusCode::UNAUTHORIZED {
             response.headers_mut().insert(
                 header::WWW_AUTHENTICATE,

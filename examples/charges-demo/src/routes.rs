@@ -33,9 +33,10 @@ pub(crate) struct Api<L> {
 
 /// `POST /v1/charges`, run under the idempotency layer in lease mode: validate, authorize the
 /// card at the acquirer (step `authorize`), take the processing delay, record the charge (step
-/// `ledger`), answer. Each of its answers is final for the key except the `400`s and `5xx`s,
-/// which the layer's default retention policy releases so that a retry runs; a retry after a
-/// crash goes on at the first unfinished [step](crate::steps).
+/// `ledger`), answer. Each of its answers is final for the key except the `400`s and `5xx`s:
+/// the `400`s release it, and a `5xx` once the card may be authorized gives it up part-way
+/// (`Retention::Abandon`); a retry, or the completer, goes on at the first unfinished
+/// [step](crate::steps).
 ///
 /// Behind a transactional store (which gives no steps: the chaos run's proof of that mode), the
 /// charge row is written through the request's transaction instead, and commits with the stored

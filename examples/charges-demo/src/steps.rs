@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures_util::{FutureExt, future::BoxFuture};
 use http::StatusCode;
 use sqlx::PgConnection;
-use tower_idempotency::{DownstreamKey, IdempotencyContext, StepError, Steps};
+use tower_idempotency::{DownstreamKey, IdempotencyContext, Retention, StepError, Steps};
 
 use crate::{
     auth::Account,
@@ -32,8 +32,8 @@ pub(crate) fn of(idempotency: &IdempotencyContext) -> Result<&Steps, ApiError> {
 
 /// Step `authorize`: the acquirer's answer for this charge, asked for once per key.
 ///
-/// A failed call records nothing and answers `503`, which releases the key: the client's retry
-/// sends the same downstream key, so the acquirer authorizes once.
+/// A failed call records nothing and answers `503`, giving the key up part-way: the client's
+/// retry (or the completer) sends the same downstream key, so the acquirer authorizes once.
 pub(crate) async fn authorize(
     steps: &Steps,
     processor: &CardProcessor,
@@ -46,12 +46,14 @@ pub(crate) async fn authorize(
         .await
         .map_err(|error| match error {
             StepError::Failed(network) => network_failed(&network),
-            other => step_failed("authorize", &other),
+            // The acquirer may have answered before the store failed to record it.
+            other => step_failed("authorize", &other).with_retention(Retention::Abandon),
         })
 }
 
-/// A `503` for an authorization without an answer: the layer releases the key, and the
-/// client's retry is authorized under the same key.
+/// A `503` for an authorization without an answer: the acquirer may have authorized it, so the
+/// key is given up part-way ([`Retention::Abandon`]), not released. The client's retry takes it
+/// over at once and sends the same downstream key; if it never comes, the completer does.
 pub(crate) fn network_failed(error: &NetworkError) -> ApiError {
     tracing::warn!(
         error = error as &dyn std::error::Error,
@@ -63,6 +65,7 @@ pub(crate) fn network_failed(error: &NetworkError) -> ApiError {
         "The card network did not answer. Retry with the same Idempotency-Key: the card is \
          authorized once.",
     )
+    .with_retention(Retention::Abandon)
 }
 
 /// Step `ledger`: records `charge` once per key, with the body of its answer. A later attempt
@@ -91,7 +94,9 @@ pub(crate) async fn record_charge<L: Ledger>(
         };
         steps.run("ledger", write).await
     };
-    recorded.map_err(|error| step_failed("ledger", &error))
+    // The key holds the authorization: given up part-way, so that a retry or the completer
+    // writes the charge, never released where neither would find it.
+    recorded.map_err(|error| step_failed("ledger", &error).with_retention(Retention::Abandon))
 }
 
 /// Why a refund step recorded nothing.

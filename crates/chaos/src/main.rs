@@ -41,7 +41,7 @@
 //!    after their answer, 3 % marked for the catching handler; and **refund** 5 % of the charges
 //!    that succeed (a random part or all; some twice at once with different keys, together often
 //!    more than the charge; some sent again after their answer).
-//!    As an acquirer, it **settles 30 %** of the charges that succeed (`--settle-percent`,
+//!    As an acquirer, it **settles 10 %** of the charges that succeed (`--settle-percent`,
 //!    [`webhooks`]): a signed `charge.settled` webhook (the run's own secret) delivered as **20
 //!    copies at once** over both instances, each retried until a final answer; some charges get
 //!    a second event with another id, and a few events name a charge that does not exist.

@@ -6,12 +6,12 @@
 
 use std::time::{Duration, Instant};
 
-use http::StatusCode;
 use sqlx::PgPool;
 
 use crate::{
     client::{Answer, Observed, Stats},
     instance::Addrs,
+    send::{is_final, replayed},
 };
 
 /// How long the completer may take to finish the abandoned keys (a lease, the grace, a few
@@ -68,12 +68,8 @@ pub(crate) async fn come_back(observed: &mut [Observed], addrs: &Addrs, stats: &
                 .await;
             if let Ok(response) = sent {
                 let status = response.status();
-                let replayed = response
-                    .headers()
-                    .get("idempotent-replayed")
-                    .is_some_and(|v| v.as_bytes() == b"true");
-                let final_answer = status != StatusCode::CONFLICT && !status.is_server_error();
-                if let (true, Ok(body)) = (final_answer, response.bytes().await) {
+                let replayed = replayed(response.headers());
+                if let (true, Ok(body)) = (is_final(status), response.bytes().await) {
                     if replayed {
                         Stats::add(&stats.replays);
                     }

@@ -8,7 +8,6 @@
 //! after its instance was killed mid-call), deduplicated where it must be, at the network.
 
 use std::{
-    io::{self, Write},
     net::SocketAddr,
     process::{ExitCode, Stdio},
     sync::{
@@ -29,12 +28,11 @@ use axum::{
 use clap::Parser;
 use serde_json::json;
 use tokio::{
-    io::{AsyncBufReadExt, AsyncReadExt, BufReader},
-    net::TcpListener,
+    io::{AsyncBufReadExt, BufReader},
     process::{Child, ChildStdin, ChildStdout, Command},
 };
 
-use crate::BoxError;
+use crate::{BoxError, send::replayed, serve};
 
 /// How long the acquirer may take to print `listening on`.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -69,23 +67,14 @@ pub(crate) fn main(args: NetworkArgs) -> ExitCode {
         }
     };
     let served: Result<(), BoxError> = runtime.block_on(async {
-        tokio::spawn(async {
-            let mut buffer = [0_u8; 64];
-            while let Ok(1..) = tokio::io::stdin().read(&mut buffer).await {}
-            std::process::exit(0);
-        });
+        tokio::spawn(serve::exit_when_stdin_closes());
         let settings = Settings {
             delay: Duration::from_millis(args.delay_ms),
             fail_rate: args.fail_rate,
             seed: args.seed,
         };
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let mut stdout = io::stdout().lock();
-        writeln!(stdout, "listening on {}", listener.local_addr()?)?;
-        stdout.flush()?;
-        drop(stdout);
-        axum::serve(listener, counted(Acquirer::new(settings))).await?;
-        Ok(())
+        let listen = SocketAddr::from(([127, 0, 0, 1], 0));
+        serve::listen_and_serve(listen, counted(Acquirer::new(settings))).await
     });
     match served {
         Ok(()) => ExitCode::SUCCESS,
@@ -124,7 +113,7 @@ async fn count(State(counts): State<Arc<Counts>>, request: Request, next: Next) 
     let response = next.run(request).await;
     if authorizing {
         counts.calls.fetch_add(1, Ordering::Relaxed);
-        if response.headers().contains_key("idempotent-replayed") {
+        if replayed(response.headers()) {
             counts.replays.fetch_add(1, Ordering::Relaxed);
         }
     }

@@ -173,7 +173,7 @@ pub(crate) async fn send(
                 if replayed {
                     Stats::add(&stats.replays);
                 }
-                if status != StatusCode::CONFLICT && !status.is_server_error() {
+                if is_final(status) {
                     if !call.expected.contains(&status) {
                         Stats::add(&stats.unexpected);
                     }
@@ -294,6 +294,19 @@ fn problem_is(body: &[u8], kind: RejectionKind) -> bool {
         == Some(expected.as_str())
 }
 
+/// Whether an answer with `status` ends a logical request: anything but a `409` (the key in
+/// flight) and a `5xx`, which a client retries.
+pub(crate) fn is_final(status: StatusCode) -> bool {
+    status != StatusCode::CONFLICT && !status.is_server_error()
+}
+
+/// Whether a response is marked `Idempotent-Replayed: true`.
+pub(crate) fn replayed(headers: &http::HeaderMap) -> bool {
+    headers
+        .get("idempotent-replayed")
+        .is_some_and(|v| v.as_bytes() == b"true")
+}
+
 async fn exchange(request: reqwest::RequestBuilder) -> Attempt {
     let response = match request.send().await {
         Ok(response) => response,
@@ -302,9 +315,7 @@ async fn exchange(request: reqwest::RequestBuilder) -> Attempt {
     };
     let status = response.status();
     let headers = response.headers();
-    let replayed = headers
-        .get("idempotent-replayed")
-        .is_some_and(|v| v.as_bytes() == b"true");
+    let replayed = replayed(headers);
     let retry_after = headers
         .get(http::header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())

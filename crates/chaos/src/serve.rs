@@ -165,7 +165,8 @@ pub(crate) fn main(args: ServeArgs) -> ExitCode {
     }
 }
 
-async fn exit_when_stdin_closes() {
+/// Exits the process once its standard input closes (see the module documentation).
+pub(crate) async fn exit_when_stdin_closes() {
     let mut stdin = tokio::io::stdin();
     let mut buffer = [0_u8; 64];
     loop {
@@ -181,20 +182,11 @@ async fn exit_when_stdin_closes() {
 /// metrics.
 async fn serve(args: server::Args, bug: Option<Bug>) -> Result<(), BoxError> {
     let settings = args.settings();
-    let url = args
-        .database_url
-        .as_deref()
-        .ok_or("chaos serve needs --database-url")?;
     // With writes outside the transaction each charge needs two connections at once, and a pool
     // the size of the concurrency would deadlock until its acquire timeout, hiding the bug
     // behind timeouts.
     let pool_size = if bug.is_some() { 64 } else { POOL_SIZE };
-    let pool = PgPoolOptions::new()
-        .max_connections(pool_size)
-        .acquire_timeout(ACQUIRE_TIMEOUT)
-        .connect_with(PgConnectOptions::from_str(url)?)
-        .await?;
-    charges_demo::migrate(&pool).await?;
+    let pool = connect(&args, pool_size).await?;
     let store = match bug {
         Some(Bug::LeaseMode) => PostgresStore::new(pool.clone()),
         _ => PostgresStore::new(pool.clone()).transactional(),
@@ -236,7 +228,7 @@ async fn serve_steps(args: server::Args, bug: Option<Bug>) -> Result<(), BoxErro
     if bug == Some(Bug::NoCompleter) {
         settings.completer_grace = None;
     }
-    let pool = connect(&args).await?;
+    let pool = connect(&args, POOL_SIZE).await?;
     let state = AppState::postgres(pool.clone(), &settings)?;
     let store = state.idempotency_store().clone();
     let (demo, completer) = completer::app_and_completer(state, &settings)?;
@@ -251,14 +243,15 @@ async fn serve_steps(args: server::Args, bug: Option<Bug>) -> Result<(), BoxErro
     listen_and_serve(args.listen, demo).await
 }
 
-/// The instance's pool, sized as [`server::run`] sizes it, and the migrations applied.
-async fn connect(args: &server::Args) -> Result<sqlx::PgPool, BoxError> {
+/// The instance's pool of `size` connections (`server::run`'s is [`POOL_SIZE`]), the
+/// migrations applied.
+async fn connect(args: &server::Args, size: u32) -> Result<sqlx::PgPool, BoxError> {
     let url = args
         .database_url
         .as_deref()
         .ok_or("chaos serve needs --database-url")?;
     let pool = PgPoolOptions::new()
-        .max_connections(POOL_SIZE)
+        .max_connections(size)
         .acquire_timeout(ACQUIRE_TIMEOUT)
         .connect_with(PgConnectOptions::from_str(url)?)
         .await?;
@@ -267,7 +260,7 @@ async fn connect(args: &server::Args) -> Result<sqlx::PgPool, BoxError> {
 }
 
 /// Binds, prints `listening on ADDR` and serves.
-async fn listen_and_serve(
+pub(crate) async fn listen_and_serve(
     listen: std::net::SocketAddr,
     router: axum::Router,
 ) -> Result<(), BoxError> {

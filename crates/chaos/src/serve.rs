@@ -231,9 +231,9 @@ async fn serve_steps(args: server::Args, bug: Option<Bug>) -> Result<(), BoxErro
     let pool = connect(&args, POOL_SIZE).await?;
     let state = AppState::postgres(pool.clone(), &settings)?;
     let store = state.idempotency_store().clone();
-    let (demo, completer) = completer::app_and_completer(state, &settings)?;
-    if let (Some(completer), Some(grace)) = (completer, settings.completer_grace) {
-        tokio::spawn(completer.run(completer::period(grace)));
+    let (demo, completing) = completer::app_and_completer(state, &settings)?;
+    if let Some(completing) = completing {
+        tokio::spawn(completing);
     }
     tokio::spawn(continuously_delete_expired(
         store,

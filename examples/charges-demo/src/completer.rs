@@ -12,9 +12,9 @@
 //!     ..Settings::default()
 //! };
 //! let state = AppState::postgres(pool, &settings)?;
-//! let (app, completer) = completer::app_and_completer(state, &settings)?;
-//! if let Some(completer) = completer {
-//!     tokio::spawn(completer.run(completer::period(Duration::from_secs(60))));
+//! let (app, completing) = completer::app_and_completer(state, &settings)?;
+//! if let Some(completing) = completing {
+//!     tokio::spawn(completing);
 //! }
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
 //! axum::serve(listener, app).await?;
@@ -39,8 +39,8 @@ const CONCURRENCY: u32 = 8;
 /// How many times a charge is tried before it is left to its client.
 const MAX_ATTEMPTS: u32 = 5;
 
-/// The app, and with [`Settings::completer_grace`] the completer of its abandoned charges
-/// (run it with [`Completer::run`], every [`period`]).
+/// The app, and with [`Settings::completer_grace`] the loop of the completer of its abandoned
+/// charges (spawn it), which looks every [`period`] of the grace.
 ///
 /// # Errors
 ///
@@ -49,7 +49,7 @@ const MAX_ATTEMPTS: u32 = 5;
 pub fn app_and_completer<L, St>(
     state: AppState<L, St>,
     settings: &Settings,
-) -> Result<(Router, Option<Completer<Router>>), ConfigError>
+) -> Result<(Router, Option<impl Future<Output = ()> + Send + 'static>), ConfigError>
 where
     L: Ledger,
     St: Store + Clone,
@@ -64,7 +64,8 @@ where
         .with_concurrency(CONCURRENCY)?
         .with_max_attempts(MAX_ATTEMPTS)?
         .with_extensions(restore_account);
-    Ok((app, Some(completer)))
+    tracing::info!(grace_secs = grace.as_secs(), "completing abandoned charges");
+    Ok((app, Some(completer.run(period(grace)))))
 }
 
 /// How often the completer looks for abandoned charges: four times per grace, at least every

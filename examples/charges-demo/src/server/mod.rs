@@ -142,7 +142,7 @@ where
     St: Store + ExpiredDeletion + Clone,
 {
     let store = state.idempotency_store().clone();
-    let (app, completer) = app_and_completer(state, settings).map_err(RunError::Config)?;
+    let (app, completing) = app_and_completer(state, settings).map_err(RunError::Config)?;
     let expiry = tokio::spawn(continuously_delete_expired(
         store,
         EXPIRY_PERIOD,
@@ -182,11 +182,7 @@ where
     announce(addr).map_err(RunError::Serve)?;
 
     let metrics = install_metrics()?;
-    let completing = completer.map(|completer| {
-        let grace = settings.completer_grace.unwrap_or_default();
-        tracing::info!(grace_secs = grace.as_secs(), "completing abandoned charges");
-        tokio::spawn(completer.run(crate::completer::period(grace)))
-    });
+    let completing = completing.map(tokio::spawn);
     let served = axum::serve(listener, app.merge(metrics))
         .with_graceful_shutdown(shutdown.recv())
         .await

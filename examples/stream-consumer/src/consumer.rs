@@ -20,6 +20,9 @@ use crate::effect::{self, Credit};
 const BATCH: usize = 16;
 /// How long a read for new entries blocks.
 const BLOCK_MS: usize = 1_000;
+/// How long any Redis reply may take: longer than a blocking read waits (the client's default,
+/// 500 ms, is shorter, and ended an idle consumer).
+pub(crate) const RESPONSE_TIMEOUT: Duration = Duration::from_millis(BLOCK_MS as u64 + 5_000);
 /// The pause after a batch in which nothing could be acknowledged (the database down, or an
 /// event still held by a consumer that died and whose transaction is not yet rolled back).
 const BACKOFF: Duration = Duration::from_millis(100);

@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use clap::Parser;
+use redis::AsyncConnectionConfig;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::watch;
 use tower_idempotency::{Once, store::PostgresStore};
@@ -15,7 +16,7 @@ use tower_idempotency::{Once, store::PostgresStore};
 mod consumer;
 mod effect;
 
-use consumer::Consumer;
+use consumer::{Consumer, RESPONSE_TIMEOUT};
 
 /// Applies credits from a Redis stream to PostgreSQL, each event once.
 #[derive(Debug, Parser)]
@@ -60,8 +61,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     let store = PostgresStore::new(pool.clone());
     effect::migrate(&pool, &store).await?;
+    let config = AsyncConnectionConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
     let redis = redis::Client::open(args.redis_url.as_str())?
-        .get_multiplexed_async_connection()
+        .get_multiplexed_async_connection_with_config(&config)
         .await?;
     let consumer = Consumer {
         redis,

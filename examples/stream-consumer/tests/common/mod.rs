@@ -1,4 +1,6 @@
 //! What the consumer's tests share: the test's Redis, the consumer binary, what it applied.
+// Each test binary uses a part of it.
+#![allow(dead_code)]
 
 use std::{process::Stdio, time::Duration};
 
@@ -85,7 +87,6 @@ pub(crate) async fn applied(pool: &PgPool) -> (i64, i64) {
 }
 
 /// Entries of `stream` delivered to the group and not acknowledged.
-#[allow(dead_code)]
 pub(crate) async fn pending(redis: &mut MultiplexedConnection, stream: &str) -> u64 {
     let summary: (u64, redis::Value, redis::Value, redis::Value) = redis::cmd("XPENDING")
         .arg(stream)
@@ -98,7 +99,6 @@ pub(crate) async fn pending(redis: &mut MultiplexedConnection, stream: &str) -> 
 
 /// Waits until the consumer logged that it is consuming (its tables exist), then drains the
 /// rest of its log so that it never blocks on a full pipe.
-#[allow(dead_code)]
 pub(crate) async fn started(child: &mut Child) -> tokio::task::JoinHandle<()> {
     let mut lines = BufReader::new(child.stderr.take().expect("piped")).lines();
     let consuming = tokio::time::timeout(BOUND, async {
@@ -114,4 +114,26 @@ pub(crate) async fn started(child: &mut Child) -> tokio::task::JoinHandle<()> {
         "the consumer did not start"
     );
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} })
+}
+
+/// Waits until the consumer has logged `count` lines containing `marker`, then `SIGKILL`s it.
+/// `false` when it logged no such line (it had nothing left to do) within a bounded wait.
+pub(crate) async fn kill_after(mut child: Child, marker: &str, count: u64) -> bool {
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = 0;
+    let observed = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if line.contains(marker) {
+                seen += 1;
+                if seen == count {
+                    return true;
+                }
+            }
+        }
+        false
+    })
+    .await
+    .unwrap_or(false);
+    child.kill().await.expect("SIGKILL the consumer");
+    observed
 }

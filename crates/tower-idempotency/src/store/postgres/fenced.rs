@@ -20,7 +20,7 @@ impl PostgresStore {
     ) -> Result<ClaimStatus, PostgresStoreError> {
         let statement =
             fenced_statement(self.fenced_sql().renew, held).with(Param::Interval(lease));
-        self.fenced("renew", statement, &self.pool).await
+        self.fenced_pooled("renew", statement).await
     }
 
     pub(super) async fn complete_lease(
@@ -51,12 +51,8 @@ impl PostgresStore {
         }
         // Transactional mode's waiters mark nothing (see `complete_sql`): a claim of its taken
         // again in lease mode after a failed commit announces its key all the same.
-        self.fenced(
-            "complete",
-            complete_statement(self.complete_sql(self.transactional), held, record),
-            &self.pool,
-        )
-        .await
+        let statement = complete_statement(self.complete_sql(self.transactional), held, record);
+        self.fenced_pooled("complete", statement).await
     }
 
     pub(super) async fn release_lease(
@@ -68,7 +64,7 @@ impl PostgresStore {
             (true, false) => self.fenced_sql().release_notify,
             (true, true) => self.fenced_sql().release_notify_all,
         };
-        self.fenced("release", fenced_statement(sql, held), &self.pool)
+        self.fenced_pooled("release", fenced_statement(sql, held))
             .await
     }
 

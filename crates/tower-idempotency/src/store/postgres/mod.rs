@@ -457,7 +457,7 @@ impl Store for PostgresStore {
             self.fenced_sql().abandon
         };
         let statement = fenced_statement(sql, &claim.fence);
-        self.fenced("abandon", statement, &self.pool).await
+        self.fenced_pooled("abandon", statement).await
     }
 
     async fn release(&self, claim: &PgClaim) -> Result<ClaimStatus, PostgresStoreError> {

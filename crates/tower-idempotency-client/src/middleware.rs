@@ -92,7 +92,7 @@ impl Middleware for IdempotentMiddleware {
                     return Err(fail(attempts.key_reused(problem)));
                 }
             };
-            // Its connection goes back to the pool before the wait.
+            // The answer is let go before the wait, so that it holds no connection through it.
             drop(sent);
             tokio::time::sleep(wait).await;
             request = spare;

@@ -110,6 +110,7 @@ where
             (Next::Stop(reason), _) => return finish(&attempts, reason, sent),
             (Next::KeyReused, _) => return Err(attempts.key_reused(None)),
         };
+        // The answer is let go before the wait, so that it holds no connection through it.
         drop(sent);
         tokio::time::sleep(wait).await;
         request = spare;

@@ -124,6 +124,7 @@
 //! bug: such a run must report double executions and `FAIL`. The banner says so; it is never
 //! the default.
 
+mod attempt;
 mod catch;
 mod client;
 mod cluster;

@@ -1,6 +1,7 @@
 //! Issue 45.2: a connection that answers as a standby (a demoted primary, `25006`) leaves the
 //! pool, so the next statement reaches the new primary through the endpoint; meanwhile every
-//! request is a `503` with `Retry-After` and no handler runs.
+//! request is a `503` with `Retry-After` and no handler runs. And an error is an unknown outcome:
+//! a completion retried after it committed succeeds.
 
 use std::sync::{
     Arc,
@@ -115,6 +116,40 @@ async fn requests_during_a_failover_are_503_and_run_nothing() {
         standby.store(false, Ordering::SeqCst);
         assert_eq!(send(&app, "k1").await, (StatusCode::CREATED, false));
         assert_eq!(runs.load(Ordering::SeqCst), 1);
+    })
+    .await;
+}
+
+/// A completion whose answer was lost (the connection dropped during its commit) is retried;
+/// the retry finds the record completed under its own token and succeeds, where the old code
+/// answered `Lost`, as if another request had taken the key over.
+#[tokio::test]
+async fn a_completion_retried_after_it_committed_succeeds() {
+    bounded(async {
+        init_tracing();
+        let db = TestDb::new().await;
+        let store = PostgresStore::new(db.pool().clone());
+        store.migrate().await.unwrap();
+        let KeyState::Acquired { claim, .. } = store.claim(&claim_request(1, 1)).await.unwrap()
+        else {
+            panic!("a new key is acquired");
+        };
+        let (parts, ()) = http::Response::new(()).into_parts();
+        let record = tower_idempotency::Record::capture(&parts, Some(bytes::Bytes::from("ok")));
+        assert_eq!(
+            store.complete(&claim, &record).await.unwrap(),
+            ClaimStatus::Held
+        );
+        assert_eq!(
+            store.complete(&claim, &record).await.unwrap(),
+            ClaimStatus::Held,
+            "the retry of a completion that committed"
+        );
+        // Another claim's token is still fenced out.
+        store.release(&claim).await.unwrap();
+        let KeyState::Completed { .. } = store.claim(&claim_request(1, 1)).await.unwrap() else {
+            panic!("completed");
+        };
     })
     .await;
 }

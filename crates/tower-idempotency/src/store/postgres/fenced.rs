@@ -23,7 +23,37 @@ impl PostgresStore {
         self.fenced_pooled("renew", statement).await
     }
 
+    /// Stores `record` under `held`; `Held` also when an earlier attempt of this completion
+    /// committed although its caller saw an error (the claim's token is on a completed row).
     pub(super) async fn complete_lease(
+        &self,
+        held: &Fence,
+        record: &Record,
+    ) -> Result<ClaimStatus, PostgresStoreError> {
+        match self.complete_once(held, record).await? {
+            ClaimStatus::Lost if self.completed_under(held).await? => Ok(ClaimStatus::Held),
+            status => Ok(status),
+        }
+    }
+
+    /// Whether the record of `held`'s key is completed under its token: read only after a
+    /// completion found nothing to complete, which is rare (a takeover, or a retry).
+    async fn completed_under(&self, held: &Fence) -> Result<bool, PostgresStoreError> {
+        let sql = if self.partitions.is_some() {
+            COMPLETED_UNDER_PARTITIONED
+        } else {
+            COMPLETED_UNDER
+        };
+        let row = self
+            .timed(
+                "complete",
+                fenced_statement(sql, held).fetch_optional_pooled(self.prepared, &self.pool),
+            )
+            .await?;
+        Ok(row.is_some())
+    }
+
+    async fn complete_once(
         &self,
         held: &Fence,
         record: &Record,
@@ -79,6 +109,12 @@ impl PostgresStore {
         }
     }
 }
+
+/// A completed row under the claim's token.
+const COMPLETED_UNDER: &str = "SELECT 1 FROM idempotency.records
+     WHERE scope_key = $1 AND token = $2 AND status IS NOT NULL AND expires_at > now()";
+const COMPLETED_UNDER_PARTITIONED: &str = "SELECT 1 FROM idempotency.partitioned_records
+     WHERE scope_key = $1 AND token = $2 AND status IS NOT NULL AND expires_at > now()";
 
 pub(super) fn fenced_statement<'a>(sql: &'static str, lease: &'a Fence) -> Statement<'a> {
     Statement::new(sql)

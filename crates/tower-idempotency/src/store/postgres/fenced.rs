@@ -31,14 +31,18 @@ impl PostgresStore {
         record: &Record,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         match self.complete_once(held, record).await? {
-            ClaimStatus::Lost if self.completed_under(held).await? => Ok(ClaimStatus::Held),
+            ClaimStatus::Lost if self.completed_under(held, record).await? => Ok(ClaimStatus::Held),
             status => Ok(status),
         }
     }
 
-    /// Whether the record of `held`'s key is completed under its token: read only after a
-    /// completion found nothing to complete, which is rare (a takeover, or a retry).
-    async fn completed_under(&self, held: &Fence) -> Result<bool, PostgresStoreError> {
+    /// Whether `held`'s key is completed under its token with `record`'s status and body: read
+    /// only after a completion found nothing to complete, which is rare (a takeover, a retry).
+    async fn completed_under(
+        &self,
+        held: &Fence,
+        record: &Record,
+    ) -> Result<bool, PostgresStoreError> {
         let sql = if self.partitions.is_some() {
             COMPLETED_UNDER_PARTITIONED
         } else {
@@ -47,7 +51,10 @@ impl PostgresStore {
         let row = self
             .timed(
                 "complete",
-                fenced_statement(sql, held).fetch_optional_pooled(self.prepared, &self.pool),
+                fenced_statement(sql, held)
+                    .with(Param::SmallInt(record.status().as_u16() as i16))
+                    .with(Param::OptionalBytes(record.body().map(|b| b.as_ref())))
+                    .fetch_optional_pooled(self.prepared, &self.pool),
             )
             .await?;
         Ok(row.is_some())
@@ -110,11 +117,14 @@ impl PostgresStore {
     }
 }
 
-/// A completed row under the claim's token.
+/// A row completed under the claim's token with the record's status and body: what a retry of
+/// that completion would have written.
 const COMPLETED_UNDER: &str = "SELECT 1 FROM idempotency.records
-     WHERE scope_key = $1 AND token = $2 AND status IS NOT NULL AND expires_at > now()";
+     WHERE scope_key = $1 AND token = $2 AND status = $3 AND body IS NOT DISTINCT FROM $4
+       AND expires_at > now()";
 const COMPLETED_UNDER_PARTITIONED: &str = "SELECT 1 FROM idempotency.partitioned_records
-     WHERE scope_key = $1 AND token = $2 AND status IS NOT NULL AND expires_at > now()";
+     WHERE scope_key = $1 AND token = $2 AND status = $3 AND body IS NOT DISTINCT FROM $4
+       AND expires_at > now()";
 
 pub(super) fn fenced_statement<'a>(sql: &'static str, lease: &'a Fence) -> Statement<'a> {
     Statement::new(sql)

@@ -31,7 +31,8 @@
 //! * 64 concurrent [`claim`](Store::claim)s of one key acquire it exactly once, whether they
 //!   carry the same payload or not, and never disturb other keys;
 //! * for a store whose capabilities offer a [`StepLog`](super::StepLog): steps come back in
-//!   order after a takeover, a stale holder records none, they survive a release for the same
+//!   order after a takeover, a stale holder records none (a holder whose lease lapsed and that
+//!   nobody took over records them, as it completes), they survive a release for the same
 //!   payload only, and they expire with their record; a claim that finds them does not say
 //!   it has none ([`ClaimHandle::may_have_steps`](super::ClaimHandle::may_have_steps)).
 //!

@@ -16,6 +16,7 @@ pub(super) async fn steps_are_kept<St: Store>(store: &St, keys: &Keys, short: Du
         return;
     };
     steps_survive_a_takeover_and_a_stale_holder_records_nothing(store, &log, keys, short).await;
+    a_lapsed_holder_records_steps_as_it_completes(store, &log, keys, short).await;
     steps_survive_a_release_for_the_same_payload_only(store, &log, keys).await;
     steps_expire_with_their_record(store, &log, keys, short).await;
     steps_found_by_a_later_claim_live_as_long_as_it(store, &log, keys, short).await;
@@ -57,6 +58,28 @@ async fn steps_survive_a_takeover_and_a_stale_holder_records_nothing<St: Store>(
     record(RULE, log, &fresh, &request, "three", ClaimStatus::Held).await;
     let all = names(RULE, log, &fresh, &request).await;
     assert_eq!(all, ["one", "two", "three"], "{RULE}");
+}
+
+/// The step fence is the completion's: a holder whose lease lapsed, and whom no request took
+/// over, still completes its key, so it still records its steps (issue 44).
+async fn a_lapsed_holder_records_steps_as_it_completes<St: Store>(
+    store: &St,
+    log: &Arc<dyn StepLog>,
+    keys: &Keys,
+    short: Duration,
+) {
+    const RULE: &str = "a holder whose lease lapsed, not taken over, records steps and completes";
+    let request = keys.request(short, LONG);
+    let claim = acquire(RULE, store, &request).await;
+    let lapsed = fence(RULE, &claim);
+    tokio::time::sleep(short * 2).await;
+    record(RULE, log, &lapsed, &request, "one", ClaimStatus::Held).await;
+    held(
+        RULE,
+        "complete",
+        store.complete(&claim, &super::record()).await,
+    );
+    record(RULE, log, &lapsed, &request, "two", ClaimStatus::Lost).await;
 }
 
 async fn steps_survive_a_release_for_the_same_payload_only<St: Store>(

@@ -1,5 +1,5 @@
 //! The memory store's [`StepLog`]: each key's finished steps beside its record in the key's
-//! shard, fenced under the shard's lock by the record's token and lease.
+//! shard, fenced under the shard's lock by the record's token.
 
 use std::{collections::hash_map, sync::Arc};
 
@@ -44,8 +44,8 @@ impl StepSet {
 }
 
 impl Records {
-    /// Records `step` for `fence`'s key if the fence holds it under a live lease; the bytes
-    /// added and removed.
+    /// Records `step` for `fence`'s key if the fence holds it, as completing requires (a lapsed
+    /// lease nobody took over included); the bytes added and removed.
     fn record_step(
         &mut self,
         fence: &Fence,
@@ -54,8 +54,8 @@ impl Records {
         now: Instant,
     ) -> Option<(usize, usize)> {
         let entry = self.map.get(&fence.key)?;
-        let live = matches!(entry.state, State::InFlight { lease_until } if lease_until > now);
-        if entry.token != fence.token || !live {
+        let in_flight = matches!(entry.state, State::InFlight { .. });
+        if entry.token != fence.token || !in_flight {
             return None;
         }
         let expires_at = entry.expires_at;

@@ -15,9 +15,9 @@ use crate::{
     store::{ClaimStatus, Fence, StepLog, StepLogError, StepRecord},
 };
 
-/// Records a step while the claim holds its key under a live lease: the `FOR SHARE` lock
-/// orders it against a takeover's `UPDATE`, after which the token no longer matches and
-/// nothing is inserted.
+/// Records a step while the claim holds its key, fenced as completing is, by the token alone (a
+/// lapsed lease nobody took over still completes, so it still records): the `FOR SHARE` lock
+/// orders it against a takeover's `UPDATE`, after which the token no longer matches.
 macro_rules! record_step {
     ($table:literal) => {
         concat!(
@@ -26,7 +26,7 @@ macro_rules! record_step {
             $table,
             " r
              WHERE r.scope_key = $1 AND r.token = $2 AND r.status IS NULL
-               AND r.lease_until > now() AND r.expires_at > now()
+               AND r.expires_at > now()
              FOR SHARE
              ON CONFLICT (scope_key, name) DO UPDATE SET
                  fingerprint = EXCLUDED.fingerprint, output = EXCLUDED.output,

@@ -195,9 +195,12 @@ impl<St: Store> IdempotencyLayer<St> {
     /// # Errors
     ///
     /// [`ConfigError::InvalidPointer`] for a field pointer that does not start with `/`,
-    /// [`ConfigError::RawExcluding`] for fields left out of a raw fingerprint.
+    /// [`ConfigError::RawExcluding`] for fields left out of a raw fingerprint,
+    /// [`ConfigError::CredentialKept`] for a credential header taken in while requests are kept
+    /// for completion (see [`with_completion`](Self::with_completion)).
     pub fn with_fingerprint(mut self, fingerprinting: Fingerprinting) -> Result<Self, ConfigError> {
         self.config_mut().fingerprinting = fingerprinting.validated()?;
+        self.shared.config.completion_checked()?;
         Ok(self)
     }
 
@@ -274,20 +277,23 @@ impl<St: Store> IdempotencyLayer<St> {
         Ok(self)
     }
 
-    /// Keeps each keyed request (method, URI, the key header and the headers `completion`
-    /// names, body, principal) with its claim, so that a [`Completer`](crate::Completer)
-    /// finishes keys whose client never came back; see the [completion guide](crate::guide::completion).
+    /// Keeps each keyed request (method, URI, the key's header, the headers the fingerprint
+    /// covers and those `completion` names, body, principal) with its claim, so that a
+    /// [`Completer`](crate::Completer) finishes keys whose client never came back; see the
+    /// [completion guide](crate::guide::completion).
     ///
     /// # Errors
     ///
     /// [`ConfigError::CompletionUnsupported`] when the store keeps no requests (no
     /// [`PendingLog`](crate::store::PendingLog)): the memory store, PostgreSQL in transactional
-    /// mode.
+    /// mode. [`ConfigError::CredentialKept`] when a credential header would be kept without
+    /// [`Completion::storing_credentials`](crate::Completion::storing_credentials).
     pub fn with_completion(mut self, completion: crate::Completion) -> Result<Self, ConfigError> {
         if self.shared.store.capabilities().pending_log().is_none() {
             return Err(ConfigError::CompletionUnsupported);
         }
         self.config_mut().completion = Some(completion);
+        self.shared.config.completion_checked()?;
         Ok(self)
     }
 

@@ -53,6 +53,39 @@ async fn a_request_that_cannot_be_kept_is_refused_before_its_handler_runs() {
     .await;
 }
 
+/// A claim taken over before its request was kept (a takeover between the two statements,
+/// made here by a trigger that moves the claim's token on): the request runs nothing, since
+/// another request holds its key. The old code ran the handler all the same.
+#[tokio::test]
+async fn a_claim_lost_before_its_request_was_kept_runs_nothing() {
+    bounded(async {
+        let (db, store) = migrated().await;
+        sqlx::raw_sql(
+            "CREATE FUNCTION take_over() RETURNS trigger LANGUAGE plpgsql AS
+                 $$ BEGIN
+                     UPDATE idempotency.records SET token = token + 1000000
+                     WHERE scope_key = NEW.scope_key;
+                     RETURN NULL;
+                 END $$;
+             CREATE TRIGGER take_over AFTER INSERT ON idempotency.records
+                 FOR EACH ROW EXECUTE FUNCTION take_over();",
+        )
+        .execute(db.pool())
+        .await
+        .unwrap();
+        let seen = Arc::new(Seen {
+            hang_always: false,
+            ..Seen::default()
+        });
+        let app = app(layer(store), &seen);
+        let (status, replay, _) = send(&app, "/v1/charges", "k1").await;
+        assert_eq!((status, replay), (StatusCode::CONFLICT, false));
+        assert_eq!(Seen::count(&seen.started, "k1"), 0, "the handler never ran");
+        assert_eq!(pending_rows(&db).await, 0);
+    })
+    .await;
+}
+
 /// A handler that lost a downstream answer gives its key up part-way: the client's retry takes
 /// it over at once (no `409` while a lease runs) and sends the same downstream key again.
 #[tokio::test]

@@ -7,6 +7,7 @@
 
 mod abandon;
 mod app;
+mod unprotected;
 
 use std::{
     sync::{Arc, atomic::Ordering},
@@ -17,7 +18,7 @@ use axum::{Router, http::StatusCode};
 use idempotency_tests::{bounded, postgres::migrated, requests::replayed};
 use tower::ServiceExt;
 use tower_idempotency::{
-    Completer, Completion, ConfigError, IdempotencyLayer, Principal, Scope,
+    Completer, Completion, ConfigError, Fingerprinting, IdempotencyLayer, Principal, Scope,
     store::{MemoryStore, PostgresStore, SealingKeys, SealingStore},
 };
 
@@ -263,6 +264,29 @@ async fn only_named_headers_are_kept_and_sealed_behind_a_sealing_store() {
         let completions = seen.completions.lock().unwrap().clone();
         let keys: Vec<_> = completions.iter().map(|(_, h)| key_of(h)).collect();
         assert_eq!(keys, ["sealed"]);
+    })
+    .await;
+}
+
+/// The headers the fingerprint covers are kept without being named (issue 44.1): the old code
+/// kept only named ones, so the completer's request fingerprinted otherwise and never ran.
+#[tokio::test]
+async fn the_headers_the_fingerprint_covers_are_kept() {
+    bounded(async {
+        let (_db, store) = migrated().await;
+        let seen = Arc::new(Seen::default());
+        let layer = layer(store.clone())
+            .with_completion(Completion::new())
+            .unwrap()
+            .with_fingerprint(Fingerprinting::semantic().with_headers([MERCHANT]))
+            .unwrap();
+        let app = app(layer, &seen);
+        send(&app, "/v1/charges", "k1").await;
+        let completer = completer(&store, &app).with_max_attempts(2).unwrap();
+        let round = rounds_until(&completer, |r| r.completed + r.gave_up == 1).await;
+        assert_eq!(round.completed, 1, "{round:?}");
+        let completions = seen.completions.lock().unwrap().clone();
+        assert_eq!(completions[0].1[&MERCHANT], "m_1");
     })
     .await;
 }

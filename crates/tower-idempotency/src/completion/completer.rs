@@ -216,11 +216,17 @@ where
     async fn drive(&self, abandoned: Abandoned) -> Driven {
         let Abandoned {
             key,
+            fingerprint,
             request,
             attempt,
         } = abandoned;
+        let completing = Completing {
+            attempt,
+            scope_key: key,
+            fingerprint,
+        };
         let sent = match KeptRequest::decode(request) {
-            Ok(kept) => self.send(kept, attempt).await,
+            Ok(kept) => self.send(kept, completing).await,
             Err(error) => Err(Box::new(error) as BoxError),
         };
         match sent {
@@ -256,11 +262,11 @@ where
     }
 
     /// The kept request, rebuilt with its principal and marker, through the service.
-    async fn send(&self, kept: KeptRequest, attempt: u32) -> Result<(), BoxError> {
+    async fn send(&self, kept: KeptRequest, completing: Completing) -> Result<(), BoxError> {
         let principal = Principal::new(kept.principal.as_str()).ok();
         let mut request: Request<Full<Bytes>> = kept.into_request();
         let extensions = request.extensions_mut();
-        extensions.insert(Completing { attempt });
+        extensions.insert(completing);
         if let Some(principal) = principal {
             if let Some(restore) = &self.extensions {
                 restore(&principal, extensions);

@@ -17,40 +17,54 @@ use crate::{
 pub(crate) struct Keep<'a> {
     pub(crate) completion: &'a Completion,
     pub(crate) key_header: Option<&'a HeaderName>,
+    /// The headers the fingerprint covers: the completer's request must fingerprint the same.
+    pub(crate) fingerprinted: &'a [HeaderName],
     pub(crate) principal: &'a Principal,
     pub(crate) parts: &'a Parts,
     pub(crate) uri: &'a Uri,
     pub(crate) body: &'a Bytes,
 }
 
+/// Whether a keyed request was kept for the completer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kept {
+    /// Kept (or nothing to keep): its handler may run.
+    Yes,
+    /// The claim was lost before it was kept: another request holds the key.
+    Lost,
+    /// Keeping it failed (logged).
+    Failed,
+}
+
 impl Keep<'_> {
-    /// Keeps the request under `claim`; `false` when keeping it failed (logged). A request the
-    /// completer sent is kept already; a claim without a fence (transactional mode) leaves
-    /// nothing to complete.
+    /// Keeps the request under `claim`. A request the completer sent is kept already; a claim
+    /// without a fence (transactional mode) leaves nothing to complete.
     pub(crate) async fn under<St: Store>(
         self,
         store: &St,
         claim: &St::Claim,
         fingerprint: &Fingerprint,
-    ) -> bool {
+    ) -> Kept {
         if self.parts.extensions.get::<Completing>().is_some() {
-            return true;
+            return Kept::Yes;
         }
         let (Some(log), Some(fence)) = (store.capabilities().pending_log().cloned(), claim.fence())
         else {
-            return true;
+            return Kept::Yes;
         };
         // The content type decides how the body is fingerprinted and parsed.
         let mut names: Vec<&HeaderName> = self.completion.headers.iter().collect();
         names.extend(self.key_header);
+        names.extend(self.fingerprinted);
         names.push(&CONTENT_TYPE);
+        names.sort_unstable_by(|a, b| a.as_str().cmp(b.as_str()));
+        names.dedup();
         let kept = KeptRequest::new(self.parts, self.uri, &names, self.body, self.principal);
         match log.keep(&fence, fingerprint, kept.encode()).await {
-            Ok(ClaimStatus::Held) => true,
+            Ok(ClaimStatus::Held) => Kept::Yes,
             Ok(_) => {
-                // The run that follows finds the claim lost too, and stops there.
                 tracing::debug!("the claim was lost before its request was kept");
-                true
+                Kept::Lost
             }
             Err(error) => {
                 metrics::completion("keep_error");
@@ -58,7 +72,7 @@ impl Keep<'_> {
                     error = %Chain(&*error),
                     "keeping a request for completion failed"
                 );
-                false
+                Kept::Failed
             }
         }
     }

@@ -65,6 +65,11 @@ impl Fingerprinting {
         self
     }
 
+    /// The request headers this fingerprint takes in.
+    pub(crate) fn headers(&self) -> &[HeaderName] {
+        &self.headers
+    }
+
     /// Takes request headers in (an API version such as `Stripe-Version`, `Accept`): a retry
     /// whose values differ is another request, `422`.
     #[must_use]

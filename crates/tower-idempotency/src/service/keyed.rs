@@ -8,6 +8,7 @@ use http::{Request, Response, request::Parts};
 
 use super::{
     HttpBody, Inner, Keyed, Shared,
+    completing::{Refusal, refuse},
     outcome::{Outcome, mismatch, outcome, reject, replayed},
     request_uri,
     run::poll_once,
@@ -15,7 +16,7 @@ use super::{
 use crate::{
     body::{self, Buffered, RequestBody, ResponseBody},
     chain::Chain,
-    completion::Keep,
+    completion::{Completing, Keep, Kept},
     context::IdempotencyContext,
     fingerprint::Fingerprint,
     future::{HangUp, Served},
@@ -57,6 +58,9 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                     &body,
                 ) {
                     Ok(Some(key)) => key,
+                    Ok(None) if parts.extensions.get::<Completing>().is_some() => {
+                        return Ok(reject(config, refuse(Refusal::Unkeyed)));
+                    }
                     // No key, not required: the handler runs unprotected, as with no header.
                     Ok(None) => return self.unprotected(parts, body).await,
                     Err(rejection) => return Ok(reject(config, rejection)),
@@ -75,6 +79,11 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                 &body,
             )
             .await;
+            if let Some(completing) = parts.extensions.get::<Completing>()
+                && let Some(refusal) = Refusal::check(completing, scope_key, fingerprint)
+            {
+                return Ok(reject(config, refuse(refusal)));
+            }
             let hang_up = self.hang_up.as_deref();
             let state = match self.shared.key_state(scope_key, fingerprint, hang_up).await {
                 Ok(state) => state,
@@ -121,8 +130,14 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                     &body,
                 )
                 .await;
-                if !kept {
-                    return Ok(self.unkept(claim).await);
+                match kept {
+                    Kept::Yes => {}
+                    // Another request holds the key now: this one runs nothing.
+                    Kept::Lost => {
+                        outcome(Outcome::Conflict);
+                        return Ok(reject(&self.shared.config, Rejection::in_flight()));
+                    }
+                    Kept::Failed => return Ok(self.unkept(claim).await),
                 }
                 let context = IdempotencyContext {
                     key: claimed.key,
@@ -188,6 +203,9 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
         outcome(Outcome::StoreError);
         tracing::error!(error = %Chain(error), "idempotency store unavailable");
         let config = Arc::clone(&self.shared.config);
+        if parts.extensions.get::<Completing>().is_some() {
+            return Ok(reject(&config, refuse(Refusal::StoreFailed)));
+        }
         match config.store_failure {
             StoreFailure::FailClosed { retry_after_secs } => Ok(reject(
                 &config,
@@ -210,14 +228,15 @@ async fn keep_for_completion<St: Store>(
     claimed: &Claimed,
     parts: &Parts,
     body: &Bytes,
-) -> bool {
+) -> Kept {
     let config = &*shared.config;
     let Some(completion) = &config.completion else {
-        return true;
+        return Kept::Yes;
     };
     let keep = Keep {
         completion,
         key_header: config.key.header_name(),
+        fingerprinted: config.fingerprinting.headers(),
         principal,
         parts,
         uri: request_uri(&parts.extensions, &parts.uri),
@@ -225,8 +244,11 @@ async fn keep_for_completion<St: Store>(
     };
     // Boxed: only layers with completion on pay for its state in the request's future.
     let kept = Box::pin(keep.under(&*shared.store, claim, &claimed.fingerprint)).await;
-    // Failing open, the handler runs unkept, as it would run with the store down.
-    kept || config.store_failure == StoreFailure::FailOpen
+    match kept {
+        // Failing open, the handler runs unkept, as it would run with the store down.
+        Kept::Failed if config.store_failure == StoreFailure::FailOpen => Kept::Yes,
+        kept => kept,
+    }
 }
 
 /// What a keyed request was claimed by: its key, as sent and scoped, and its fingerprint.

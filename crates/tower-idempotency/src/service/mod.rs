@@ -20,8 +20,11 @@ use http_body::Body;
 use tower_service::Service;
 use tracing::Instrument;
 
+use completing::{Refusal, refuse};
+
 use crate::{
     body::{BoxError, RequestBody, ResponseBody},
+    completion::Completing,
     future::{Detach, Detached, HangUp, ResponseFuture},
     key::{IdempotencyKey, KeyLookup},
     policy::Disconnect,
@@ -31,6 +34,7 @@ use crate::{
     store::Store,
 };
 
+mod completing;
 mod held;
 mod keyed;
 mod outcome;
@@ -152,7 +156,11 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let config = &self.shared.config;
+        let completing = request.extensions().get::<Completing>().is_some();
         if !config.covers(request.method()) {
+            if completing {
+                return ResponseFuture::rejected(config.rendering.render(refuse(Refusal::Unkeyed)));
+            }
             return ResponseFuture::passthrough(
                 self.inner.call(request.map(RequestBody::passthrough)),
             );
@@ -165,6 +173,9 @@ where
         {
             Ok(KeyLookup::Found(key)) => Some(key),
             Ok(KeyLookup::InBody) => None,
+            Ok(KeyLookup::Absent) if completing => {
+                return ResponseFuture::rejected(config.rendering.render(refuse(Refusal::Unkeyed)));
+            }
             Ok(KeyLookup::Absent) => {
                 return ResponseFuture::passthrough(
                     self.inner.call(request.map(RequestBody::passthrough)),

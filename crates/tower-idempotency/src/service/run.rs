@@ -28,7 +28,7 @@ use crate::{
     problem::Rejection,
     record::Record,
     settings::Config,
-    steps,
+    steps::{self, Steps},
     store::{ClaimHandle, ClaimStatus, Store},
 };
 
@@ -58,6 +58,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
             claim.attach(&mut parts.extensions);
             let secret = config.step_secret.as_ref();
             context.steps = steps::offer(secret, &*store, &claim, context.fingerprint);
+            let steps = context.steps.as_ref().ok().cloned();
             let guard = HeldKey::new(Arc::clone(&store), claim);
             parts.extensions.insert(context);
             let request = Request::from_parts(parts, RequestBody::buffered(body));
@@ -92,7 +93,33 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                     Rejection::handler_timed_out(config.limits.max_handler_time),
                 ));
             };
-            settle(&config, guard, handled, takeover).await
+            let settled = Settled {
+                guard,
+                takeover,
+                steps,
+            };
+            settle(&config, settled, handled).await
+        }
+    }
+}
+
+/// A held key with what its handler did under it, to be settled.
+struct Settled<St: Store> {
+    guard: HeldKey<St>,
+    takeover: bool,
+    steps: Option<Steps>,
+}
+
+impl<St: Store> Settled<St> {
+    /// Frees the key, or gives it up part-way when a downstream key was handed out: its
+    /// retry or the completer then goes on with the same downstream keys.
+    async fn release(self) {
+        if self.steps.as_ref().is_some_and(Steps::handed_out) {
+            outcome(Outcome::Abandoned);
+            self.guard.abandon().await;
+        } else {
+            outcome(Outcome::Released);
+            self.guard.release().await;
         }
     }
 }
@@ -105,16 +132,14 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
 )]
 fn settle<'a, St: Store, B: HttpBody, E: 'a>(
     config: &'a Config,
-    guard: HeldKey<St>,
+    settled: Settled<St>,
     handled: Handled<Pin<Box<B>>, E>,
-    takeover: bool,
 ) -> impl Future<Output = Served<B, E>> + 'a {
     async move {
         let (mut parts, buffered) = match handled {
             Ok(Ok(handled)) => handled,
             Ok(Err(error)) => {
-                outcome(Outcome::Released);
-                guard.release().await;
+                settled.release().await;
                 return Err(error);
             }
             Err(panic) => {
@@ -122,32 +147,39 @@ fn settle<'a, St: Store, B: HttpBody, E: 'a>(
                     panic = panic_message(&*panic),
                     "handler panicked; key released"
                 );
-                outcome(Outcome::Released);
-                guard.release().await;
+                settled.release().await;
                 return Ok(reject(config, Rejection::handler_panicked()));
             }
         };
-        let mut retention = parts
-            .extensions
-            .remove::<Retention>()
-            .unwrap_or_else(|| config.retention.decide(parts.status));
+        let chosen = parts.extensions.remove::<Retention>();
+        let mut retention = chosen.unwrap_or_else(|| config.retention.decide(parts.status));
         let (kept_body, body) =
             split_body(buffered, config.limits.max_response_bytes, &mut retention);
+        if settled.steps.as_ref().is_some_and(Steps::lost) {
+            // Made after the claim was lost: never stored, so the next holder resumes the steps.
+            tracing::warn!(status = %parts.status, "a step found the claim lost; response not stored");
+            retention = Retention::Abandon;
+        }
         match retention {
             Retention::Keep => {
                 let record = Record::capture_without(&parts, kept_body, &config.unstored_headers);
+                let Settled {
+                    guard, takeover, ..
+                } = settled;
                 let completion = guard.complete(record, config.lease, config.ttl).await;
                 if let Some(rejection) = completed(completion, &parts, takeover) {
                     return Ok(reject(config, rejection));
                 }
             }
-            Retention::Release => {
+            // The handler's own choice: it knows no downstream call went through.
+            Retention::Release if chosen == Some(Retention::Release) => {
                 outcome(Outcome::Released);
-                guard.release().await;
+                settled.guard.release().await;
             }
+            Retention::Release => settled.release().await,
             Retention::Abandon => {
                 outcome(Outcome::Abandoned);
-                guard.abandon().await;
+                settled.guard.abandon().await;
             }
         }
         Ok(Response::from_parts(parts, body))

@@ -90,6 +90,19 @@ impl Config {
     pub(crate) fn covers(&self, method: &Method) -> bool {
         self.methods.contains(method)
     }
+
+    /// Refuses a completion that would keep a credential, whichever setting names it (checked
+    /// by both setters, so their order does not matter).
+    pub(crate) fn completion_checked(&self) -> Result<(), ConfigError> {
+        let Some(completion) = &self.completion else {
+            return Ok(());
+        };
+        let kept = completion.headers().iter();
+        match completion.refused_credential(kept.chain(self.fingerprinting.headers())) {
+            Some(name) => Err(ConfigError::CredentialKept(name.clone())),
+            None => Ok(()),
+        }
+    }
 }
 
 /// An invalid [`IdempotencyLayer`](crate::IdempotencyLayer) setting.
@@ -122,6 +135,10 @@ pub enum ConfigError {
     /// [`Completer`](crate::Completer) on a store that keeps no requests for completion (no
     /// [`PendingLog`](crate::store::PendingLog) in its capabilities).
     CompletionUnsupported,
+    /// A credential header among those kept for the [`Completer`](crate::Completer) (named to
+    /// [`Completion`](crate::Completion), or covered by the fingerprint) without
+    /// [`Completion::storing_credentials`](crate::Completion::storing_credentials).
+    CredentialKept(HeaderName),
 }
 
 impl fmt::Display for ConfigError {
@@ -152,6 +169,12 @@ impl fmt::Display for ConfigError {
             Self::CompletionUnsupported => f.write_str(
                 "this idempotency store keeps no requests for completion: use PostgresStore in \
                  lease mode (or a store whose capabilities offer a PendingLog)",
+            ),
+            Self::CredentialKept(name) => write!(
+                f,
+                "`{name}` carries credentials and would be kept in the store for the completer: \
+                 the kept principal stands for them; keep it only with \
+                 `Completion::storing_credentials`"
             ),
         }
     }

@@ -8,7 +8,10 @@
 use std::{
     fmt,
     future::Future,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU8, Ordering},
+    },
 };
 
 use bytes::Bytes;
@@ -93,7 +96,14 @@ struct Shared {
     /// The finished steps: those recorded before this request, loaded by its first `run` (one
     /// round trip, saved when the claim found none), and those it recorded since.
     finished: OnceCell<Mutex<Vec<StepRecord>>>,
+    /// What the layer must know when the handler is done: [`HANDED_OUT`], [`LOST`].
+    flags: AtomicU8,
 }
+
+/// A downstream key was handed out: a call with it may have gone through.
+const HANDED_OUT: u8 = 1;
+/// Recording a step found the claim lost.
+const LOST: u8 = 2;
 
 impl Steps {
     /// Runs step `name` once per idempotency key: its recorded result if it finished before
@@ -131,6 +141,7 @@ impl Steps {
     /// step, on any instance that shares the layer's step secret.
     pub fn downstream_key(&self, name: &str) -> DownstreamKey {
         let shared = &self.shared;
+        shared.flags.fetch_or(HANDED_OUT, Ordering::Relaxed);
         DownstreamKey::derive(&shared.secret, &shared.fence.key, &shared.fingerprint, name)
     }
 
@@ -181,8 +192,21 @@ impl Steps {
                 }
                 Ok(())
             }
-            _ => Err(StepError::Lost),
+            _ => {
+                self.shared.flags.fetch_or(LOST, Ordering::Relaxed);
+                Err(StepError::Lost)
+            }
         }
+    }
+
+    /// Whether this request handed a downstream key out (a call with it may have gone through).
+    pub(crate) fn handed_out(&self) -> bool {
+        self.shared.flags.load(Ordering::Relaxed) & HANDED_OUT != 0
+    }
+
+    /// Whether recording a step found the claim lost.
+    pub(crate) fn lost(&self) -> bool {
+        self.shared.flags.load(Ordering::Relaxed) & LOST != 0
     }
 }
 
@@ -223,6 +247,7 @@ pub(crate) fn offer<St: Store>(
             fingerprint,
             secret: secret.clone(),
             finished,
+            flags: AtomicU8::new(0),
         }),
     })
 }

@@ -37,6 +37,8 @@ pub struct PendingPick {
 pub struct Abandoned {
     /// The key.
     pub key: ScopeKey,
+    /// The fingerprint the request was kept under: the completer's request must have it.
+    pub fingerprint: Fingerprint,
     /// The request as the layer kept it (opaque bytes).
     pub request: Bytes,
     /// Which attempt this is, counting from 1.

@@ -71,7 +71,7 @@ macro_rules! pick_pending {
                  FOR UPDATE SKIP LOCKED
              ))
                AND p.next_attempt_at <= now() AND p.attempts < $2
-             RETURNING p.scope, p.request, p.attempts"
+             RETURNING p.scope, p.fingerprint, p.request, p.attempts"
         )
     };
 }
@@ -239,9 +239,14 @@ fn abandoned(row: &sqlx::postgres::PgRow) -> Result<Abandoned, PostgresStoreErro
     let scope: [u8; 32] = scope.try_into().map_err(|_| {
         PostgresStoreError::Corrupt("a kept request's scope is not 32 bytes".into())
     })?;
+    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
+    let fingerprint: [u8; 32] = fingerprint.try_into().map_err(|_| {
+        PostgresStoreError::Corrupt("a kept request's fingerprint is not 32 bytes".into())
+    })?;
     let attempts: i32 = row.try_get("attempts")?;
     Ok(Abandoned {
         key: ScopeKey::from_bytes(scope),
+        fingerprint: Fingerprint::from_bytes(fingerprint),
         request: Bytes::from(row.try_get::<Vec<u8>, _>("request")?),
         attempt: u32::try_from(attempts).unwrap_or(0),
     })

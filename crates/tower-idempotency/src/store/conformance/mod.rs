@@ -21,6 +21,8 @@
 //! * a completed key replays its record exactly: status, headers in order (repeated and
 //!   non-UTF-8 values too), body bytes (empty, binary, or not kept at all);
 //! * a released key is free for any payload, and the released claim can no longer write;
+//! * a takeover keeps the key's [generation](super::Fence::generation), a claim of an expired
+//!   key starts another, whatever its payload;
 //! * a lapsed lease is taken over (`takeover: true`) and the stale holder is fenced out of
 //!   [`renew`](Store::renew), [`complete`](Store::complete) and [`release`](Store::release);
 //!   a renewed lease does not lapse; an [abandoned](Store::abandon) claim is taken over at
@@ -33,8 +35,9 @@
 //! * for a store whose capabilities offer a [`StepLog`](super::StepLog): steps come back in
 //!   order after a takeover, a stale holder records none (a holder whose lease lapsed and that
 //!   nobody took over records them, as it completes), they survive a release for the same
-//!   payload only, and they expire with their record; a claim that finds them does not say
-//!   it has none ([`ClaimHandle::may_have_steps`](super::ClaimHandle::may_have_steps)).
+//!   payload only (in its generation), and they expire with their record: a claim of the key
+//!   after it expired reads none; a claim that finds them does not say it has none
+//!   ([`ClaimHandle::may_have_steps`](super::ClaimHandle::may_have_steps)).
 //!
 //! [`check_expired_deletion`] adds the rules of [`ExpiredDeletion`]: batches are bounded,
 //! expired records go, live ones (and claims whose lease outlives their TTL) stay.

@@ -96,6 +96,10 @@ async fn steps_survive_a_release_for_the_same_payload_only<St: Store>(
     record(RULE, log, &released, &request, "two", ClaimStatus::Lost).await;
     let again = acquire(RULE, store, &request).await;
     let again = found(RULE, &again);
+    assert_eq!(
+        again.generation, released.generation,
+        "{RULE}: a claim after a release that left steps keeps their generation"
+    );
     assert_eq!(names(RULE, log, &again, &request).await, ["one"], "{RULE}");
     let claim = store.claim(&request).await;
     assert!(
@@ -110,16 +114,27 @@ async fn steps_survive_a_release_for_the_same_payload_only<St: Store>(
     );
 }
 
+/// A key claimed again after it expired, with the same payload, is a new operation: a new
+/// generation, which reads none of the old one's steps, even those not deleted yet (the record
+/// was renewed past its TTL, so they expire after the key does).
 async fn steps_expire_with_their_record<St: Store>(
     store: &St,
     log: &Arc<dyn StepLog>,
     keys: &Keys,
     short: Duration,
 ) {
-    const RULE: &str = "steps expire with their record";
+    const RULE: &str = "steps expire with their record: a claim after it reads none of them";
     let request = keys.request(short, short);
-    let held = fence(RULE, &acquire(RULE, store, &request).await);
-    record(RULE, log, &held, &request, "one", ClaimStatus::Held).await;
+    let claim = acquire(RULE, store, &request).await;
+    let first = fence(RULE, &claim);
+    record(RULE, log, &first, &request, "one", ClaimStatus::Held).await;
+    held(RULE, "renew", store.renew(&claim, short * 3).await);
+    record(RULE, log, &first, &request, "two", ClaimStatus::Held).await;
+    held(
+        RULE,
+        "complete",
+        store.complete(&claim, &super::record()).await,
+    );
     tokio::time::sleep(short).await;
     let new = poll(RULE, short, || async {
         match ok(RULE, "claim", store.claim(&request).await) {
@@ -129,6 +144,10 @@ async fn steps_expire_with_their_record<St: Store>(
     })
     .await;
     let new = fence(RULE, &new);
+    assert_ne!(
+        new.generation, first.generation,
+        "{RULE}: a claim after the key expired starts a new generation"
+    );
     let left = names(RULE, log, &new, &request).await;
     assert!(
         left.is_empty(),

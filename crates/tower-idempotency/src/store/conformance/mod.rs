@@ -40,7 +40,8 @@
 //!   ([`ClaimHandle::may_have_steps`](super::ClaimHandle::may_have_steps)).
 //!
 //! [`check_expired_deletion`] adds the rules of [`ExpiredDeletion`]: batches are bounded,
-//! expired records go, live ones (and claims whose lease outlives their TTL) stay.
+//! expired records go, live ones (and claims whose lease outlives their TTL) stay, and steps
+//! stay as long as their record (a takeover late in the TTL keeps them past their own expiry).
 //!
 //! Both run inside a tokio runtime; a multi-threaded one (`#[tokio::test(flavor =
 //! "multi_thread")]`) makes the racing claims race on threads, not just interleave.
@@ -189,6 +190,7 @@ pub async fn check_expired_deletion<St: ExpiredDeletion>(store: &St, short: Dura
             describe(&answer)
         );
     }
+    steps::steps_live_as_long_as_their_record(store, &keys, short).await;
 }
 
 mod pending;

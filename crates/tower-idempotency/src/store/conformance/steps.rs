@@ -6,8 +6,8 @@ use bytes::Bytes;
 
 use super::{Keys, LONG, acquire, describe, held, ok, other_payload, poll};
 use crate::store::{
-    ClaimHandle, ClaimRequest, ClaimStatus, Fence, KeyState, StepLog, StepLogError, StepRecord,
-    Store,
+    ClaimHandle, ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, KeyState, StepLog,
+    StepLogError, StepRecord, Store,
 };
 
 /// Runs the step rules against `store`'s step log, if it has one.
@@ -153,6 +153,38 @@ async fn steps_expire_with_their_record<St: Store>(
         left.is_empty(),
         "{RULE}: steps {left:?} outlived their record"
     );
+}
+
+/// Steps live as long as their record, not as the claim that recorded them: a takeover late in
+/// the key's TTL keeps its record past the steps' own expiry, and them with it, through the
+/// expiry of steps (issue 44).
+pub(super) async fn steps_live_as_long_as_their_record<St: ExpiredDeletion>(
+    store: &St,
+    keys: &Keys,
+    short: Duration,
+) {
+    const RULE: &str = "steps live as long as their record, not as the claim that recorded them";
+    let Some(log) = store.capabilities().step_log().cloned() else {
+        return;
+    };
+    let request = keys.request(short, short * 3);
+    let stale = fence(RULE, &acquire(RULE, store, &request).await);
+    record(RULE, &log, &stale, &request, "one", ClaimStatus::Held).await;
+    tokio::time::sleep(short).await;
+    let fresh = poll(RULE, short, || async {
+        match ok(RULE, "claim", store.claim(&request).await) {
+            KeyState::Acquired { claim, .. } => Some(claim),
+            KeyState::InFlight { .. } => None,
+            other => panic!("{RULE}: expected a takeover, got {}", describe(&other)),
+        }
+    })
+    .await;
+    let fresh = found(RULE, &fresh);
+    // Past the step's own expiry, within the record's.
+    tokio::time::sleep(short * 2).await;
+    while ok(RULE, "delete_expired", store.delete_expired(1_000).await) >= 1_000 {}
+    let kept = names(RULE, &log, &fresh, &request).await;
+    assert_eq!(kept, ["one"], "{RULE}: the takeover lost them");
 }
 
 /// A key released and claimed again under a longer TTL: the steps the new claim found must not

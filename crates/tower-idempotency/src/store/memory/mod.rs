@@ -406,10 +406,11 @@ impl MemoryStore {
             .fold((0, 0), |(count, bytes), (_, entry)| {
                 (count + 1, bytes + entry.bytes())
             });
-        // Steps expire with their records; they are not counted as records deleted.
-        let steps: usize = records
-            .steps
-            .extract_if(|_, set| set.expired(now))
+        // Steps expire with their records (never while their generation's record lives); they
+        // are not counted as records deleted.
+        let Records { map, steps, .. } = &mut *records;
+        let steps: usize = steps
+            .extract_if(|key, set| set.expired(now) && !set.kept_by(map.get(key), now))
             .map(|(_, set)| set.bytes())
             .sum();
         self.count(0, bytes + steps);

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use super::{
     MemoryStore,
-    records::{Records, State},
+    records::{Entry, Records, State},
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -41,6 +41,12 @@ impl StepSet {
 
     pub(super) fn expired(&self, now: Instant) -> bool {
         self.expires_at <= now
+    }
+
+    /// Whether `record` (the key's) keeps these steps from expiring: it is of their generation
+    /// and has not expired itself (a takeover's record outlives the claim that recorded them).
+    pub(super) fn kept_by(&self, record: Option<&Entry>, now: Instant) -> bool {
+        record.is_some_and(|entry| entry.generation == self.generation && entry.expires_at > now)
     }
 
     /// The generation a new claim of the key for `request` goes on in: these steps', if a

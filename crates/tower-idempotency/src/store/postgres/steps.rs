@@ -76,12 +76,29 @@ const RECORDED_STEPS: &str = recorded_steps!("records");
 const RECORDED_STEPS_PARTITIONED: &str = recorded_steps!("partitioned_records");
 
 /// One batch of expired steps, as [`DELETE_EXPIRED`](super::expiry::DELETE_EXPIRED) deletes
-/// records: bounded, skipping rows another transaction has locked.
-const DELETE_EXPIRED_STEPS: &str = "DELETE FROM idempotency.steps
-     WHERE ctid = ANY(ARRAY(
-         SELECT ctid FROM idempotency.steps WHERE expires_at <= now()
-         ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
-     ))";
+/// records: bounded, skipping rows another transaction has locked. Steps expire with their
+/// record: never while a record of their generation lives (a takeover's, past their own expiry).
+macro_rules! delete_expired_steps {
+    ($table:literal) => {
+        concat!(
+            "DELETE FROM idempotency.steps
+             WHERE ctid = ANY(ARRAY(
+                 SELECT s.ctid FROM idempotency.steps s
+                 WHERE s.expires_at <= now()
+                   AND NOT EXISTS (
+                       SELECT FROM idempotency.",
+            $table,
+            " r
+                       WHERE r.scope_key = s.scope_key AND r.expires_at > now()
+                         AND coalesce(r.generation, 0) = coalesce(s.generation, 0))
+                 ORDER BY s.expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
+             ))"
+        )
+    };
+}
+
+const DELETE_EXPIRED_STEPS: &str = delete_expired_steps!("records");
+const DELETE_EXPIRED_STEPS_PARTITIONED: &str = delete_expired_steps!("partitioned_records");
 
 /// A [`PostgresStore`] as a step log.
 struct PgStepLog(PostgresStore);
@@ -99,7 +116,12 @@ impl PostgresStore {
 
     /// Deletes at most `batch` expired steps; how many.
     pub(super) async fn delete_expired_steps(&self, batch: u32) -> Result<u64, PostgresStoreError> {
-        let statement = Statement::new(DELETE_EXPIRED_STEPS).with(Param::Int(i64::from(batch)));
+        let sql = if self.partitions.is_some() {
+            DELETE_EXPIRED_STEPS_PARTITIONED
+        } else {
+            DELETE_EXPIRED_STEPS
+        };
+        let statement = Statement::new(sql).with(Param::Int(i64::from(batch)));
         let done = self
             .timed(
                 "delete_expired",

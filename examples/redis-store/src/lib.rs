@@ -25,6 +25,7 @@
 //! |---|---|
 //! | `fingerprint` | the request's fingerprint (32 bytes) |
 //! | `token` | the fencing token of the current claim, from the `{prefix}:tokens` counter |
+//! | `generation` | the key's [generation](tower_idempotency::store::Fence::generation): the token of the claim that started it |
 //! | `state` | `flight` or `done` |
 //! | `lease_until`, `expires_at` | Redis time in milliseconds |
 //! | `record` | the completed response ([`Record::to_bytes`]) |
@@ -49,12 +50,13 @@ use tower_idempotency::{
 };
 
 /// Claims a key, or says why not. `KEYS`: the record, the token counter. `ARGV`: fingerprint,
-/// lease and TTL in milliseconds. Answers `{0, token, takeover}` (acquired), `{1, lease left}`
-/// (in flight), `{2, expires in, record}` (completed) or `{3}` (another fingerprint).
+/// lease and TTL in milliseconds. Answers `{0, token, takeover, generation}` (acquired; a
+/// takeover keeps the key's generation, any other claim starts one), `{1, lease left}` (in
+/// flight), `{2, expires in, record}` (completed) or `{3}` (another fingerprint).
 const CLAIM: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local held = redis.call('HMGET', KEYS[1], 'fingerprint', 'state', 'lease_until', 'expires_at', 'record')
+local held = redis.call('HMGET', KEYS[1], 'fingerprint', 'state', 'lease_until', 'expires_at', 'record', 'generation')
 local takeover = 0
 if held[1] and tonumber(held[4]) > now then
     if held[1] ~= ARGV[1] then
@@ -69,13 +71,17 @@ if held[1] and tonumber(held[4]) > now then
     takeover = 1
 end
 local token = redis.call('INCR', KEYS[2])
+local generation = token
+if takeover == 1 then
+    generation = tonumber(held[6]) or 0
+end
 local lease = tonumber(ARGV[2])
 local expires_at = now + math.max(tonumber(ARGV[3]), lease)
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'fingerprint', ARGV[1], 'token', token, 'state', 'flight',
-           'lease_until', now + lease, 'expires_at', expires_at)
+           'lease_until', now + lease, 'expires_at', expires_at, 'generation', generation)
 redis.call('PEXPIREAT', KEYS[1], expires_at)
-return {0, token, takeover}
+return {0, token, takeover, generation}
 ";
 
 /// The preamble of the fenced scripts: `now`, and whether `ARGV[1]`'s claim still holds the
@@ -218,6 +224,7 @@ impl Store for RedisStore {
                 claim: Fence {
                     key: request.key,
                     token: int(1)?,
+                    generation: int(3)?,
                 },
                 takeover: int(2)? == 1,
             },

@@ -138,11 +138,19 @@ impl Steps {
     }
 
     /// The key step `name` sends downstream: the same for every attempt of this request's
-    /// step, on any instance that shares the layer's step secret.
+    /// step in the key's generation (until the key expires), on any instance that shares the
+    /// layer's step secret.
     pub fn downstream_key(&self, name: &str) -> DownstreamKey {
         let shared = &self.shared;
         shared.flags.fetch_or(HANDED_OUT, Ordering::Relaxed);
-        DownstreamKey::derive(&shared.secret, &shared.fence.key, &shared.fingerprint, name)
+        let fence = &shared.fence;
+        DownstreamKey::derive(
+            &shared.secret,
+            &fence.key,
+            &shared.fingerprint,
+            fence.generation,
+            name,
+        )
     }
 
     /// Step `name`'s recorded output, read back as `T`, if it finished: what `run` and

@@ -47,6 +47,12 @@
 //! while the claim still holds that token, so a holder that stalled past its lease and was taken
 //! over can no longer write: it gets [`ClaimStatus::Lost`].
 //!
+//! Every acquisition also carries the key's **generation** ([`Fence::generation`]): a takeover
+//! keeps it, as does a claim of a key released with steps left for its payload; a claim of a
+//! key that was never claimed, or whose record expired, starts a new one, unlike any the key had.
+//! [`Steps`](crate::Steps) derive their downstream keys from it, so a key reused after it
+//! expired is a new operation to the services its steps call, not a replay of the old one.
+//!
 //! A third-party store (Redis, DynamoDB...) implements [`Store`] (and [`ExpiredDeletion`] if
 //! records do not expire by themselves), and its tests run the checks of [`conformance`]
 //! (feature `conformance`), the rules [`MemoryStore`] and [`PostgresStore`] are held to.
@@ -173,6 +179,10 @@ pub struct Fence {
     pub key: ScopeKey,
     /// The fencing token handed out with this claim.
     pub token: i64,
+    /// The key's generation: chosen by the store at the claim that starts it (a new key, or one
+    /// claimed again after it expired), and carried by every later claim until the key expires
+    /// (a takeover, a claim after a release that left steps). Downstream keys derive from it.
+    pub generation: i64,
 }
 
 /// A fence carries nothing of the handler's, and is its own fence.

@@ -31,17 +31,20 @@ pub struct StepRecord {
 /// that takes the key over (or retries it after a release) skips what already ran.
 ///
 /// Steps are bound to the request's fingerprint (a key reclaimed with another payload finds
-/// none), survive a release and a takeover, and expire with the key's record.
+/// none) and to the key's [generation](super::Fence::generation) (a key claimed again after it
+/// expired finds none), survive a release and a takeover, and expire with the key's record.
 pub trait StepLog: Send + Sync + 'static {
-    /// The finished steps recorded for `fence`'s key under `fingerprint`, oldest first.
+    /// The finished steps recorded for `fence`'s key in its generation under `fingerprint`,
+    /// oldest first.
     fn recorded(
         &self,
         fence: &Fence,
         fingerprint: &Fingerprint,
     ) -> BoxFuture<'_, Result<Vec<StepRecord>, StepLogError>>;
 
-    /// Records a finished step while `fence` still holds the key; `Lost` when it does not
-    /// (a stale holder's step is refused, never recorded).
+    /// Records a finished step in the key's generation while `fence` still holds the key, as
+    /// [`complete`](super::Store::complete) would (a lapsed lease nobody took over included);
+    /// `Lost` when it does not (a stale holder's step is refused, never recorded).
     fn record(
         &self,
         fence: &Fence,

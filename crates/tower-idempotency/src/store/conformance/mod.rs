@@ -21,6 +21,8 @@
 //! * a completed key replays its record exactly: status, headers in order (repeated and
 //!   non-UTF-8 values too), body bytes (empty, binary, or not kept at all);
 //! * a released key is free for any payload, and the released claim can no longer write;
+//! * a takeover keeps the key's [generation](super::Fence::generation), a claim of an expired
+//!   key starts another, whatever its payload;
 //! * a lapsed lease is taken over (`takeover: true`) and the stale holder is fenced out of
 //!   [`renew`](Store::renew), [`complete`](Store::complete) and [`release`](Store::release);
 //!   a renewed lease does not lapse; an [abandoned](Store::abandon) claim is taken over at
@@ -31,12 +33,15 @@
 //! * 64 concurrent [`claim`](Store::claim)s of one key acquire it exactly once, whether they
 //!   carry the same payload or not, and never disturb other keys;
 //! * for a store whose capabilities offer a [`StepLog`](super::StepLog): steps come back in
-//!   order after a takeover, a stale holder records none, they survive a release for the same
-//!   payload only, and they expire with their record; a claim that finds them does not say
-//!   it has none ([`ClaimHandle::may_have_steps`](super::ClaimHandle::may_have_steps)).
+//!   order after a takeover, a stale holder records none (a holder whose lease lapsed and that
+//!   nobody took over records them, as it completes), they survive a release for the same
+//!   payload only (in its generation), and they expire with their record: a claim of the key
+//!   after it expired reads none; a claim that finds them does not say it has none
+//!   ([`ClaimHandle::may_have_steps`](super::ClaimHandle::may_have_steps)).
 //!
 //! [`check_expired_deletion`] adds the rules of [`ExpiredDeletion`]: batches are bounded,
-//! expired records go, live ones (and claims whose lease outlives their TTL) stay.
+//! expired records go, live ones (and claims whose lease outlives their TTL) stay, and steps
+//! stay as long as their record (a takeover late in the TTL keeps them past their own expiry).
 //!
 //! Both run inside a tokio runtime; a multi-threaded one (`#[tokio::test(flavor =
 //! "multi_thread")]`) makes the racing claims race on threads, not just interleave.
@@ -185,6 +190,7 @@ pub async fn check_expired_deletion<St: ExpiredDeletion>(store: &St, short: Dura
             describe(&answer)
         );
     }
+    steps::steps_live_as_long_as_their_record(store, &keys, short).await;
 }
 
 mod pending;

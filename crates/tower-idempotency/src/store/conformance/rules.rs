@@ -9,7 +9,7 @@ use super::{
 };
 use crate::{
     record::Record,
-    store::{ClaimRequest, KeyState, Store},
+    store::{ClaimHandle, ClaimRequest, KeyState, Store},
 };
 
 pub(super) async fn a_new_key_is_acquired_and_its_duplicates_refused<St: Store>(
@@ -140,6 +140,7 @@ pub(super) async fn a_lapsed_lease_is_taken_over_and_the_stale_holder_fenced_out
         takeover,
         "{RULE}: acquiring a key whose holder's lease lapsed must say `takeover: true`"
     );
+    same_generation(RULE, &stale, &fresh, true);
     another_payload_is_a_mismatch(RULE, store, &request, "taken over").await;
     fenced_out(RULE, store, &stale).await;
     held(RULE, "complete", store.complete(&fresh, &record()).await);
@@ -163,6 +164,7 @@ pub(super) async fn an_abandoned_claim_is_taken_over_at_once<St: Store>(store: &
             claim,
             takeover: true,
         } => {
+            same_generation(RULE, &stopped, &claim, true);
             fenced_out(RULE, store, &stopped).await;
             held(RULE, "complete", store.complete(&claim, &record()).await);
         }
@@ -207,30 +209,40 @@ pub(super) async fn a_completed_claim_is_final<St: Store>(store: &St, keys: &Key
 }
 
 pub(super) async fn an_expired_record_is_new<St: Store>(store: &St, keys: &Keys, short: Duration) {
-    const RULE: &str = "a record past its TTL is new, whatever its payload";
+    const RULE: &str = "a record past its TTL is new, in a new generation, whatever its payload";
     // Long enough a TTL that the record is completed well before it expires.
     let ttl = short * 3;
-    let request = keys.request(short, ttl);
-    let claim = acquire(RULE, store, &request).await;
-    held(RULE, "complete", store.complete(&claim, &record()).await);
+    let (request, reused) = (keys.request(short, ttl), keys.request(short, ttl));
+    let mut expired = Vec::new();
+    for request in [&request, &reused] {
+        let claim = acquire(RULE, store, request).await;
+        held(RULE, "complete", store.complete(&claim, &record()).await);
+        expired.push(claim);
+    }
     tokio::time::sleep(ttl).await;
-    let other = other_payload(&request);
-    let takeover = poll(RULE, short, || async {
-        match ok(RULE, "claim", store.claim(&other).await) {
-            KeyState::Acquired { takeover, .. } => Some(takeover),
-            KeyState::Mismatch => None,
-            answer => panic!(
-                "{RULE}: another payload for a completed key must be a mismatch until it \
-                 expires, then new; got {}",
-                describe(&answer)
-            ),
-        }
-    })
-    .await;
-    assert!(
-        !takeover,
-        "{RULE}: an expired record's key must be new, not a takeover"
-    );
+    // Another payload, then the same one (a client reusing its key: a new operation too).
+    for (request, expired) in [
+        (other_payload(&request), &expired[0]),
+        (reused, &expired[1]),
+    ] {
+        let (claim, takeover) = poll(RULE, short, || async {
+            match ok(RULE, "claim", store.claim(&request).await) {
+                KeyState::Acquired { claim, takeover } => Some((claim, takeover)),
+                KeyState::Mismatch | KeyState::Completed { .. } => None,
+                answer => panic!(
+                    "{RULE}: a claim of a completed key must be answered from it until it \
+                     expires, then be new; got {}",
+                    describe(&answer)
+                ),
+            }
+        })
+        .await;
+        assert!(
+            !takeover,
+            "{RULE}: an expired record's key must be new, not a takeover"
+        );
+        same_generation(RULE, expired, &claim, false);
+    }
 }
 
 pub(super) async fn a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses<St: Store>(
@@ -271,6 +283,26 @@ pub(super) async fn a_claim_past_its_ttl_is_in_flight_until_its_lease_lapses<St:
         "{RULE}: a lapsed claim past its TTL is gone: its key must be new, not a takeover"
     );
     fenced_out(RULE, store, &stale).await;
+}
+
+/// Asserts that a later claim of a key carries the generation of an earlier one (`same`: a
+/// takeover) or another (a claim after the key expired), for a store that fences its claims.
+fn same_generation<C: ClaimHandle>(rule: &str, earlier: &C, later: &C, same: bool) {
+    let (Some(earlier), Some(later)) = (earlier.fence(), later.fence()) else {
+        return;
+    };
+    let (earlier, later) = (earlier.generation, later.generation);
+    if same {
+        assert_eq!(
+            earlier, later,
+            "{rule}: a takeover keeps the key's generation"
+        );
+    } else {
+        assert_ne!(
+            earlier, later,
+            "{rule}: a claim after the key expired starts a new generation"
+        );
+    }
 }
 
 pub(super) async fn racing_requests_acquire_a_key_once<St: Store + Clone>(store: &St, keys: &Keys) {

@@ -6,8 +6,8 @@ use bytes::Bytes;
 
 use super::{Keys, LONG, acquire, describe, held, ok, other_payload, poll};
 use crate::store::{
-    ClaimHandle, ClaimRequest, ClaimStatus, Fence, KeyState, StepLog, StepLogError, StepRecord,
-    Store,
+    ClaimHandle, ClaimRequest, ClaimStatus, ExpiredDeletion, Fence, KeyState, StepLog,
+    StepLogError, StepRecord, Store,
 };
 
 /// Runs the step rules against `store`'s step log, if it has one.
@@ -16,6 +16,7 @@ pub(super) async fn steps_are_kept<St: Store>(store: &St, keys: &Keys, short: Du
         return;
     };
     steps_survive_a_takeover_and_a_stale_holder_records_nothing(store, &log, keys, short).await;
+    a_lapsed_holder_records_steps_as_it_completes(store, &log, keys, short).await;
     steps_survive_a_release_for_the_same_payload_only(store, &log, keys).await;
     steps_expire_with_their_record(store, &log, keys, short).await;
     steps_found_by_a_later_claim_live_as_long_as_it(store, &log, keys, short).await;
@@ -59,6 +60,28 @@ async fn steps_survive_a_takeover_and_a_stale_holder_records_nothing<St: Store>(
     assert_eq!(all, ["one", "two", "three"], "{RULE}");
 }
 
+/// The step fence is the completion's: a holder whose lease lapsed, and whom no request took
+/// over, still completes its key, so it still records its steps (issue 44).
+async fn a_lapsed_holder_records_steps_as_it_completes<St: Store>(
+    store: &St,
+    log: &Arc<dyn StepLog>,
+    keys: &Keys,
+    short: Duration,
+) {
+    const RULE: &str = "a holder whose lease lapsed, not taken over, records steps and completes";
+    let request = keys.request(short, LONG);
+    let claim = acquire(RULE, store, &request).await;
+    let lapsed = fence(RULE, &claim);
+    tokio::time::sleep(short * 2).await;
+    record(RULE, log, &lapsed, &request, "one", ClaimStatus::Held).await;
+    held(
+        RULE,
+        "complete",
+        store.complete(&claim, &super::record()).await,
+    );
+    record(RULE, log, &lapsed, &request, "two", ClaimStatus::Lost).await;
+}
+
 async fn steps_survive_a_release_for_the_same_payload_only<St: Store>(
     store: &St,
     log: &Arc<dyn StepLog>,
@@ -73,6 +96,10 @@ async fn steps_survive_a_release_for_the_same_payload_only<St: Store>(
     record(RULE, log, &released, &request, "two", ClaimStatus::Lost).await;
     let again = acquire(RULE, store, &request).await;
     let again = found(RULE, &again);
+    assert_eq!(
+        again.generation, released.generation,
+        "{RULE}: a claim after a release that left steps keeps their generation"
+    );
     assert_eq!(names(RULE, log, &again, &request).await, ["one"], "{RULE}");
     let claim = store.claim(&request).await;
     assert!(
@@ -87,16 +114,27 @@ async fn steps_survive_a_release_for_the_same_payload_only<St: Store>(
     );
 }
 
+/// A key claimed again after it expired, with the same payload, is a new operation: a new
+/// generation, which reads none of the old one's steps, even those not deleted yet (the record
+/// was renewed past its TTL, so they expire after the key does).
 async fn steps_expire_with_their_record<St: Store>(
     store: &St,
     log: &Arc<dyn StepLog>,
     keys: &Keys,
     short: Duration,
 ) {
-    const RULE: &str = "steps expire with their record";
+    const RULE: &str = "steps expire with their record: a claim after it reads none of them";
     let request = keys.request(short, short);
-    let held = fence(RULE, &acquire(RULE, store, &request).await);
-    record(RULE, log, &held, &request, "one", ClaimStatus::Held).await;
+    let claim = acquire(RULE, store, &request).await;
+    let first = fence(RULE, &claim);
+    record(RULE, log, &first, &request, "one", ClaimStatus::Held).await;
+    held(RULE, "renew", store.renew(&claim, short * 3).await);
+    record(RULE, log, &first, &request, "two", ClaimStatus::Held).await;
+    held(
+        RULE,
+        "complete",
+        store.complete(&claim, &super::record()).await,
+    );
     tokio::time::sleep(short).await;
     let new = poll(RULE, short, || async {
         match ok(RULE, "claim", store.claim(&request).await) {
@@ -106,11 +144,47 @@ async fn steps_expire_with_their_record<St: Store>(
     })
     .await;
     let new = fence(RULE, &new);
+    assert_ne!(
+        new.generation, first.generation,
+        "{RULE}: a claim after the key expired starts a new generation"
+    );
     let left = names(RULE, log, &new, &request).await;
     assert!(
         left.is_empty(),
         "{RULE}: steps {left:?} outlived their record"
     );
+}
+
+/// Steps live as long as their record, not as the claim that recorded them: a takeover late in
+/// the key's TTL keeps its record past the steps' own expiry, and them with it, through the
+/// expiry of steps (issue 44).
+pub(super) async fn steps_live_as_long_as_their_record<St: ExpiredDeletion>(
+    store: &St,
+    keys: &Keys,
+    short: Duration,
+) {
+    const RULE: &str = "steps live as long as their record, not as the claim that recorded them";
+    let Some(log) = store.capabilities().step_log().cloned() else {
+        return;
+    };
+    let request = keys.request(short, short * 3);
+    let stale = fence(RULE, &acquire(RULE, store, &request).await);
+    record(RULE, &log, &stale, &request, "one", ClaimStatus::Held).await;
+    tokio::time::sleep(short).await;
+    let fresh = poll(RULE, short, || async {
+        match ok(RULE, "claim", store.claim(&request).await) {
+            KeyState::Acquired { claim, .. } => Some(claim),
+            KeyState::InFlight { .. } => None,
+            other => panic!("{RULE}: expected a takeover, got {}", describe(&other)),
+        }
+    })
+    .await;
+    let fresh = found(RULE, &fresh);
+    // Past the step's own expiry, within the record's.
+    tokio::time::sleep(short * 2).await;
+    while ok(RULE, "delete_expired", store.delete_expired(1_000).await) >= 1_000 {}
+    let kept = names(RULE, &log, &fresh, &request).await;
+    assert_eq!(kept, ["one"], "{RULE}: the takeover lost them");
 }
 
 /// A key released and claimed again under a longer TTL: the steps the new claim found must not

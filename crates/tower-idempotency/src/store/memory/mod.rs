@@ -291,10 +291,11 @@ impl MemoryStore {
         records.bound_expiry();
         // One probe of the map, whatever the outcome.
         let slot = records.map.entry(request.key);
-        let takeover = match &slot {
-            hash_map::Entry::Vacant(_) => false,
+        let (takeover, going_on) = match &slot {
+            hash_map::Entry::Vacant(_) => (false, None),
             hash_map::Entry::Occupied(held) => match inspect(held.get(), request, now) {
-                Found::Free { takeover } => takeover,
+                // A takeover goes on in the key's generation; a dead record's key starts another.
+                Found::Free { takeover } => (takeover, takeover.then(|| held.get().generation)),
                 Found::InFlight(remaining) => {
                     return Ok(KeyState::InFlight {
                         lease_remaining: Some(remaining),
@@ -327,12 +328,22 @@ impl MemoryStore {
         }
         records.last_token += 1;
         let token = records.last_token;
+        // A new key whose payload's steps a release left goes on in their generation.
+        let generation = going_on
+            .or_else(|| match &slot {
+                hash_map::Entry::Vacant(_) => {
+                    records.steps.get(&request.key)?.left_for(request, now)
+                }
+                hash_map::Entry::Occupied(_) => None,
+            })
+            .unwrap_or(token);
         // A claim in flight outlives its TTL until its lease ends.
         let lease_until = later(now, request.lease);
         let expires_at = later(now, request.ttl).max(lease_until);
         slot.insert_entry(Entry {
             fingerprint: request.fingerprint,
             token,
+            generation,
             expires_at,
             claimed_at: now,
             state: State::InFlight { lease_until },
@@ -347,6 +358,7 @@ impl MemoryStore {
             claim: Fence {
                 key: request.key,
                 token,
+                generation,
             },
             takeover,
         })
@@ -394,10 +406,11 @@ impl MemoryStore {
             .fold((0, 0), |(count, bytes), (_, entry)| {
                 (count + 1, bytes + entry.bytes())
             });
-        // Steps expire with their records; they are not counted as records deleted.
-        let steps: usize = records
-            .steps
-            .extract_if(|_, set| set.expired(now))
+        // Steps expire with their records (never while their generation's record lives); they
+        // are not counted as records deleted.
+        let Records { map, steps, .. } = &mut *records;
+        let steps: usize = steps
+            .extract_if(|key, set| set.expired(now) && !set.kept_by(map.get(key), now))
             .map(|(_, set)| set.bytes())
             .sum();
         self.count(0, bytes + steps);

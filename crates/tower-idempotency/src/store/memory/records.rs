@@ -110,6 +110,8 @@ pub(super) use crate::settings::later;
 pub(super) struct Entry {
     pub(super) fingerprint: Fingerprint,
     pub(super) token: i64,
+    /// The key's generation (see [`Fence::generation`](crate::store::Fence::generation)).
+    pub(super) generation: i64,
     /// When the store may delete the entry: the later of its claim's TTL and its lease's end
     /// (which renewals move). [`Entry::ends`] tells when a request sees it end.
     pub(super) expires_at: Instant,

@@ -1,5 +1,5 @@
 //! The memory store's [`StepLog`]: each key's finished steps beside its record in the key's
-//! shard, fenced under the shard's lock by the record's token and lease.
+//! shard, fenced under the shard's lock by the record's token.
 
 use std::{collections::hash_map, sync::Arc};
 
@@ -8,18 +8,19 @@ use tokio::time::Instant;
 
 use super::{
     MemoryStore,
-    records::{Records, State},
+    records::{Entry, Records, State},
 };
 use crate::{
     fingerprint::Fingerprint,
-    store::{ClaimStatus, Fence, StepLog, StepLogError, StepRecord},
+    store::{ClaimRequest, ClaimStatus, Fence, StepLog, StepLogError, StepRecord},
 };
 
-/// A key's finished steps, for the payload whose fingerprint recorded them, until they expire
-/// with the key's record.
+/// A key's finished steps, for the payload whose fingerprint recorded them in the key's
+/// generation, until they expire with the key's record.
 #[derive(Debug)]
 pub(super) struct StepSet {
     fingerprint: Fingerprint,
+    generation: i64,
     expires_at: Instant,
     steps: Vec<StepRecord>,
 }
@@ -41,24 +42,36 @@ impl StepSet {
     pub(super) fn expired(&self, now: Instant) -> bool {
         self.expires_at <= now
     }
+
+    /// Whether `record` (the key's) keeps these steps from expiring: it is of their generation
+    /// and has not expired itself (a takeover's record outlives the claim that recorded them).
+    pub(super) fn kept_by(&self, record: Option<&Entry>, now: Instant) -> bool {
+        record.is_some_and(|entry| entry.generation == self.generation && entry.expires_at > now)
+    }
+
+    /// The generation a new claim of the key for `request` goes on in: these steps', if a
+    /// release left them for its payload and they have not expired.
+    pub(super) fn left_for(&self, request: &ClaimRequest, now: Instant) -> Option<i64> {
+        let left = self.fingerprint == request.fingerprint && !self.expired(now);
+        left.then_some(self.generation)
+    }
 }
 
 impl Records {
-    /// Records `step` for `fence`'s key if the fence holds it under a live lease; the bytes
-    /// added and removed.
+    /// Records `step` for `fence`'s key if the fence holds it, as completing requires (a lapsed
+    /// lease nobody took over included); the bytes added and removed.
     fn record_step(
         &mut self,
         fence: &Fence,
         fingerprint: &Fingerprint,
         step: &StepRecord,
-        now: Instant,
     ) -> Option<(usize, usize)> {
         let entry = self.map.get(&fence.key)?;
-        let live = matches!(entry.state, State::InFlight { lease_until } if lease_until > now);
-        if entry.token != fence.token || !live {
+        let in_flight = matches!(entry.state, State::InFlight { .. });
+        if entry.token != fence.token || !in_flight {
             return None;
         }
-        let expires_at = entry.expires_at;
+        let (expires_at, generation) = (entry.expires_at, entry.generation);
         let (set, before) = match self.steps.entry(fence.key) {
             hash_map::Entry::Occupied(kept) => {
                 let set = kept.into_mut();
@@ -68,18 +81,22 @@ impl Records {
             hash_map::Entry::Vacant(slot) => {
                 let set = slot.insert(StepSet {
                     fingerprint: *fingerprint,
+                    generation,
                     expires_at,
                     steps: Vec::new(),
                 });
                 (set, 0)
             }
         };
-        // Another payload's steps (the key was released and claimed again) are not this one's.
-        if set.fingerprint != *fingerprint || set.expired(now) {
+        // Another generation's steps (the key expired, or was released and claimed again with
+        // another payload) are not this one's.
+        if set.generation != generation || set.fingerprint != *fingerprint {
             set.fingerprint = *fingerprint;
+            set.generation = generation;
+            set.expires_at = expires_at;
             set.steps.clear();
         }
-        set.expires_at = expires_at;
+        set.expires_at = set.expires_at.max(expires_at);
         match set.steps.iter_mut().find(|kept| kept.name == step.name) {
             Some(kept) => kept.output = step.output.clone(),
             None => set.steps.push(step.clone()),
@@ -89,35 +106,26 @@ impl Records {
 }
 
 impl Records {
-    /// `fingerprint`'s steps of `fence`'s key, and the bytes freed if they had expired. The
-    /// holder's record may outlive the claim that recorded them (a release, then a claim with a
-    /// longer TTL): they are kept as long as it, or a takeover after would run them again.
-    fn recorded_steps(
-        &mut self,
-        fence: &Fence,
-        fingerprint: &Fingerprint,
-        now: Instant,
-    ) -> (Vec<StepRecord>, usize) {
+    /// `fingerprint`'s steps of `fence`'s key in the fence's generation: the holder's record
+    /// lives, so they do (whatever their own expiry says). The holder's record may outlive the
+    /// claim that recorded them (a release, then a claim with a longer TTL): they are kept as
+    /// long as it, or a claim after its release would not find them.
+    fn recorded_steps(&mut self, fence: &Fence, fingerprint: &Fingerprint) -> Vec<StepRecord> {
         let holder = self
             .map
             .get(&fence.key)
             .filter(|entry| entry.token == fence.token)
             .map(|entry| entry.expires_at);
         let Some(set) = self.steps.get_mut(&fence.key) else {
-            return (Vec::new(), 0);
+            return Vec::new();
         };
-        if set.expired(now) {
-            let freed = set.bytes();
-            self.steps.remove(&fence.key);
-            return (Vec::new(), freed);
-        }
-        if set.fingerprint != *fingerprint {
-            return (Vec::new(), 0);
+        if set.generation != fence.generation || set.fingerprint != *fingerprint {
+            return Vec::new();
         }
         if let Some(expires_at) = holder {
             set.expires_at = set.expires_at.max(expires_at);
         }
-        (set.steps.clone(), 0)
+        set.steps.clone()
     }
 }
 
@@ -134,10 +142,7 @@ impl StepLog for MemoryStore {
         fence: &Fence,
         fingerprint: &Fingerprint,
     ) -> BoxFuture<'_, Result<Vec<StepRecord>, StepLogError>> {
-        let (found, freed) =
-            self.records(&fence.key)
-                .recorded_steps(fence, fingerprint, Instant::now());
-        self.count(0, freed);
+        let found = self.records(&fence.key).recorded_steps(fence, fingerprint);
         Box::pin(std::future::ready(Ok(found)))
     }
 
@@ -148,7 +153,7 @@ impl StepLog for MemoryStore {
         step: &StepRecord,
     ) -> BoxFuture<'_, Result<ClaimStatus, StepLogError>> {
         let mut records = self.records(&fence.key);
-        let status = match records.record_step(fence, fingerprint, step, Instant::now()) {
+        let status = match records.record_step(fence, fingerprint, step) {
             Some((added, removed)) => {
                 self.count(added, removed);
                 ClaimStatus::Held

@@ -45,7 +45,9 @@ impl PostgresStore {
             .with(Param::Interval(request.ttl))
             .with(Param::Key(claimant));
         match (self.partitions.is_some(), self.transactional) {
-            (true, try_lock) => statement.with(Param::Bool(try_lock)),
+            (true, try_lock) => statement
+                .with(Param::Bool(try_lock))
+                .with(Param::Bool(self.uses_steps())),
             (false, true) => statement.with(Param::Int(advisory_lock_key(request))),
             (false, false) => statement,
         }
@@ -215,13 +217,18 @@ pub(super) fn decode_claim(
     request: &ClaimRequest,
     row: &PgRow,
 ) -> Result<KeyState<Fence>, PostgresStoreError> {
+    let fence = || -> Result<Fence, PostgresStoreError> {
+        Ok(Fence {
+            key: request.key,
+            token: row.try_get("token")?,
+            // Rows written before generations were stored are of generation 0.
+            generation: row.try_get::<Option<i64>, _>("generation")?.unwrap_or(0),
+        })
+    };
     match row.try_get::<&str, _>("outcome")? {
         "acquired" => {
             return Ok(KeyState::Acquired {
-                claim: Fence {
-                    key: request.key,
-                    token: row.try_get("token")?,
-                },
+                claim: fence()?,
                 takeover: row.try_get("takeover")?,
             });
         }
@@ -239,10 +246,7 @@ pub(super) fn decode_claim(
     // lost (a batch that failed after it committed).
     if row.try_get::<Option<bool>, _>("mine")? == Some(true) {
         return Ok(KeyState::Acquired {
-            claim: Fence {
-                key: request.key,
-                token: row.try_get("token")?,
-            },
+            claim: fence()?,
             takeover: row.try_get("takeover")?,
         });
     }

@@ -46,8 +46,8 @@ pub(super) enum Batched<T> {
     TimedOut,
 }
 
-/// Writes a batch of [`CLAIM_NEW_KEYS`] (asking whether each key has `steps`, when they are in
-/// use): for each request its new claim, `None` when its key has a row already. Bounded by
+/// Writes a batch of [`CLAIM_NEW_KEYS`] (taking each key's generation from the steps a release
+/// left, and saying whether it has any, when `steps` are in use): for each request its new claim, `None` when its key has a row already. Bounded by
 /// [`FLUSH_BOUND`], not by the store's timeout: a caller that stops waiting has its claim
 /// released when the batch's answer comes (see `claim_lease`).
 pub(super) async fn claim_new_keys(
@@ -94,10 +94,12 @@ pub(super) async fn claim_new_keys(
     .bind(sent.iter().map(|&i| batch[i].1).collect::<Vec<_>>());
     let bound = timeout.max(FLUSH_BOUND);
     let read = |row: &PgRow| {
-        Some((
-            row.try_get(0).ok()?,
-            (row.try_get(1).ok()?, row.try_get(2).ok()?),
-        ))
+        let claimed = (
+            row.try_get(1).ok()?,
+            row.try_get(2).ok()?,
+            row.try_get(3).ok()?,
+        );
+        Some((row.try_get(0).ok()?, claimed))
     };
     let tokens = match written(query, &pool, bound, &mut writer, read).await {
         Ok(tokens) => tokens,
@@ -111,10 +113,12 @@ pub(super) async fn claim_new_keys(
             if alone {
                 Batched::Alone
             } else {
-                Batched::Done(tokens.get(&key).map(|&(token, stepless)| NewClaim {
+                let claimed = tokens.get(&key);
+                Batched::Done(claimed.map(|&(token, stepless, generation)| NewClaim {
                     fence: Fence {
                         key: request.key,
                         token,
+                        generation,
                     },
                     stepless,
                 }))

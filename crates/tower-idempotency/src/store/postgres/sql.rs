@@ -19,32 +19,38 @@
 // a claim it finds in flight as waited for (`mark`), once per claim, and says in `marked` whether
 // the claim is marked, by it or before: if not, the claim settled meanwhile and its settlement
 // announced nothing, so the caller reads the key again rather than waiting to be woken.
-// `stepless` says of an inserted key whether it has no steps (a `taken` row is not asked), so that
-// its handler need not read them (see the migration `steps_recorded`); `false` claims nothing.
+// `generation` is the claim's generation (see the migration `generations`): a takeover keeps the
+// row's, a dead row's claim starts another, and an inserted key starts one with its token unless
+// `inherit` (steps in use) finds its payload's live steps a release left, whose generation it
+// takes. `stepless` then says of an inserted key whether it has no steps (a `taken` row is not
+// asked), so that its handler need not read them; `false` claims nothing.
 macro_rules! claim_statement {
     (lock: $lock:literal, mark: $mark:literal, marked: $marked:literal, gate: $gate:literal,
-     existing: $existing:literal, busy: $busy:literal, stepless: $stepless:literal) => {
+     existing: $existing:literal, busy: $busy:literal, inherit: $inherit:literal,
+     stepless: $stepless:literal) => {
         concat!(
             "WITH ",
             $lock,
             "existing AS MATERIALIZED (
                 SELECT token, takeover, fingerprint, lease_until, expires_at, created_at, claimant,
-                       status, header_names, header_values, body, waited
+                       status, header_names, header_values, body, waited, generation
                 FROM idempotency.records WHERE scope_key = $1
             ), ",
             $mark,
             "
             inserted AS (
                 INSERT INTO idempotency.records
-                    (scope_key, fingerprint, token, expires_at, lease_until, claimant)
-                SELECT $1, $2, nextval('idempotency.fencing_tokens'),
-                       now() + greatest($4::interval, $3::interval), now() + $3::interval, $5
+                    (scope_key, fingerprint, token, expires_at, lease_until, claimant, generation)
+                SELECT $1, $2, n.token,
+                       now() + greatest($4::interval, $3::interval), now() + $3::interval, $5,
+                       n.token
+                FROM (SELECT nextval('idempotency.fencing_tokens') AS token) n
                 WHERE NOT EXISTS (SELECT FROM existing) ",
             $gate,
             " ON CONFLICT (scope_key) DO NOTHING
                 RETURNING token, takeover, ",
-            $stepless,
-            " AS stepless
+            $inherit,
+            " AS generation
             ),
             taken AS (
                 UPDATE idempotency.records r SET
@@ -61,22 +67,28 @@ macro_rules! claim_statement {
                     header_values = NULL,
                     body          = NULL,
                     claimant      = $5,
-                    waited        = NULL
+                    waited        = NULL,
+                    generation    = CASE WHEN r.status IS NULL AND r.expires_at > now()
+                                              AND r.created_at + $4::interval > now()
+                                         THEN coalesce(r.generation, 0)
+                                         ELSE nextval('idempotency.fencing_tokens') END
                 WHERE r.scope_key = $1 AND EXISTS (SELECT FROM existing) ",
             $gate,
             " AND (r.expires_at <= now()
                        OR (r.created_at + $4::interval <= now()
                            AND (r.status IS NOT NULL OR r.lease_until <= now()))
                        OR (r.status IS NULL AND r.lease_until <= now() AND r.fingerprint = $2))
-                RETURNING r.token, r.takeover, false AS stepless
+                RETURNING r.token, r.takeover, false AS stepless, r.generation
             ),
-            claimed AS (SELECT token, takeover, stepless FROM inserted
-                        UNION ALL SELECT token, takeover, stepless FROM taken)
+            claimed AS (SELECT token, takeover, ",
+            $stepless,
+            " AS stepless, generation FROM inserted
+                        UNION ALL SELECT token, takeover, stepless, generation FROM taken)
             SELECT 'acquired' AS outcome, token, takeover, stepless,
                    NULL::boolean AS same_fingerprint, NULL::float8 AS lease_remaining,
                    NULL::float8 AS expires_in,
                    NULL::int2 AS status, NULL::text[] AS header_names, NULL::bytea[] AS header_values,
-                   NULL::bytea AS body, NULL::boolean AS mine, NULL::boolean AS marked
+                   NULL::bytea AS body, NULL::boolean AS mine, NULL::boolean AS marked, generation
             FROM claimed ",
             $busy,
             " UNION ALL
@@ -86,7 +98,7 @@ macro_rules! claim_statement {
                    e.status, e.header_names, e.header_values, e.body,
                    coalesce(e.claimant = $5, false) AND e.status IS NULL, ",
             $marked,
-            "
+            ", e.generation
             FROM existing e
             WHERE e.expires_at > now()
               AND NOT (e.created_at + $4::interval <= now()
@@ -99,14 +111,16 @@ macro_rules! claim_statement {
 
 pub(super) const CLAIM_LEASE: &str = claim_statement!(
     lock: "", mark: "", marked: "NULL::boolean", gate: "", existing: "", busy: "",
-    stepless: "false"
+    inherit: "generation", stepless: "false"
 );
 
-/// [`CLAIM_LEASE`] for a store whose handlers use steps: a key it inserts says whether it has
-/// any, which costs a function call that apps without steps need not pay.
+/// [`CLAIM_LEASE`] for a store whose handlers use steps: a key it inserts takes the generation
+/// of its payload's steps a release left, and says whether it has any, which costs a function
+/// call that apps without steps need not pay.
 pub(super) const CLAIM_LEASE_STEPS: &str = claim_statement!(
     lock: "", mark: "", marked: "NULL::boolean", gate: "", existing: "", busy: "",
-    stepless: "NOT idempotency.steps_recorded(scope_key, fingerprint)"
+    inherit: "idempotency.inherit_generation(scope_key, fingerprint, token)",
+    stepless: "generation = token"
 );
 
 /// [`CLAIM_LEASE`] for a waiting duplicate ([`ClaimRequest::waiting`](crate::store::ClaimRequest)):
@@ -126,6 +140,7 @@ pub(super) const CLAIM_LEASE_WAITING: &str = claim_statement!(
     existing: "",
     busy: "",
     // A waiter's key has a row: it seldom inserts one.
+    inherit: "generation",
     stepless: "false"
 );
 
@@ -137,11 +152,12 @@ pub(super) const CLAIM_TRANSACTIONAL: &str = claim_statement!(
     // Without the lock, only a completed record is answered: an uncommitted claim is invisible.
     existing: "AND ((SELECT held FROM lock) OR e.status IS NOT NULL)",
     busy: "UNION ALL SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-                  NULL
+                  NULL, NULL
            FROM lock WHERE NOT lock.held AND NOT EXISTS (
                SELECT FROM existing e WHERE e.status IS NOT NULL AND e.expires_at > now()
                  AND e.created_at + $4::interval > now())",
     // A transactional claim's handler has no steps.
+    inherit: "generation",
     stepless: "false"
 );
 
@@ -272,28 +288,37 @@ pub(super) const NOTIFY_ONE: &str = "SELECT pg_notify('idempotency_settled', $1:
 /// [`CLAIM_LEASE`]'s. The keys come sorted, so two batches racing for the same keys take them in
 /// the same order and cannot deadlock.
 macro_rules! claim_new_keys {
-    ($stepless:literal) => {
+    ($inherit:literal, $stepless:literal) => {
         concat!(
-            "INSERT INTO idempotency.records
-                (scope_key, fingerprint, token, expires_at, lease_until, claimant)
-             SELECT c.key, c.fingerprint, nextval('idempotency.fencing_tokens'),
-                    now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
-                    now() + c.lease * interval '1 microsecond', c.claimant
-             FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[], $5::uuid[])
-                 AS c(key, fingerprint, lease, ttl, claimant)
-             ON CONFLICT (scope_key) DO NOTHING
-             RETURNING scope_key, token, ",
+            "WITH claimed AS (
+                 INSERT INTO idempotency.records
+                     (scope_key, fingerprint, token, expires_at, lease_until, claimant, generation)
+                 SELECT c.key, c.fingerprint, c.token,
+                        now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
+                        now() + c.lease * interval '1 microsecond', c.claimant, c.token
+                 FROM (SELECT u.*, nextval('idempotency.fencing_tokens') AS token
+                       FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[], $5::uuid[])
+                           AS u(key, fingerprint, lease, ttl, claimant)) c
+                 ON CONFLICT (scope_key) DO NOTHING
+                 RETURNING scope_key, token, ",
+            $inherit,
+            " AS generation
+             )
+             SELECT scope_key, token, ",
             $stepless,
-            " AS stepless"
+            " AS stepless, generation FROM claimed"
         )
     };
 }
 
-pub(super) const CLAIM_NEW_KEYS: &str = claim_new_keys!("false");
+pub(super) const CLAIM_NEW_KEYS: &str = claim_new_keys!("generation", "false");
 
-/// [`CLAIM_NEW_KEYS`] saying whether each key has steps, as [`CLAIM_LEASE_STEPS`].
-pub(super) const CLAIM_NEW_KEYS_STEPS: &str =
-    claim_new_keys!("NOT idempotency.steps_recorded(scope_key, fingerprint)");
+/// [`CLAIM_NEW_KEYS`] taking the generation of each key's steps and saying whether it has any,
+/// as [`CLAIM_LEASE_STEPS`].
+pub(super) const CLAIM_NEW_KEYS_STEPS: &str = claim_new_keys!(
+    "idempotency.inherit_generation(scope_key, fingerprint, token)",
+    "generation = token"
+);
 
 /// Lease mode's group commit of completions: `complete` for many claims, each fenced by its
 /// token, by the migrations' `idempotency.complete_many` (one primary-key `UPDATE` per record,
@@ -330,7 +355,7 @@ pub(super) const FENCED: Fenced = fenced_statements!("records");
 pub(super) const FENCED_PARTITIONED: Fenced = fenced_statements!("partitioned_records");
 
 pub(super) const CLAIM_PARTITIONED: &str =
-    "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $6, $5)";
+    "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $6, $5, $7)";
 
 /// Deletes what a claim attempt may have claimed, found by its claimant id (see
 /// [`ClaimAttempt`]): only a row still in flight under that id, so never another's claim.

@@ -1,5 +1,6 @@
 //! The PostgreSQL store's [`StepLog`]: `idempotency.steps`, each step recorded by one
-//! statement fenced by the claim (see the migration `20261126000001_steps.sql`).
+//! statement fenced by the claim, in the key's generation (see the migrations
+//! `20261126000001_steps.sql` and `20261128000001_generations.sql`).
 
 use std::sync::{Arc, atomic::Ordering};
 
@@ -15,22 +16,24 @@ use crate::{
     store::{ClaimStatus, Fence, StepLog, StepLogError, StepRecord},
 };
 
-/// Records a step while the claim holds its key under a live lease: the `FOR SHARE` lock
-/// orders it against a takeover's `UPDATE`, after which the token no longer matches and
-/// nothing is inserted.
+/// Records a step while the claim holds its key, fenced as completing is, by the token alone (a
+/// lapsed lease nobody took over still completes, so it still records): the `FOR SHARE` lock
+/// orders it against a takeover's `UPDATE`, after which the token no longer matches.
 macro_rules! record_step {
     ($table:literal) => {
         concat!(
-            "INSERT INTO idempotency.steps (scope_key, fingerprint, name, output, expires_at)
-             SELECT $1, $3, $4, $5, r.expires_at FROM idempotency.",
+            "INSERT INTO idempotency.steps
+                 (scope_key, fingerprint, name, output, expires_at, generation)
+             SELECT $1, $3, $4, $5, r.expires_at, r.generation FROM idempotency.",
             $table,
             " r
              WHERE r.scope_key = $1 AND r.token = $2 AND r.status IS NULL
-               AND r.lease_until > now() AND r.expires_at > now()
+               AND r.expires_at > now()
              FOR SHARE
              ON CONFLICT (scope_key, name) DO UPDATE SET
                  fingerprint = EXCLUDED.fingerprint, output = EXCLUDED.output,
-                 expires_at = EXCLUDED.expires_at, recorded_at = now()"
+                 expires_at = EXCLUDED.expires_at, recorded_at = now(),
+                 generation = EXCLUDED.generation"
         )
     };
 }
@@ -38,8 +41,10 @@ macro_rules! record_step {
 const RECORD_STEP: &str = record_step!("records");
 const RECORD_STEP_PARTITIONED: &str = record_step!("partitioned_records");
 
-/// Reads a key's steps for its holder, and keeps them as long as the holder's record: after a
-/// release, a claim with a longer TTL must not lose them to the old claim's expiry.
+/// Reads the steps of a key's generation `$4` for its holder, and keeps them as long as the
+/// holder's record: after a release, a claim with a longer TTL must not lose them to the old
+/// claim's expiry. The holder's record lives, so its generation's steps do, whatever their own
+/// expiry says; those of generation 0 (written before generations) are judged by it, as they were.
 macro_rules! recorded_steps {
     ($table:literal) => {
         concat!(
@@ -48,13 +53,22 @@ macro_rules! recorded_steps {
                  FROM idempotency.",
             $table,
             " r
-                 WHERE s.scope_key = $1 AND s.fingerprint = $2 AND s.expires_at > now()
-                   AND s.expires_at < r.expires_at AND r.scope_key = $1 AND r.token = $3
+                 WHERE s.scope_key = $1 AND s.fingerprint = $2 AND ",
+            GENERATION!(),
+            " AND s.expires_at < r.expires_at AND r.scope_key = $1 AND r.token = $3
              )
-             SELECT name, output FROM idempotency.steps
-             WHERE scope_key = $1 AND fingerprint = $2 AND expires_at > now()
-             ORDER BY recorded_at, name"
+             SELECT name, output FROM idempotency.steps s
+             WHERE s.scope_key = $1 AND s.fingerprint = $2 AND ",
+            GENERATION!(),
+            " ORDER BY s.recorded_at, s.name"
         )
+    };
+}
+
+/// Whether step `s` is of generation `$4` (and, for generation 0, has not expired).
+macro_rules! GENERATION {
+    () => {
+        "coalesce(s.generation, 0) = $4 AND (s.generation IS NOT NULL OR s.expires_at > now())"
     };
 }
 
@@ -62,12 +76,29 @@ const RECORDED_STEPS: &str = recorded_steps!("records");
 const RECORDED_STEPS_PARTITIONED: &str = recorded_steps!("partitioned_records");
 
 /// One batch of expired steps, as [`DELETE_EXPIRED`](super::expiry::DELETE_EXPIRED) deletes
-/// records: bounded, skipping rows another transaction has locked.
-const DELETE_EXPIRED_STEPS: &str = "DELETE FROM idempotency.steps
-     WHERE ctid = ANY(ARRAY(
-         SELECT ctid FROM idempotency.steps WHERE expires_at <= now()
-         ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
-     ))";
+/// records: bounded, skipping rows another transaction has locked. Steps expire with their
+/// record: never while a record of their generation lives (a takeover's, past their own expiry).
+macro_rules! delete_expired_steps {
+    ($table:literal) => {
+        concat!(
+            "DELETE FROM idempotency.steps
+             WHERE ctid = ANY(ARRAY(
+                 SELECT s.ctid FROM idempotency.steps s
+                 WHERE s.expires_at <= now()
+                   AND NOT EXISTS (
+                       SELECT FROM idempotency.",
+            $table,
+            " r
+                       WHERE r.scope_key = s.scope_key AND r.expires_at > now()
+                         AND coalesce(r.generation, 0) = coalesce(s.generation, 0))
+                 ORDER BY s.expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
+             ))"
+        )
+    };
+}
+
+const DELETE_EXPIRED_STEPS: &str = delete_expired_steps!("records");
+const DELETE_EXPIRED_STEPS_PARTITIONED: &str = delete_expired_steps!("partitioned_records");
 
 /// A [`PostgresStore`] as a step log.
 struct PgStepLog(PostgresStore);
@@ -85,7 +116,12 @@ impl PostgresStore {
 
     /// Deletes at most `batch` expired steps; how many.
     pub(super) async fn delete_expired_steps(&self, batch: u32) -> Result<u64, PostgresStoreError> {
-        let statement = Statement::new(DELETE_EXPIRED_STEPS).with(Param::Int(i64::from(batch)));
+        let sql = if self.partitions.is_some() {
+            DELETE_EXPIRED_STEPS_PARTITIONED
+        } else {
+            DELETE_EXPIRED_STEPS
+        };
+        let statement = Statement::new(sql).with(Param::Int(i64::from(batch)));
         let done = self
             .timed(
                 "delete_expired",
@@ -131,7 +167,8 @@ impl StepLog for PgStepLog {
         let statement = Statement::new(sql)
             .with(Param::Key(stored_key(&fence.key)))
             .with(Param::Digest(*fingerprint.as_bytes()))
-            .with(Param::Int(fence.token));
+            .with(Param::Int(fence.token))
+            .with(Param::Int(fence.generation));
         Box::pin(async move {
             let rows = store
                 .timed(

@@ -12,9 +12,11 @@
 #   scripts/ha-cluster.sh rejoin                           start a killed node, wait until it
 #                                                          streams again (sync_standby in sync mode)
 #   scripts/ha-cluster.sh wait-writable                    wait until a write goes through
+#   scripts/ha-cluster.sh primary                          the primary's name (node1 or node2)
 #   scripts/ha-cluster.sh status                           members, roles, replication, endpoint
 #   scripts/ha-cluster.sh endpoint                         the endpoint URL
 #   scripts/ha-cluster.sh down [--keep]                    stop everything, remove the directory
+#                                                          (--keep: all but the data)
 #
 # Options (or environment):
 #   --dir DIR         (HA_CLUSTER_DIR)   default ${TMPDIR:-/tmp}/idempotency-ha
@@ -329,6 +331,9 @@ postgresql:
   parameters:
     unix_socket_directories: $DIR/$name
     fsync: "off"
+    logging_collector: "on"
+    log_directory: $DIR/logs
+    log_filename: $name-postgresql.log
   pg_hba:
     - local all all trust
     - host all all 127.0.0.1/32 trust
@@ -550,7 +555,8 @@ cmd_down() {
     mapfile -t left < <(strays)
     [ ${#left[@]} = 0 ] || wait_gone 10 "${left[@]}" || die "processes ${left[*]} outlived SIGKILL"
     if $KEEP; then
-        say "stopped; kept $DIR"
+        rm -rf "$DIR/etcd" "$DIR"/node*/data
+        say "stopped; kept $DIR (logs in $DIR/logs), its data removed"
     else
         rm -rf "$DIR"
         say "stopped and removed $DIR"
@@ -567,6 +573,7 @@ main() {
         rejoin) cmd_rejoin ;;
         kill-primary) cmd_kill_primary ;;
         wait-writable) cmd_wait_writable ;;
+        primary) load_state; primary_name | grep . || die "no running primary" ;;
         status) cmd_status ;;
         endpoint) load_state; endpoint ;;
         down) cmd_down ;;

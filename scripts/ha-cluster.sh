@@ -8,7 +8,8 @@
 #   scripts/ha-cluster.sh kill-primary --postmaster|--node [--lag-ms N]
 #                                                          SIGKILL the primary's postmaster, or the
 #                                                          whole node (Patroni, postmaster,
-#                                                          backends); prints the node's name
+#                                                          backends); prints the node's name and
+#                                                          the time of the kill (Unix seconds)
 #   scripts/ha-cluster.sh rejoin                           start a killed node, wait until it
 #                                                          streams again (sync_standby in sync mode)
 #   scripts/ha-cluster.sh wait-writable                    wait until a write goes through
@@ -466,7 +467,7 @@ node_index() {
 cmd_kill_primary() {
     load_state
     [ -n "$KILL_WHAT" ] || die "kill-primary needs --postmaster or --node"
-    local name postmaster children=() victims=()
+    local name postmaster killed_at children=() victims=()
     name=$(primary_name) || true
     [ -n "$name" ] || die "no running primary to kill"
     postmaster=$(postmaster_of "$name")
@@ -480,10 +481,11 @@ cmd_kill_primary() {
         victims=("$postmaster")
     fi
     kill -KILL "${victims[@]}" 2>/dev/null || true
+    killed_at=$EPOCHREALTIME
     [ ${#LAGGED[@]} = 0 ] || kill -CONT "${LAGGED[@]}" 2>/dev/null || true
     wait_gone 10 "${victims[@]}" || die "$name's processes outlived SIGKILL"
     say "killed $name's $KILL_WHAT (pids ${victims[*]})"
-    echo "$name"
+    echo "$name $killed_at"
 }
 
 cmd_wait_writable() {

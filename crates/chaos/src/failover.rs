@@ -176,8 +176,8 @@ async fn drive(
                 format!(" after stopping its walsenders for {} ms", lag.as_millis())
             }
         ));
-        let killed = cluster.kill_primary(kill, lag).await?;
-        let first_write = cluster.first_write(FIRST_WRITE_LIMIT).await?;
+        let (killed, killed_at) = cluster.kill_primary(kill, lag).await?;
+        let first_write = cluster.first_write(killed_at, FIRST_WRITE_LIMIT).await?;
         let promoted = cluster.primary().await?;
         crate::progress(format_args!(
             "failover {number}: {killed} killed; a write went through {promoted} {:.1} s later",

@@ -14,7 +14,7 @@ use std::{
     path::{Path, PathBuf},
     process::{Command, Stdio},
     str::FromStr,
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use clap::ValueEnum;
@@ -135,21 +135,37 @@ impl HaCluster {
     }
 
     /// Kills the primary (after stopping its walsenders for `lag`, if not zero); the name of
-    /// the node killed.
-    pub(crate) async fn kill_primary(&self, kill: Kill, lag: Duration) -> Result<String, BoxError> {
+    /// the node killed, and when its processes were sent `SIGKILL`.
+    pub(crate) async fn kill_primary(
+        &self,
+        kill: Kill,
+        lag: Duration,
+    ) -> Result<(String, SystemTime), BoxError> {
         let what = format!("--{}", kill.name());
         let lag = lag.as_millis().to_string();
         let printed = self
             .script_async(&["kill-primary", &what, "--lag-ms", &lag])
             .await?;
-        Ok(printed.trim().to_owned())
+        let (node, at) = printed
+            .trim()
+            .split_once(' ')
+            .ok_or_else(|| format!("kill-primary printed {printed:?}, not a node and a time"))?;
+        let at: f64 = at
+            .parse()
+            .map_err(|e| format!("kill-primary's time {at:?}: {e}"))?;
+        Ok((node.to_owned(), UNIX_EPOCH + Duration::from_secs_f64(at)))
     }
 
     /// Polls the endpoint until a write goes through (on a connection of its own each time), at
-    /// most `limit`; the time it took.
-    pub(crate) async fn first_write(&self, limit: Duration) -> Result<Duration, BoxError> {
+    /// most `limit` from `since`; the time from `since` to that write.
+    pub(crate) async fn first_write(
+        &self,
+        since: SystemTime,
+        limit: Duration,
+    ) -> Result<Duration, BoxError> {
         let options = self.connect_options()?;
         let started = Instant::now();
+        let taken = || SystemTime::now().duration_since(since).unwrap_or_default();
         loop {
             let probe = async {
                 let mut connection = PgConnection::connect_with(&options).await?;
@@ -160,9 +176,9 @@ impl HaCluster {
                 connection.close().await
             };
             if let Ok(Ok(())) = tokio::time::timeout(PROBE_TIMEOUT, probe).await {
-                return Ok(started.elapsed());
+                return Ok(taken());
             }
-            if started.elapsed() >= limit {
+            if started.elapsed().max(taken()) >= limit {
                 return Err(format!("no write went through the endpoint within {limit:?}").into());
             }
             tokio::time::sleep(PROBE_EVERY).await;

@@ -117,6 +117,13 @@
 //! server's logs are then kept and their directory printed). An error that prevents the run
 //! exits with 2, an interrupted run with 130.
 //!
+//! # Through failovers
+//!
+//! `--failover` runs on a high-availability cluster instead (two Patroni nodes behind HAProxy,
+//! made by `scripts/ha-cluster.sh`, [`ha`]) and kills its primary again and again, each killed
+//! node rejoining before the next kill ([`failover`]); the report adds the failovers and the
+//! acknowledged records they lost. With `--replication sync` (the default) nothing is lost.
+//!
 //! # Self-check
 //!
 //! `--inject-bug writes-outside-tx` or `--inject-bug lease-mode` (hidden options) run the demo

@@ -1,5 +1,5 @@
 //! The run's database: its own throwaway PostgreSQL ([`cluster`](crate::cluster)), or with
-//! `--failover` a high-availability cluster ([`ha`](crate::ha)). Either lives in the run's
+//! `--failover` a high-availability cluster ([`ha`]). Either lives in the run's
 //! directory beside the demo's logs, and is removed however the run ends.
 
 use std::path::{Path, PathBuf};

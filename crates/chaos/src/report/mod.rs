@@ -515,7 +515,7 @@ impl Report {
         );
         if let Some(dir) = kept_logs {
             println!(
-                "logs kept in {} (demo.log, postgresql.log); remove it when done",
+                "logs kept in {} (demo.log, and postgresql.log or ha/logs); remove it when done",
                 dir.display()
             );
         }

@@ -284,41 +284,35 @@ pub(super) const SETTLED_CHANNEL: &str = "idempotency_settled";
 pub(super) const NOTIFY_ONE: &str = "SELECT pg_notify('idempotency_settled', $1::text)";
 
 /// Lease mode's group commit of claims (see [`PostgresStore`]): inserts the keys that have no
-/// row, each with its own fencing token, and returns them, each with `stepless` as
-/// [`CLAIM_LEASE`]'s. The keys come sorted, so two batches racing for the same keys take them in
-/// the same order and cannot deadlock.
+/// row, each with its own fencing token, and returns them with their generation, as
+/// [`CLAIM_LEASE`]'s (a key whose generation is its token has no steps, when they are looked
+/// for). The keys come sorted, so two batches racing for the same keys take them in the same
+/// order and cannot deadlock. A plain `INSERT`, whose answer says `INSERT` as it always did.
 macro_rules! claim_new_keys {
-    ($inherit:literal, $stepless:literal) => {
+    ($inherit:literal) => {
         concat!(
-            "WITH claimed AS (
-                 INSERT INTO idempotency.records
-                     (scope_key, fingerprint, token, expires_at, lease_until, claimant, generation)
-                 SELECT c.key, c.fingerprint, c.token,
-                        now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
-                        now() + c.lease * interval '1 microsecond', c.claimant, c.token
-                 FROM (SELECT u.*, nextval('idempotency.fencing_tokens') AS token
-                       FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[], $5::uuid[])
-                           AS u(key, fingerprint, lease, ttl, claimant)) c
-                 ON CONFLICT (scope_key) DO NOTHING
-                 RETURNING scope_key, token, ",
+            "INSERT INTO idempotency.records
+                 (scope_key, fingerprint, token, expires_at, lease_until, claimant, generation)
+             SELECT c.key, c.fingerprint, c.token,
+                    now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
+                    now() + c.lease * interval '1 microsecond', c.claimant, c.token
+             FROM (SELECT u.*, nextval('idempotency.fencing_tokens') AS token
+                   FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[], $5::uuid[])
+                       AS u(key, fingerprint, lease, ttl, claimant)) c
+             ON CONFLICT (scope_key) DO NOTHING
+             RETURNING scope_key, token, ",
             $inherit,
-            " AS generation
-             )
-             SELECT scope_key, token, ",
-            $stepless,
-            " AS stepless, generation FROM claimed"
+            " AS generation"
         )
     };
 }
 
-pub(super) const CLAIM_NEW_KEYS: &str = claim_new_keys!("generation", "false");
+pub(super) const CLAIM_NEW_KEYS: &str = claim_new_keys!("generation");
 
-/// [`CLAIM_NEW_KEYS`] taking the generation of each key's steps and saying whether it has any,
-/// as [`CLAIM_LEASE_STEPS`].
-pub(super) const CLAIM_NEW_KEYS_STEPS: &str = claim_new_keys!(
-    "idempotency.inherit_generation(scope_key, fingerprint, token)",
-    "generation = token"
-);
+/// [`CLAIM_NEW_KEYS`] taking the generation of each key's steps a release left, as
+/// [`CLAIM_LEASE_STEPS`].
+pub(super) const CLAIM_NEW_KEYS_STEPS: &str =
+    claim_new_keys!("idempotency.inherit_generation(scope_key, fingerprint, token)");
 
 /// Lease mode's group commit of completions: `complete` for many claims, each fenced by its
 /// token, by the migrations' `idempotency.complete_many` (one primary-key `UPDATE` per record,

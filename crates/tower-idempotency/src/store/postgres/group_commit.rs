@@ -91,7 +91,12 @@ pub(super) async fn claim_new_keys(
             .map(|&i| micros(batch[i].0.ttl))
             .collect::<Vec<_>>(),
     )
-    .bind(sent.iter().map(|&i| batch[i].1).collect::<Vec<_>>());
+    .bind(sent.iter().map(|&i| batch[i].1).collect::<Vec<_>>())
+    .bind(
+        sent.iter()
+            .map(|&i| batch[i].0.keeps_request)
+            .collect::<Vec<_>>(),
+    );
     let bound = timeout.max(FLUSH_BOUND);
     let read = |row: &PgRow| {
         let (token, generation): (i64, i64) = (row.try_get(1).ok()?, row.try_get(2).ok()?);

@@ -5,6 +5,7 @@
 pub mod app;
 pub mod db;
 pub mod faults;
+pub mod ha;
 pub mod hostile;
 pub mod pgbouncer;
 pub mod postgres;

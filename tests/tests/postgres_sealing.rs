@@ -93,7 +93,7 @@ async fn replays_byte_for_byte_and_the_table_holds_no_plaintext() {
     assert_eq!(status, 201, "the status stays clear");
     assert!(names.is_empty(), "headers are sealed: {names:?}");
     assert!(!body.windows(SECRET.len()).any(|w| w == SECRET.as_bytes()));
-    assert_eq!(body[..5], [1, 0, 0, 0, 1], "envelope version 1, key id 1");
+    assert_eq!(body[..5], [2, 0, 0, 0, 1], "envelope version 2, key id 1");
 }
 
 #[tokio::test]

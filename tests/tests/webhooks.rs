@@ -165,6 +165,55 @@ async fn bad_deliveries_claim_nothing<St: Store + Clone>(fixture: Fixture<St>) {
     assert_eq!(applied.await.unwrap(), 1);
 }
 
+/// A forged `webhook-timestamp` at the ends of `i64` (or far off, or not a number) is a `400`
+/// refusal, never a panic in the verifier's arithmetic, and the handler never runs (issue 44).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extreme_timestamps_are_refused_and_run_nothing() {
+    let fixture = memory().await;
+    let receiver = &fixture.receiver;
+    let body = settled("evt_ts", "ch_1");
+    let runs = &AtomicUsize::new(0);
+    let handle = |headers: HeaderMap, bytes: Bytes| async move {
+        let webhook = receiver.verify(&headers, bytes)?;
+        let effect = || async { Ok::<_, NoSuchCharge>(runs.fetch_add(1, Ordering::SeqCst)) };
+        Ok::<_, ReceiveError<NoSuchCharge>>(receiver.run(&webhook, effect).await?)
+    };
+    let year = 365 * 86_400;
+    let forged = [
+        i64::MIN.to_string(),
+        (i64::MIN + 1).to_string(),
+        i64::MAX.to_string(),
+        (now() - 100 * year).to_string(),
+        (now() + 100 * year).to_string(),
+        "1e10".to_owned(),
+    ];
+    for timestamp in forged {
+        let (mut headers, bytes) =
+            delivery(SECRET, "evt_ts", timestamp.parse().unwrap_or(0), &body);
+        headers.insert("webhook-timestamp", timestamp.parse().unwrap());
+        let refused = handle(headers, bytes).await.expect_err(&timestamp);
+        assert!(
+            matches!(refused, ReceiveError::Refused(_)),
+            "{timestamp}: {refused:?}"
+        );
+        assert_eq!(
+            refused.status(),
+            Some(http::StatusCode::BAD_REQUEST),
+            "{timestamp}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "a refused delivery ran");
+    assert_eq!(
+        fixture.observed().begins(),
+        0,
+        "a refused delivery claimed a key"
+    );
+
+    let (headers, bytes) = delivery(SECRET, "evt_ts", now(), &body);
+    assert_eq!(handle(headers, bytes).await.unwrap(), 0);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// Twenty concurrent redeliveries of one event (each signed anew, as a sender retries): the
 /// effect runs once and every delivery gets its result.
 async fn concurrent_redeliveries_apply_once<St: Store + Clone>(fixture: Fixture<St>) {

@@ -4,9 +4,10 @@
 //! a unique `metadata[order_id]`, an amount, and a card (a few are declined cards, whose `402`
 //! is a final answer too). The client sends it until it gets a final answer:
 //!
-//! * every request has a timeout (each client its own, from 100 ms to 2 s by default);
-//!   connection errors, timeouts, `409` and `5xx` are retried with exponential backoff and
-//!   jitter, honouring `Retry-After`;
+//! * it goes through tower-idempotency-client's middleware ([`send`](crate::send)), which
+//!   sends the key on every attempt; every request has a timeout (each client its own, from
+//!   100 ms to 2 s by default); connection errors, timeouts, `409` and `5xx` are retried with
+//!   exponential backoff and full jitter, honouring `Retry-After`;
 //! * each attempt goes to one of the two instances, as a load balancer would pick, and to the
 //!   other one after a connection error or a timeout;
 //! * some attempts hang up: the client drops the request (and its connection) after a few
@@ -38,7 +39,7 @@
 use std::{
     sync::{
         Arc, OnceLock,
-        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -182,9 +183,9 @@ impl Plan {
             ],
             caught_error: self.caught_error,
             expected: vec![self.expected_status()],
-            wait_read_503s: AtomicU32::new(0),
-            attempts: AtomicU32::new(0),
-            abandoned: AtomicBool::new(false),
+            wait_read_503s: Arc::default(),
+            attempts: Arc::default(),
+            abandoned: Arc::default(),
         }
     }
 
@@ -233,9 +234,9 @@ impl RefundPlan {
             form,
             caught_error: false,
             expected,
-            wait_read_503s: AtomicU32::new(0),
-            attempts: AtomicU32::new(0),
-            abandoned: AtomicBool::new(false),
+            wait_read_503s: Arc::default(),
+            attempts: Arc::default(),
+            abandoned: Arc::default(),
         }
     }
 }
@@ -319,7 +320,7 @@ pub(crate) struct ObservedRefund {
 }
 
 /// One client: logical charges one after another until the stop, then returns what it saw.
-pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Observed> {
+pub(crate) async fn run(shared: &Arc<Shared>, index: usize, mut rng: Rng) -> Vec<Observed> {
     let Some(sender) = Sender::new(shared, index, &mut rng) else {
         return Vec::new();
     };
@@ -421,7 +422,11 @@ pub(crate) async fn run(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Obse
 /// whose first request it drops after 1–60 ms and then retries as any other, so that every
 /// storm leaves a burst of handlers running for clients that went away at once. Returns what it
 /// saw, at the stop.
-pub(crate) async fn storm_charges(shared: &Shared, index: usize, mut rng: Rng) -> Vec<Observed> {
+pub(crate) async fn storm_charges(
+    shared: &Arc<Shared>,
+    index: usize,
+    mut rng: Rng,
+) -> Vec<Observed> {
     let Some(sender) = Sender::new(shared, index, &mut rng) else {
         return Vec::new();
     };

@@ -112,7 +112,7 @@ async fn open_transactions(pool: &PgPool, application_name: &str) -> Option<u64>
 pub(crate) struct Addrs([RwLock<SocketAddr>; INSTANCES]);
 
 impl Addrs {
-    fn new(addrs: [SocketAddr; INSTANCES]) -> Self {
+    pub(crate) fn new(addrs: [SocketAddr; INSTANCES]) -> Self {
         Self(addrs.map(RwLock::new))
     }
 

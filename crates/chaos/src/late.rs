@@ -4,20 +4,27 @@
 //! what the completer finished (or, for a key never claimed, the charge made now); the checks
 //! then hold it to every rule a charge's answers are held to.
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::atomic::Ordering,
+    time::{Duration, Instant},
+};
 
 use sqlx::PgPool;
+
+use http::StatusCode;
+use reqwest_middleware::ClientBuilder;
+use tower_idempotency_client::{Error, IdempotentMiddleware, Outcome, Policy, StopReason};
 
 use crate::{
     client::{Answer, Observed, Stats},
     instance::Addrs,
-    send::{is_final, replayed},
 };
 
 /// How long the completer may take to finish the abandoned keys (a lease, the grace, a few
 /// rounds and attempts).
 pub(crate) const COMPLETION_LIMIT: Duration = Duration::from_secs(60);
-/// How long a returning client keeps retrying an answer that is not final.
+/// How long a returning client keeps retrying an answer that is not final, and its longest
+/// wait between attempts.
 const RETURN_LIMIT: Duration = Duration::from_secs(30);
 const RETRY_EVERY: Duration = Duration::from_millis(200);
 
@@ -46,45 +53,82 @@ pub(crate) async fn wait_for_completion(
     }
 }
 
-/// Each abandoned charge's client comes back and sends it again until a final answer.
+/// Each abandoned charge's client comes back and sends it again, through the same middleware
+/// as the clients ([`send`](crate::send)), until a final answer or [`RETURN_LIMIT`].
 pub(crate) async fn come_back(observed: &mut [Observed], addrs: &Addrs, stats: &Stats) {
     let http = reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(5))
         .build()
         .expect("an HTTP client without TLS or proxies builds");
+    let http = ClientBuilder::new(http)
+        .with(IdempotentMiddleware::new(policy()))
+        .build();
     for (n, charge) in observed.iter_mut().filter(|c| c.abandoned).enumerate() {
         let call = charge.plan.call();
-        let until = Instant::now() + RETURN_LIMIT;
-        let answer = loop {
-            let url = format!("http://{}{}", addrs.get(n % 2), call.path);
-            Stats::add(&stats.requests);
-            let sent = http
-                .post(url)
-                .bearer_auth(call.api_key)
-                .header("idempotency-key", call.key)
-                .form(&call.form)
-                .send()
-                .await;
-            if let Ok(response) = sent {
-                let status = response.status();
-                let replayed = replayed(response.headers());
-                if let (true, Ok(body)) = (is_final(status), response.bytes().await) {
-                    if replayed {
-                        Stats::add(&stats.replays);
-                    }
-                    break Some(Answer::new(status, replayed, &body));
-                }
-            }
-            if Instant::now() >= until {
-                break None;
-            }
-            tokio::time::sleep(RETRY_EVERY).await;
-        };
+        let url = format!("http://{}{}", addrs.get(n % 2), call.path);
+        let sent = http
+            .post(url)
+            .bearer_auth(call.api_key)
+            .header("idempotency-key", call.key)
+            .form(&call.form)
+            .send()
+            .await;
         drop(call);
-        match answer {
+        match answer(sent, stats).await {
             Some(answer) => charge.answers.push(answer),
             None => charge.unresolved += 1,
         }
     }
+}
+
+/// A returning client's policy: every `5xx` retried, every [`RETRY_EVERY`] at most, for
+/// [`RETURN_LIMIT`].
+fn policy() -> Policy {
+    Policy::new()
+        .with_retry_on_500(true)
+        .with_backoff(RETRY_EVERY, RETRY_EVERY)
+        .and_then(|policy| policy.with_max_attempts(u32::MAX))
+        .and_then(|policy| policy.with_deadline(RETURN_LIMIT))
+        .expect("the returning clients' policy is valid")
+}
+
+/// The final answer the middleware returned, counting its attempts and replays; `None`
+/// without one.
+async fn answer(
+    sent: reqwest_middleware::Result<reqwest::Response>,
+    stats: &Stats,
+) -> Option<Answer> {
+    let (attempts, answer) = match sent {
+        Ok(response) => {
+            let outcome = response.extensions().get::<Outcome>().cloned()?;
+            let status = response.status();
+            let body = response.bytes().await;
+            let final_answer = outcome.stop() == StopReason::Final;
+            let answer = body
+                .ok()
+                .filter(|_| final_answer)
+                .map(|body| Answer::new(status, outcome.replayed(), &body));
+            (outcome.attempts(), answer)
+        }
+        Err(reqwest_middleware::Error::Middleware(error)) => match error.downcast_ref() {
+            Some(Error::KeyReused {
+                attempts, problem, ..
+            }) => {
+                let body = problem.clone().unwrap_or_default();
+                let answer = Answer::new(StatusCode::UNPROCESSABLE_ENTITY, false, &body);
+                (*attempts, Some(answer))
+            }
+            Some(other) => (other.attempts(), None),
+            None => (0, None),
+        },
+        Err(_) => (0, None),
+    };
+    stats
+        .requests
+        .fetch_add(u64::from(attempts), Ordering::Relaxed);
+    if answer.as_ref().is_some_and(|answer| answer.replayed) {
+        Stats::add(&stats.replays);
+    }
+    answer
 }

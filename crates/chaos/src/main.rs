@@ -117,6 +117,13 @@
 //! server's logs are then kept and their directory printed). An error that prevents the run
 //! exits with 2, an interrupted run with 130.
 //!
+//! # Through failovers
+//!
+//! `--failover` runs on a high-availability cluster instead (two Patroni nodes behind HAProxy,
+//! made by `scripts/ha-cluster.sh`, [`ha`]) and kills its primary again and again, each killed
+//! node rejoining before the next kill ([`failover`]); the report adds the failovers and the
+//! acknowledged records they lost. With `--replication sync` (the default) nothing is lost.
+//!
 //! # Self-check
 //!
 //! `--inject-bug writes-outside-tx` or `--inject-bug lease-mode` (hidden options) run the demo
@@ -124,10 +131,14 @@
 //! bug: such a run must report double executions and `FAIL`. The banner says so; it is never
 //! the default.
 
+mod attempt;
 mod catch;
 mod client;
 mod cluster;
+mod database;
+mod failover;
 mod faults;
+mod ha;
 mod instance;
 mod late;
 mod network;
@@ -302,6 +313,28 @@ pub(crate) struct RunArgs {
     #[arg(long, default_value_t = 10, value_name = "P",
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub(crate) settle_percent: u8,
+
+    /// Run on a high-availability cluster (two Patroni nodes behind HAProxy, made by
+    /// `scripts/ha-cluster.sh`) whose primary is killed again and again, each killed node
+    /// rejoining before the next kill; see [`failover`]. The database restart, refused
+    /// completions and failed waiting reads are then off.
+    #[arg(long)]
+    pub(crate) failover: bool,
+
+    /// With `--failover`: how the primary's commits reach the standby.
+    #[arg(long, value_enum, default_value_t = ha::Replication::Sync, value_name = "MODE")]
+    pub(crate) replication: ha::Replication,
+
+    /// With `--failover`: the chaos lasts until at least this many failovers are done.
+    #[arg(long, default_value_t = 3, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=1_000))]
+    pub(crate) failovers: u32,
+
+    /// With `--failover`: how long the primary's walsenders are stopped before each kill of
+    /// the whole node, in milliseconds, so that the standby is behind when it takes over.
+    #[arg(long, default_value_t = 0, value_name = "MS",
+          value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    pub(crate) failover_lag_ms: u64,
 
     /// Keep the demo's and the server's logs even when the run passes.
     #[arg(long)]

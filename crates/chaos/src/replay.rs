@@ -111,6 +111,14 @@ pub(crate) fn args(args: &RunArgs, seed: u64) -> String {
     if let Some(bug) = args.inject_bug {
         line.push_str(&format!(" --inject-bug {}", bug.name()));
     }
+    if args.failover {
+        line.push_str(&format!(
+            " --failover --replication {} --failovers {} --failover-lag-ms {}",
+            args.replication.name(),
+            args.failovers,
+            args.failover_lag_ms
+        ));
+    }
     line
 }
 
@@ -143,6 +151,7 @@ mod tests {
             "--mode transactional --abandon-percent 0 --acquirer-fail-percent 50",
             "--settle-percent 0",
             "--settle-percent 100",
+            "--failover --replication async --failovers 5 --failover-lag-ms 800",
         ] {
             let args = parse(given);
             let replayed = parse(&replay_args(&args, 7));

@@ -14,7 +14,9 @@ use tokio::{sync::watch, task::JoinSet};
 use crate::{
     BoxError, Mode, PgStopMode, RunArgs,
     client::{self, Behaviour, Shared, Stats},
-    cluster::{Cluster, StopMode},
+    cluster::StopMode,
+    database::Database,
+    failover::{self, Failovers},
     faults::{self, DatabaseFaults, DatabaseRestart, RefusalFaults, Storm, StormFaults},
     instance::{DemoLog, Fleet, Spec},
     late,
@@ -39,6 +41,7 @@ const TICK: Duration = Duration::from_secs(10);
 
 /// The whole run; the exit status.
 pub(crate) async fn main(args: RunArgs) -> ExitCode {
+    let args = failover::adjust(args);
     if let Some(bug) = args.inject_bug
         && bug.mode() != args.mode
     {
@@ -86,31 +89,22 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
     }
 
     let setup_started = Instant::now();
-    // `chaos-<pid>`, or `chaos-<pid>-<n>` beside the kept logs of an earlier run of that pid.
-    let pid = std::process::id();
-    let dir = (0..)
-        .map(|n| match n {
-            0 => std::env::temp_dir().join(format!("chaos-{pid}")),
-            n => std::env::temp_dir().join(format!("chaos-{pid}-{n}")),
-        })
-        .find(|dir| !dir.exists())
-        .unwrap_or_else(|| std::env::temp_dir().join(format!("chaos-{pid}")));
-    let cluster = match tokio::task::spawn_blocking(move || Cluster::create(dir)).await {
+    let made = tokio::task::spawn_blocking({
+        let args = args.clone();
+        move || Database::create(&args)
+    });
+    let cluster = match made.await {
         Ok(Ok(cluster)) => cluster,
         Ok(Err(error)) => {
-            eprintln!("chaos: cannot start the throwaway PostgreSQL: {error}");
+            eprintln!("chaos: cannot start the run's database: {error}");
             return ExitCode::from(2);
         }
         Err(error) => {
-            eprintln!("chaos: starting the throwaway PostgreSQL failed: {error}");
+            eprintln!("chaos: starting the run's database failed: {error}");
             return ExitCode::from(2);
         }
     };
-    progress(format_args!(
-        "PostgreSQL {} started in {} (Unix socket only)",
-        cluster.version(),
-        cluster.dir().display()
-    ));
+    progress(format_args!("{}", cluster.describe()));
 
     let ended = tokio::select! {
         result = run(&args, seed, &cluster, setup_started) => Ok(result),
@@ -129,11 +123,11 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
     let kept = match removed {
         Ok(Ok(kept)) => kept,
         Ok(Err(error)) => {
-            eprintln!("chaos: cleaning up the throwaway PostgreSQL: {error}");
+            eprintln!("chaos: cleaning up the run's database: {error}");
             None
         }
         Err(error) => {
-            eprintln!("chaos: cleaning up the throwaway PostgreSQL failed: {error}");
+            eprintln!("chaos: cleaning up the run's database failed: {error}");
             None
         }
     };
@@ -168,7 +162,7 @@ pub(crate) async fn main(args: RunArgs) -> ExitCode {
 async fn run(
     args: &RunArgs,
     seed: u64,
-    cluster: &Cluster,
+    cluster: &Database,
     setup_started: Instant,
 ) -> Result<Report, BoxError> {
     let mut rng = Rng::new(seed);
@@ -176,7 +170,7 @@ async fn run(
     let pool = PgPoolOptions::new()
         .max_connections(3)
         .acquire_timeout(Duration::from_secs(10))
-        .connect_with(cluster.connect_options())
+        .connect_with(cluster.connect_options()?)
         .await?;
     let fail_wait_reads = Duration::from_secs(args.fail_wait_reads_secs);
     // Before the instances start: their statements must resolve the shim.
@@ -313,6 +307,7 @@ async fn run(
         }
     }
     let database_faults = DatabaseFaults::default();
+    let failovers = Failovers::new(args);
     let refusal_faults = RefusalFaults::default();
     let storm_faults = StormFaults::default();
     let wait_read_faults = WaitReadFaults::default();
@@ -327,7 +322,14 @@ async fn run(
                     Duration::from_millis(args.kill_max_ms)
                 ),
             ),
-            faults::restart_database(cluster, &pool, stop_rx.clone(), restart, &database_faults),
+            failover::database_faults(
+                cluster,
+                &pool,
+                stop_rx.clone(),
+                restart,
+                &database_faults,
+                (seed, &failovers)
+            ),
             faults::refuse_completions(&pool, stop_rx.clone(), refusal, &refusal_faults),
             faults::hang_up_storms(&storms, &storm_tx, stop_rx.clone(), &storm_faults),
             wait_reads::fail_wait_reads(
@@ -344,7 +346,7 @@ async fn run(
     let faulted = tokio::select! {
         // Returns early only on an error.
         result = &mut faults => result,
-        () = tokio::time::sleep(duration) => {
+        () = failovers.chaos_time(duration) => {
             stop();
             progress(format_args!("chaos over: finishing the fault in progress"));
             faults.await
@@ -414,6 +416,7 @@ async fn run(
             stormed: &storm_faults,
             wait_read_fault,
             wait_reads_failed: &wait_read_faults,
+            failovers: &failovers,
         },
         verdict,
         Phases {
@@ -431,7 +434,7 @@ async fn start_network(
     exe: &Path,
     args: &RunArgs,
     seed: u64,
-    cluster: &Cluster,
+    cluster: &Database,
 ) -> Result<Network, BoxError> {
     let log = std::fs::File::create(cluster.dir().join("acquirer.log"))?;
     let fail_rate = f64::from(args.acquirer_fail_percent) / 100.0;

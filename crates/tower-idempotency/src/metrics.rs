@@ -46,6 +46,7 @@
 //! | `idempotency_expiry_errors_total` | counter | | the expiry loop is failing: the table grows |
 //! | `idempotency_in_flight_waits_total` | counter | `result`: `replayed`, `acquired`, `mismatch`, `timed_out`, `full`, `hung_up`, `store_error` | duplicates that waited for their key ([`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)): `timed_out`, the wait is shorter than the handlers; `full`, more duplicates wait than `with_max_waiting` allows; `hung_up`, the client left while waiting (nothing was claimed); `store_error`, a re-read failed and the duplicate got `409` |
 //! | `idempotency_completions_total` | counter | `result`: `picked`, `completed`, `failed`, `gave_up`, `keep_error`, `pick_error`, `refused_unkeyed`, `refused_mismatch`, `refused_store_error`, `released_unkept` | the [`Completer`](crate::Completer): `picked`, clients crash or hang up for good; `gave_up`, a key was tried its maximum times and is left to its client; `keep_error`, a request could not be kept; `refused_*`, a completer's request ran nothing (no key found in it, not the request kept, or its claim failed); `released_unkept`, a key claimed to keep its request never kept it (its process died in between) and was freed |
+//! | `idempotency_store_survives_failover` | gauge | | `0`: [`PostgresStore`](crate::store::PostgresStore) read that a record it acknowledges now may be lost by a failover (no synchronous standby, or asynchronous commits; see [`Durability`](crate::store::Durability)) |
 //! | `idempotency_records_unopenable_total` | counter | | any: a stored response did not open ([`RecordUnopenable`](crate::store::RecordUnopenable)) and its retry got `500`; keys missing after a rotation, or altered rows |
 
 /// Keyed requests by outcome.
@@ -70,6 +71,8 @@ pub const EXPIRY_ERRORS: &str = "idempotency_expiry_errors_total";
 pub const COMPLETIONS: &str = "idempotency_completions_total";
 /// Stored records that did not open.
 pub const RECORDS_UNOPENABLE: &str = "idempotency_records_unopenable_total";
+/// Whether PostgreSQL, when last read, promised that an acknowledged record survives a failover.
+pub const SURVIVES_FAILOVER: &str = "idempotency_store_survives_failover";
 
 #[cfg(feature = "metrics")]
 mod record {
@@ -122,6 +125,11 @@ mod record {
     pub(crate) fn completions(result: &'static str, count: usize) {
         metrics::counter!(super::COMPLETIONS, "result" => result).increment(count as u64);
     }
+
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn survives_failover(survives: bool) {
+        metrics::gauge!(super::SURVIVES_FAILOVER).set(if survives { 1.0 } else { 0.0 });
+    }
 }
 
 #[cfg(not(feature = "metrics"))]
@@ -139,6 +147,8 @@ mod record {
     pub(crate) fn waited(_: &'static str) {}
     pub(crate) fn record_unopenable() {}
     pub(crate) fn completions(_: &'static str, _: usize) {}
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn survives_failover(_: bool) {}
 }
 
 #[cfg(feature = "postgres")]
@@ -147,7 +157,7 @@ pub(crate) use record::batch;
 use record::store_operation;
 pub(crate) use record::{
     completions, expired_deleted, expiry_error, outcome, record_unopenable, rejected, renewal,
-    stored_body, waited,
+    stored_body, survives_failover, waited,
 };
 
 /// One event of the completer's.

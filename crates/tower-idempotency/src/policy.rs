@@ -23,8 +23,10 @@ pub enum Retention {
     Keep,
     /// Store nothing and free the key: the response means nothing was done, so a retry (perhaps
     /// corrected) may run the handler again. Decided by the [policy](RetentionPolicy) for a
-    /// handler that handed a [downstream key](crate::Steps::downstream_key) out, it gives the key
-    /// up as [`Abandon`](Self::Abandon) does; a handler that chose it itself is taken at its word.
+    /// server error (or a failed body) of a handler that handed a
+    /// [downstream key](crate::Steps::downstream_key) out, it gives the key up as
+    /// [`Abandon`](Self::Abandon) does, since the call may have gone through; a `4xx` refusal,
+    /// or a handler that chose it itself, is taken at its word.
     Release,
     /// Store nothing and give the key up part-way: the handler stopped not knowing what a call
     /// outside it did (a downstream answer was lost). The key stays claimed with its recorded

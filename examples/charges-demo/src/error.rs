@@ -11,6 +11,8 @@ use http::{HeaderValue, StatusCode, header};
 use serde::Serialize;
 use tower_idempotency::Retention;
 
+use crate::refusals::STRIPE_SHOULD_RETRY;
+
 /// Stripe's error `type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -228,6 +230,15 @@ impl IntoResponse for ApiError {
         let mut response = json(self.status, &Envelope { error: &self });
         if let Some(retention) = self.retention {
             response.extensions_mut().insert(retention);
+        }
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            // Stripe's libraries retry what this header marks; the pause is the client's floor.
+            let headers = response.headers_mut();
+            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            headers.insert(
+                STRIPE_SHOULD_RETRY.clone(),
+                HeaderValue::from_static("true"),
+            );
         }
         if self.status == StatusCode::UNAUTHORIZED {
             response.headers_mut().insert(

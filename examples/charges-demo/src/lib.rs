@@ -65,6 +65,7 @@ pub mod request_id;
 mod routes;
 pub mod server;
 mod steps;
+mod unavailable;
 pub mod webhooks;
 
 use std::{convert::Infallible, time::Duration};

@@ -17,6 +17,7 @@ use crate::{
     params::{ChargeParams, RefundParams},
     processor::{Authorization, CardProcessor},
     steps,
+    unavailable::server_failure,
 };
 
 /// The default page size of `GET /v1/charges` and `GET /v1/refunds`.
@@ -133,11 +134,8 @@ async fn charge_in_transaction<L: Ledger>(
     // Given back before the handler returns: the layer then stores the response and commits.
     drop(transaction);
     recorded.map_err(|error| {
-        tracing::error!(
-            error = &error as &dyn std::error::Error,
-            "recording a charge failed"
-        );
-        ApiError::internal()
+        tracing::warn!("recording a charge failed");
+        server_failure(&error)
     })?;
     answer(&charge, authorization)
 }
@@ -179,11 +177,8 @@ pub(crate) async fn create_refund<L: Ledger>(
         Some(connection) => {
             let refunded = api.ledger.refund(&account, &params, Some(connection)).await;
             refunded.map_err(|error| {
-                tracing::error!(
-                    error = &error as &dyn std::error::Error,
-                    "recording a refund failed"
-                );
-                ApiError::internal()
+                tracing::warn!("recording a refund failed");
+                server_failure(&error)
             })?
         }
         None => {
@@ -373,6 +368,6 @@ fn content_type(headers: &HeaderMap) -> Option<&str> {
 }
 
 fn ledger_failed(error: &(dyn std::error::Error + 'static)) -> ApiError {
-    tracing::error!(error, "reading the ledger failed");
-    ApiError::internal()
+    tracing::warn!("reading the ledger failed");
+    server_failure(error)
 }

@@ -20,6 +20,7 @@ use crate::{
     ledger::{Charge, Ledger, Refund, RefundRefusal},
     params::{ChargeParams, RefundParams},
     processor::{Authorized, CardProcessor, NetworkError},
+    unavailable::server_failure,
 };
 
 /// The request's steps, or a `500` when the layer gives none (the app is set up wrong).
@@ -174,9 +175,11 @@ where
     write
 }
 
+/// A step that failed on the server's side: `503` when the database or store was unreachable
+/// (a retry gets past it), else `500`.
 fn step_failed(step: &str, error: &(dyn std::error::Error + 'static)) -> ApiError {
-    tracing::error!(step, error, "a step failed");
-    ApiError::internal()
+    tracing::warn!(step, "a step failed");
+    server_failure(error)
 }
 
 fn internal(message: &str) -> ApiError {

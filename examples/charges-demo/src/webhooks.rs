@@ -37,6 +37,7 @@ use crate::{
     auth::Account,
     error::{ApiError, ErrorType, json},
     ledger::{Ledger, Settlement},
+    unavailable::{server_failure, unavailable},
 };
 
 /// The webhook secret used when none is given: for development only, printed at start-up.
@@ -291,9 +292,14 @@ fn not_settled<E: std::error::Error + 'static>(
             "This webhook-id was delivered before with another body.",
         ),
         OnceError::Failed(SettleFailure::Ledger(error)) => {
-            tracing::error!(error = &error as &dyn std::error::Error, "settling failed");
-            ApiError::internal()
+            tracing::warn!("settling failed");
+            server_failure(&error)
         }
+        OnceError::Store(error) => {
+            tracing::warn!("the webhook inbox failed");
+            server_failure(&*error)
+        }
+        OnceError::NotCommitted => unavailable(),
         other => {
             tracing::error!(error = %other, "the webhook inbox failed");
             ApiError::internal()
@@ -309,11 +315,8 @@ pub(crate) async fn balance<L: Ledger>(
     match hooks.ledger.balance(&account).await {
         Ok(balance) => json(StatusCode::OK, &balance),
         Err(error) => {
-            tracing::error!(
-                error = &error as &dyn std::error::Error,
-                "reading the balance failed"
-            );
-            ApiError::internal().into_response()
+            tracing::warn!("reading the balance failed");
+            server_failure(&error).into_response()
         }
     }
 }

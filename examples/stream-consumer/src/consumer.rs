@@ -1,28 +1,24 @@
-//! The consumer: its own pending entries first (a restart after a crash), then entries other
-//! consumers left pending past the idle time (`XAUTOCLAIM`), then new ones (`XREADGROUP`);
-//! each applied once and acknowledged (`XACK`) only after its effect committed.
+//! The consumer: each round, a bounded number of pending entries idle past the claim time
+//! (its own included) and then new ones, so pending entries never starve new ones; each entry
+//! applied once and acknowledged (`XACK`) only after its effect committed or it was
+//! dead-lettered.
 
 use std::time::Duration;
 
-use redis::{
-    AsyncCommands, RedisResult,
-    aio::MultiplexedConnection,
-    streams::{
-        StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadOptions, StreamReadReply,
-    },
-};
+use redis::{AsyncCommands, RedisResult, aio::MultiplexedConnection, streams::StreamId};
 use tokio::sync::watch;
-use tower_idempotency::{Once, OnceError, store::PostgresStore};
+use tower_idempotency::{Once, store::PostgresStore};
 
-use crate::effect::{self, Credit};
+use crate::{
+    effect::{self, Credit},
+    failure::Failure,
+    round::Next,
+};
 
-/// Entries read at once.
-const BATCH: usize = 16;
-/// How long a read for new entries blocks.
-const BLOCK_MS: usize = 1_000;
-/// The pause after a batch in which nothing could be acknowledged (the database down, or an
-/// event still held by a consumer that died and whose transaction is not yet rolled back).
+/// The first pause before an entry that failed transiently is tried again, in place.
 const BACKOFF: Duration = Duration::from_millis(100);
+/// The longest such pause: the database down for long is polled this often.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// What the consumer reads from and writes to.
 pub(crate) struct Consumer {
@@ -36,146 +32,156 @@ pub(crate) struct Consumer {
     pub(crate) group: String,
     /// This consumer's name in the group.
     pub(crate) name: String,
-    /// How long an entry stays pending with another consumer before this one claims it.
+    /// How long a pending entry stays untouched before it is tried again (by any consumer).
     pub(crate) claim_idle: Duration,
+    /// The deliveries an entry gets before it is dead-lettered (at least 1).
+    pub(crate) max_deliveries: u64,
     /// A pause inside each effect, to widen the window a crash can land in.
     pub(crate) effect_delay: Duration,
-}
-
-/// What became of one entry.
-#[derive(Debug, PartialEq, Eq)]
-enum Handled {
-    /// Applied, found applied, or dead-lettered: acknowledged.
-    Acked,
-    /// Left pending, to be tried again.
-    Pending,
+    /// Where the next scan of pending entries starts: after this id, or at the first.
+    pub(crate) retry_after: Option<String>,
 }
 
 impl Consumer {
-    /// Creates the group (and the stream) if they do not exist.
-    pub(crate) async fn ensure_group(&mut self) -> RedisResult<()> {
-        let created: RedisResult<()> = self
-            .redis
-            .xgroup_create_mkstream(&self.stream, &self.group, "0")
-            .await;
-        match created {
-            Err(error) if error.code() == Some("BUSYGROUP") => Ok(()),
-            other => other,
-        }
-    }
-
     /// Consumes until `shutdown` turns true; an entry being applied is finished first.
     pub(crate) async fn run(mut self, mut shutdown: watch::Receiver<bool>) -> RedisResult<()> {
         self.ensure_group().await?;
         while !*shutdown.borrow() {
-            let entries = tokio::select! {
-                entries = self.next_entries() => entries?,
+            let round = tokio::select! {
+                round = self.next_round() => round?,
                 _ = shutdown.changed() => break,
             };
-            let mut acked = 0;
-            for entry in &entries {
-                if self.handle(entry).await? == Handled::Acked {
-                    acked += 1;
+            for next in round {
+                if *shutdown.borrow() {
+                    break;
                 }
-            }
-            if acked < entries.len() {
-                tokio::time::sleep(BACKOFF).await;
+                if let Some((entry, delivered)) = self.take(next).await? {
+                    self.handle(&entry, delivered, &mut shutdown).await?;
+                }
             }
         }
         tracing::info!("shutting down");
         Ok(())
     }
 
-    /// This consumer's own pending entries, else others' idle ones, else new ones.
-    async fn next_entries(&mut self) -> RedisResult<Vec<StreamId>> {
-        let own = self.read(StreamReadOptions::default(), "0").await?;
-        if !own.is_empty() {
-            return Ok(own);
+    /// Handles one entry on its `delivered`th delivery: applied and acknowledged, dead-lettered,
+    /// or left pending for a later delivery.
+    async fn handle(
+        &mut self,
+        entry: &StreamId,
+        delivered: u64,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> RedisResult<()> {
+        if delivered > self.max_deliveries {
+            // Earlier deliveries ended without an outcome: the consumer died on each, perhaps.
+            let reason = format!("delivered {delivered} times without an outcome");
+            return self.dead_letter(entry, delivered, &reason).await;
         }
-        let options = StreamAutoClaimOptions::default().count(BATCH);
-        let idle = self.claim_idle.as_millis() as u64;
-        let claimed: StreamAutoClaimReply = self
-            .redis
-            .xautoclaim_options(&self.stream, &self.group, &self.name, idle, "0-0", options)
-            .await?;
-        if !claimed.deleted_ids.is_empty() {
-            let deleted = &claimed.deleted_ids;
-            let _: () = self.redis.xack(&self.stream, &self.group, deleted).await?;
-        }
-        if !claimed.claimed.is_empty() {
-            return Ok(claimed.claimed);
-        }
-        self.read(StreamReadOptions::default().block(BLOCK_MS), ">")
-            .await
-    }
-
-    async fn read(&mut self, options: StreamReadOptions, id: &str) -> RedisResult<Vec<StreamId>> {
-        let options = options.count(BATCH).group(&self.group, &self.name);
-        let reply: Option<StreamReadReply> = self
-            .redis
-            .xread_options(&[&self.stream], &[id], &options)
-            .await?;
-        let keys = reply.map(|reply| reply.keys).unwrap_or_default();
-        Ok(keys.into_iter().flat_map(|key| key.ids).collect())
-    }
-
-    /// Applies one entry once, and acknowledges it once that committed or it can never apply.
-    async fn handle(&mut self, entry: &StreamId) -> RedisResult<Handled> {
         let credit = match parse(entry) {
             Ok(credit) => credit,
-            Err(reason) => return self.dead_letter(entry, reason).await,
+            Err(reason) => return self.dead_letter(entry, delivered, reason).await,
         };
-        let applied = effect::apply(
-            &self.once,
-            &self.stream,
-            &entry.id,
-            &credit,
-            self.effect_delay,
-        )
-        .await;
-        match applied {
-            Ok((balance, applied)) => {
-                tracing::info!(event = %credit.event_id, stream_id = %entry.id, balance, applied, "committed event");
-                self.ack(entry).await
+        let Some(failure) = self.apply(entry, &credit, shutdown).await else {
+            return self.ack(entry).await;
+        };
+        match failure {
+            Failure::Permanent(reason) => self.dead_letter(entry, delivered, &reason).await,
+            Failure::Unknown(error) if delivered >= self.max_deliveries => {
+                let reason = format!("failed on each of {delivered} deliveries, last: {error}");
+                self.dead_letter(entry, delivered, &reason).await
             }
-            Err(OnceError::Mismatch) => {
-                self.dead_letter(entry, "event id reused with another payload")
-                    .await
-            }
-            Err(OnceError::InvalidKey(_)) => self.dead_letter(entry, "invalid event id").await,
-            Err(OnceError::InFlight) => {
-                tracing::info!(event = %credit.event_id, "event in flight elsewhere; left pending");
-                Ok(Handled::Pending)
-            }
-            Err(error) => {
-                tracing::warn!(event = %credit.event_id, error = &error as &dyn std::error::Error, "event not applied; left pending");
-                Ok(Handled::Pending)
+            Failure::Unknown(error) | Failure::Transient(error) => {
+                let (event, stream_id) = (&credit.event_id, &entry.id);
+                tracing::warn!(
+                    %event, %stream_id, delivered, %error,
+                    "event not applied; left pending"
+                );
+                Ok(())
             }
         }
     }
 
-    async fn ack(&mut self, entry: &StreamId) -> RedisResult<Handled> {
+    /// Applies `credit`, retrying in place while it fails transiently: `None` once it is
+    /// applied (now or before), else the failure (transient only if shutting down).
+    async fn apply(
+        &self,
+        entry: &StreamId,
+        credit: &Credit,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Option<Failure> {
+        let mut pause = BACKOFF;
+        let (event, stream_id) = (&credit.event_id, &entry.id);
+        loop {
+            let delay = self.effect_delay;
+            let error =
+                match effect::apply(&self.once, &self.stream, stream_id, credit, delay).await {
+                    Ok((balance, applied)) => {
+                        tracing::info!(%event, %stream_id, balance, applied, "committed event");
+                        return None;
+                    }
+                    Err(error) => error,
+                };
+            let reason = match Failure::of(&error) {
+                Failure::Transient(reason) if !*shutdown.borrow() => reason,
+                failure => return Some(failure),
+            };
+            tracing::warn!(%event, %reason, ?pause, "event not applied; retrying");
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                _ = shutdown.changed() => {}
+            }
+            pause = (pause * 2).min(MAX_BACKOFF);
+        }
+    }
+
+    /// Acknowledges an entry that has its outcome.
+    async fn ack(&mut self, entry: &StreamId) -> RedisResult<()> {
         let _: () = self
             .redis
             .xack(&self.stream, &self.group, &[&entry.id])
             .await?;
-        Ok(Handled::Acked)
+        Ok(())
     }
 
-    /// Moves an entry that can never apply to `<stream>:dead`, with the reason, and
-    /// acknowledges it.
-    async fn dead_letter(&mut self, entry: &StreamId, reason: &str) -> RedisResult<Handled> {
-        tracing::warn!(stream_id = %entry.id, reason, "dead-lettering entry");
-        let mut fields: Vec<(String, String)> = entry
+    /// Moves an entry that will never apply to `<stream>:dead`: every field as sent (bytes,
+    /// not text), its id, its deliveries and the reason; added and acknowledged atomically.
+    async fn dead_letter(
+        &mut self,
+        entry: &StreamId,
+        delivered: u64,
+        reason: &str,
+    ) -> RedisResult<()> {
+        tracing::warn!(stream_id = %entry.id, delivered, reason, "dead-lettering entry");
+        let mut fields: Vec<(String, Vec<u8>)> = entry
             .map
             .keys()
-            .filter_map(|field| Some((field.clone(), entry.get::<String>(field)?)))
+            // Stream values are always strings, so each converts.
+            .filter_map(|field| Some((field.clone(), entry.get::<Vec<u8>>(field)?)))
             .collect();
+        fields.sort();
         fields.push(("dead_reason".into(), reason.into()));
-        fields.push(("dead_stream_id".into(), entry.id.clone()));
+        fields.push(("dead_stream_id".into(), entry.id.clone().into()));
+        fields.push(("dead_deliveries".into(), delivered.to_string().into()));
         let dead = format!("{}:dead", self.stream);
-        let _: String = self.redis.xadd(&dead, "*", &fields).await?;
-        self.ack(entry).await
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .xadd(&dead, "*", &fields)
+            .ignore()
+            .xack(&self.stream, &self.group, &[&entry.id])
+            .ignore();
+        pipe.query_async(&mut self.redis).await
+    }
+
+    /// The entry a round named, claimed now if it was pending, with its delivery count; `None`
+    /// when another consumer took it meanwhile or it was deleted.
+    async fn take(&mut self, next: Next) -> RedisResult<Option<(StreamId, u64)>> {
+        Ok(match next {
+            Next::New(entry) => Some((entry, 1)),
+            Next::Retry { id, delivered } => self
+                .claim(&id)
+                .await?
+                .map(|entry| (entry, delivered.saturating_add(1))),
+        })
     }
 }
 

@@ -8,14 +8,18 @@
 use std::time::Duration;
 
 use clap::Parser;
+use redis::AsyncConnectionConfig;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::watch;
 use tower_idempotency::{Once, store::PostgresStore};
 
 mod consumer;
 mod effect;
+mod failure;
+mod round;
 
 use consumer::Consumer;
+use round::RESPONSE_TIMEOUT;
 
 /// Applies credits from a Redis stream to PostgreSQL, each event once.
 #[derive(Debug, Parser)]
@@ -32,13 +36,18 @@ struct Args {
     /// The consumer group.
     #[arg(long, env = "GROUP", default_value = "ledger")]
     group: String,
-    /// This consumer's name in the group: keep it across restarts to take back its own
-    /// pending entries at once.
+    /// This consumer's name in the group.
     #[arg(long, env = "CONSUMER", default_value = "consumer-1")]
     consumer: String,
-    /// How long an entry stays pending with another consumer before this one claims it.
+    /// How long a pending entry stays untouched (with any consumer, this one included) before
+    /// it is claimed and tried again.
     #[arg(long, env = "CLAIM_IDLE_MS", default_value_t = 30_000)]
     claim_idle_ms: u64,
+    /// The deliveries an entry gets before it is moved to `<stream>:dead`: an entry failing
+    /// for a reason that is neither its data nor a transient outage, or that kills the consumer.
+    #[arg(long, env = "MAX_DELIVERIES", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    max_deliveries: u64,
     /// A pause inside each effect, with its row locked: widens the crash window in tests.
     #[arg(long, env = "EFFECT_DELAY_MS", default_value_t = 0)]
     effect_delay_ms: u64,
@@ -60,8 +69,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     let store = PostgresStore::new(pool.clone());
     effect::migrate(&pool, &store).await?;
+    let config = AsyncConnectionConfig::new().set_response_timeout(Some(RESPONSE_TIMEOUT));
     let redis = redis::Client::open(args.redis_url.as_str())?
-        .get_multiplexed_async_connection()
+        .get_multiplexed_async_connection_with_config(&config)
         .await?;
     let consumer = Consumer {
         redis,
@@ -70,7 +80,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         group: args.group,
         name: args.consumer,
         claim_idle: Duration::from_millis(args.claim_idle_ms),
+        max_deliveries: args.max_deliveries,
         effect_delay: Duration::from_millis(args.effect_delay_ms),
+        retry_after: None,
     };
     let (stop, shutdown) = watch::channel(false);
     tokio::spawn(async move {

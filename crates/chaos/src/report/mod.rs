@@ -10,7 +10,8 @@ use std::{
 use crate::{
     Mode, RunArgs,
     client::Stats,
-    cluster::Cluster,
+    database::Database,
+    failover::Failovers,
     faults::{DatabaseFaults, DatabaseRestart, Refusal, RefusalFaults, Storm, StormFaults},
     instance::{DemoLog, Fleet, LEASE},
     serve::Bug,
@@ -18,9 +19,10 @@ use crate::{
     wait_reads::{WaitReadFault, WaitReadFaults},
 };
 
+mod failover;
 mod sections;
 
-use self::sections::print_webhooks;
+use self::{failover::FailoverFigures, sections::print_webhooks};
 
 /// How long each phase took.
 #[derive(Debug, Clone, Copy)]
@@ -42,6 +44,7 @@ pub(crate) struct Faults<'a> {
     pub(crate) stormed: &'a StormFaults,
     pub(crate) wait_read_fault: Option<WaitReadFault>,
     pub(crate) wait_reads_failed: &'a WaitReadFaults,
+    pub(crate) failovers: &'a Failovers,
 }
 
 /// How the duplicates' waits ended, as the instances logged them, and the clients' hang-ups of
@@ -89,6 +92,7 @@ pub(crate) struct Report {
     pg_restarts: u64,
     pg_in_flight: u64,
     restart: DatabaseRestart,
+    failover: Option<FailoverFigures>,
     refusal: Option<Refusal>,
     refusal_windows: u64,
     refused: u64,
@@ -136,7 +140,7 @@ impl Report {
         faults: Faults<'_>,
         verdict: Verdict,
         phases: Phases,
-        cluster: &Cluster,
+        database: &Database,
     ) -> Self {
         let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
         Self {
@@ -145,7 +149,7 @@ impl Report {
             drain_secs: args.drain_secs,
             clients: args.clients,
             inject_bug: args.inject_bug,
-            postgres: cluster.version(),
+            postgres: database.version(),
             requests: get(&stats.requests),
             retries: get(&stats.retries),
             replays: get(&stats.replays),
@@ -163,6 +167,7 @@ impl Report {
             pg_restarts: get(&faults.database.restarts),
             pg_in_flight: get(&faults.database.in_flight),
             restart: faults.restart,
+            failover: FailoverFigures::new(args, database, faults.failovers),
             refusal: faults.refusal,
             refusal_windows: get(&faults.refused.windows),
             refused: get(&faults.refused.refused),
@@ -317,13 +322,16 @@ impl Report {
         line(
             "PostgreSQL restarts",
             self.pg_restarts,
-            format!(
-                "stop -m {} at {:.1} s with {} charges in flight, down {:.1} s",
-                self.restart.mode.as_str(),
-                self.restart.at.as_secs_f64(),
-                self.pg_in_flight,
-                self.restart.down_for.as_secs_f64(),
-            ),
+            match self.failover {
+                Some(_) => "none: the failovers below are the database's faults".to_owned(),
+                None => format!(
+                    "stop -m {} at {:.1} s with {} charges in flight, down {:.1} s",
+                    self.restart.mode.as_str(),
+                    self.restart.at.as_secs_f64(),
+                    self.pg_in_flight,
+                    self.restart.down_for.as_secs_f64(),
+                ),
+            },
         );
         let refusal = match self.refusal {
             Some(plan) if self.refusal_windows > 0 => format!(
@@ -469,6 +477,9 @@ impl Report {
             ),
         );
         print_webhooks(&v.webhooks, &line);
+        if let Some(failover) = &self.failover {
+            self.print_failover(failover, &line);
+        }
         println!("invariants");
         let settlements = v.webhooks.invariants();
         for (name, count) in v.invariants().into_iter().chain(settlements) {
@@ -504,7 +515,7 @@ impl Report {
         );
         if let Some(dir) = kept_logs {
             println!(
-                "logs kept in {} (demo.log, postgresql.log); remove it when done",
+                "logs kept in {} (demo.log, and postgresql.log or ha/logs); remove it when done",
                 dir.display()
             );
         }

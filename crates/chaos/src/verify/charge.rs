@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use charges_demo::auth::Account;
 use sha2::{Digest, Sha256};
 
-use super::{ChargeRow, RecordRow, Verdict, lock_key, seen, take_record};
+use super::{ChargeRow, RecordRow, Verdict, acknowledged, lock_key, seen, take_record};
 use crate::{catch, client::Observed};
 
 /// One logical charge against its rows and record; see the [module documentation](super).
@@ -79,6 +79,7 @@ pub(super) fn check_charge(
     let Some(first) = answers.first() else {
         return;
     };
+    acknowledged::count(verdict, &what, answers, record.as_ref(), charge_rows.len());
     if answers.iter().any(|a| a.status != plan.expected_status()) {
         verdict.unexpected_answers += 1;
         verdict.example(

@@ -24,6 +24,7 @@
 //! `200`, its stored record the answer delivered), but for a refusal: a `400` is never stored,
 //! so each send of a refused refund runs again, and is refused again, fresh.
 
+mod acknowledged;
 pub(crate) mod authorizations;
 mod balances;
 mod charge;
@@ -130,6 +131,8 @@ pub(crate) struct Verdict {
     pub(crate) steps_mode: bool,
     /// Logical charges and refunds answered fresh more than once so, the same bytes each time.
     pub(crate) resumed_fresh: u64,
+    /// Answers clients received whose record is gone ([`acknowledged`]).
+    pub(crate) acknowledged_lost: acknowledged::Lost,
 
     /// The settlements by webhook ([`balances`]).
     pub(crate) webhooks: balances::WebhookVerdict,
@@ -141,7 +144,7 @@ pub(crate) struct Verdict {
 
 impl Verdict {
     /// Every invariant, its count, and whether it holds.
-    pub(crate) fn invariants(&self) -> [(&'static str, u64); 24] {
+    pub(crate) fn invariants(&self) -> [(&'static str, u64); 25] {
         [
             ("double executions", self.double_executions),
             ("answered fresh twice", self.fresh_twice),
@@ -167,6 +170,7 @@ impl Verdict {
             ("double authorizations", self.double_authorizations),
             ("orphaned authorizations", self.orphaned_authorizations),
             ("authorization mismatches", self.authorization_mismatches),
+            ("acknowledged records lost", self.acknowledged_lost.records),
         ]
     }
 

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use charges_demo::auth::Account;
 use http::StatusCode;
 
-use super::{RecordRow, RefundRow, Verdict, seen, take_record};
+use super::{RecordRow, RefundRow, Verdict, acknowledged, seen, take_record};
 use crate::client::{Observed, ObservedRefund};
 
 /// The refunds of `charge`; see the [module documentation](self).
@@ -153,6 +153,7 @@ pub(super) fn check_refunds(
                 );
             }
         }
+        acknowledged::count(verdict, &what, answers, record.as_ref(), refund_rows.len());
         let stored = record.as_ref().is_some_and(|record| {
             record.status == Some(200)
                 && record.body_sha256.as_deref() == Some(first.body_sha256.as_slice())

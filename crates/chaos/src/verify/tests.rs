@@ -150,7 +150,8 @@ fn an_ordinary_charge_answered_fresh_twice_fails() {
         [
             ("answered fresh twice", 1),
             ("lost charges", 1),
-            ("stored-record mismatches", 1)
+            ("stored-record mismatches", 1),
+            ("acknowledged records lost", 1)
         ]
     );
 }

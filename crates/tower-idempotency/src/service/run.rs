@@ -152,9 +152,13 @@ fn settle<'a, St: Store, B: HttpBody, E: 'a>(
             }
         };
         let chosen = parts.extensions.remove::<Retention>();
-        let mut retention = chosen.unwrap_or_else(|| config.retention.decide(parts.status));
+        let decided = chosen.unwrap_or_else(|| config.retention.decide(parts.status));
+        let mut retention = decided;
         let (kept_body, body) =
             split_body(buffered, config.limits.max_response_bytes, &mut retention);
+        // Said by the handler itself, or a refusal whose answer arrived whole: nothing was done.
+        let nothing_done = chosen == Some(Retention::Release)
+            || (parts.status.is_client_error() && retention == decided);
         if settled.steps.as_ref().is_some_and(Steps::lost) {
             // Made after the claim was lost: never stored, so the next holder resumes the steps.
             tracing::warn!(status = %parts.status, "a step found the claim lost; response not stored");
@@ -171,8 +175,7 @@ fn settle<'a, St: Store, B: HttpBody, E: 'a>(
                     return Ok(reject(config, rejection));
                 }
             }
-            // The handler's own choice: it knows no downstream call went through.
-            Retention::Release if chosen == Some(Retention::Release) => {
+            Retention::Release if nothing_done => {
                 outcome(Outcome::Released);
                 settled.guard.release().await;
             }

@@ -35,7 +35,12 @@ use quick_cache::{Weighter, sync::Cache};
 use tokio::time::Instant;
 
 use super::{Capabilities, ClaimRequest, ClaimStatus, ExpiredDeletion, KeyState, Store};
-use crate::{fingerprint::Fingerprint, record::Record, scope::ScopeKey, settings::ConfigError};
+use crate::{
+    fingerprint::Fingerprint,
+    record::Record,
+    scope::ScopeKey,
+    settings::{ConfigError, later},
+};
 
 /// The size of [`CachingStore::new`]'s cache.
 const DEFAULT_MAX_BYTES: usize = 16 * 1024 * 1024;
@@ -233,7 +238,8 @@ impl ReplayCache {
         let cached = Cached {
             fingerprint,
             record: record.clone(),
-            expires_at: Instant::now() + expires_in,
+            // The inner store's answer may be any duration: saturate, never panic.
+            expires_at: later(Instant::now(), expires_in),
         };
         self.entries.insert(key, Arc::new(cached));
     }
@@ -288,6 +294,64 @@ mod tests {
 
         async fn release(&self, claim: &Fence) -> Result<ClaimStatus, Self::Error> {
             self.inner.release(claim).await
+        }
+    }
+
+    /// A memory store that says its completed records live for `Duration::MAX`, as a store
+    /// with a corrupt or far-future expiry might.
+    #[derive(Clone, Default)]
+    struct Forever(MemoryStore);
+
+    impl Store for Forever {
+        type Claim = Fence;
+        type Error = MemoryStoreError;
+
+        async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<Fence>, Self::Error> {
+            Ok(match self.0.claim(request).await? {
+                KeyState::Completed { record, .. } => KeyState::Completed {
+                    record,
+                    expires_in: Some(Duration::MAX),
+                },
+                other => other,
+            })
+        }
+
+        async fn renew(&self, claim: &Fence, lease: Duration) -> Result<ClaimStatus, Self::Error> {
+            self.0.renew(claim, lease).await
+        }
+
+        async fn complete(
+            &self,
+            claim: &Fence,
+            record: &Record,
+        ) -> Result<ClaimStatus, Self::Error> {
+            self.0.complete(claim, record).await
+        }
+
+        async fn release(&self, claim: &Fence) -> Result<ClaimStatus, Self::Error> {
+            self.0.release(claim).await
+        }
+    }
+
+    /// An expiry past what the clock holds is kept as "never", not a panic (issue 44).
+    #[tokio::test]
+    async fn a_huge_expiry_from_the_inner_store_is_kept_without_overflow() {
+        let store = CachingStore::new(Forever::default());
+        let same = request(2, Duration::from_secs(60));
+        let Ok(KeyState::Acquired { claim, .. }) = store.claim(&same).await else {
+            panic!("a new key is acquired");
+        };
+        let _ = store.complete(&claim, &record("a")).await;
+        for _ in 0..2 {
+            let Ok(KeyState::Completed {
+                record: replayed,
+                expires_in,
+            }) = store.claim(&same).await
+            else {
+                panic!("a completed key replays");
+            };
+            assert_eq!(replayed, record("a"));
+            assert!(expires_in.is_some_and(|left| left > Duration::from_secs(60)));
         }
     }
 

@@ -83,8 +83,8 @@ pub use notify::{InFlightWatch, Notifier, POLL_WHILE_NOT_LIVE};
 pub use pending::{Abandoned, PendingLog, PendingLogError, PendingPick};
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    MAX_PARTITIONS_AHEAD, MIN_IN_FLIGHT_POLLING, MIN_PARTITION_WIDTH, PartitionMaintenance,
-    PgClaim, PostgresConfigError, PostgresStore, PostgresStoreError,
+    Durability, DurabilityReport, MAX_PARTITIONS_AHEAD, MIN_IN_FLIGHT_POLLING, MIN_PARTITION_WIDTH,
+    PartitionMaintenance, PgClaim, PostgresConfigError, PostgresStore, PostgresStoreError,
 };
 #[cfg(feature = "sealing")]
 pub use sealing::{DuplicateKeyId, SealedClaim, SealingError, SealingKeys, SealingStore};

@@ -1,17 +1,26 @@
 //! Checking a delivery before anything is claimed: [`WebhookVerifier`], the
 //! [`VerifiedWebhook`] it hands back, and why it refuses ([`VerifyError`], [`SecretError`]).
 
-use std::{error::Error as StdError, fmt, sync::Arc};
+use std::{
+    error::Error as StdError,
+    fmt,
+    sync::Arc,
+    time::{SystemTime, UNIX_EPOCH},
+};
 
 use base64::{Engine, engine::general_purpose::STANDARD};
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
-use standardwebhooks::{HEADER_WEBHOOK_ID, Webhook, WebhookError};
+use standardwebhooks::{HEADER_WEBHOOK_ID, HEADER_WEBHOOK_TIMESTAMP, Webhook, WebhookError};
 
 use crate::key::{IdempotencyKey, KeyError};
 
 /// The prefix of a Standard Webhooks secret: `whsec_` and the key in base64.
 pub const SECRET_PREFIX: &str = "whsec_";
+
+/// How far `webhook-timestamp` may be from this host's clock, either way: the
+/// `standardwebhooks` crate's own tolerance, checked here first.
+const TOLERANCE_SECS: u64 = 5 * 60;
 
 /// The shortest signing key accepted, in bytes (Standard Webhooks asks for 24 to 64).
 pub const MIN_SECRET_BYTES: usize = 24;
@@ -20,8 +29,8 @@ pub const MIN_SECRET_BYTES: usize = 24;
 /// `webhook-signature`) signed with one secret; cheap to clone. See the [module
 /// documentation](super).
 ///
-/// The signature is checked by the `standardwebhooks` crate, with its tolerance of five
-/// minutes either side of this host's clock for the timestamp.
+/// The timestamp must be within five minutes either side of this host's clock, checked here
+/// before the `standardwebhooks` crate checks the signature.
 #[derive(Clone)]
 pub struct WebhookVerifier {
     webhook: Arc<Webhook>,
@@ -67,6 +76,7 @@ impl WebhookVerifier {
     ///
     /// [`VerifyError`]: nothing may be done with such a delivery but answer `400`.
     pub fn verify(&self, headers: &HeaderMap, body: Bytes) -> Result<VerifiedWebhook, VerifyError> {
+        check_timestamp(headers)?;
         self.webhook
             .verify(&body, headers)
             .map_err(VerifyError::from_crate)?;
@@ -80,6 +90,39 @@ impl WebhookVerifier {
         let text = std::str::from_utf8(&body).map_err(|_| VerifyError::NotUtf8)?;
         let text = text.to_owned();
         Ok(VerifiedWebhook { id, body, text })
+    }
+}
+
+/// Refuses a `webhook-timestamp` out of tolerance before the crate sees it: the crate
+/// subtracts it from the clock unchecked, which panics (or wraps, in release builds, and
+/// passes) near `i64::MIN`. A missing or unparsable header is left to the crate to name.
+fn check_timestamp(headers: &HeaderMap) -> Result<(), VerifyError> {
+    let sent = headers
+        .get(HEADER_WEBHOOK_TIMESTAMP)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|text| text.parse::<i64>().ok());
+    match sent {
+        Some(sent) => within_tolerance(sent, unix_now()),
+        None => Ok(()),
+    }
+}
+
+/// `sent` against `now`, both Unix seconds, with no arithmetic that can overflow.
+fn within_tolerance(sent: i64, now: i64) -> Result<(), VerifyError> {
+    if sent.abs_diff(now) <= TOLERANCE_SECS {
+        Ok(())
+    } else if sent < now {
+        Err(VerifyError::Stale)
+    } else {
+        Err(VerifyError::FromTheFuture)
+    }
+}
+
+/// This host's clock in Unix seconds (negative before 1970), saturated at the ends of `i64`.
+fn unix_now() -> i64 {
+    match SystemTime::now().duration_since(UNIX_EPOCH) {
+        Ok(since) => i64::try_from(since.as_secs()).unwrap_or(i64::MAX),
+        Err(before) => i64::try_from(before.duration().as_secs()).map_or(i64::MIN, |secs| -secs),
     }
 }
 
@@ -228,5 +271,90 @@ impl StdError for SecretError {
             Self::NotBase64(error) => Some(&**error),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+
+    fn now() -> i64 {
+        let since = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("after 1970");
+        i64::try_from(since.as_secs()).expect("in range")
+    }
+
+    /// A delivery validly signed at `timestamp` (any text), so only the timestamp is at fault.
+    fn delivery(timestamp: &str) -> (HeaderMap, Bytes) {
+        let body = Bytes::from_static(br#"{"id":"evt_1"}"#);
+        let signed_at = timestamp.parse().unwrap_or(0);
+        let signer = Webhook::new(SECRET).expect("a valid secret");
+        let signature = signer.sign("evt_1", signed_at, &body).expect("signed");
+        let mut headers = HeaderMap::new();
+        headers.insert("webhook-id", "evt_1".parse().expect("a header"));
+        headers.insert("webhook-timestamp", timestamp.parse().expect("a header"));
+        headers.insert("webhook-signature", signature.parse().expect("a header"));
+        (headers, body)
+    }
+
+    /// Timestamps at the ends of `i64` are refused as out of tolerance (400), not a panic in
+    /// the crate's subtraction (issue 44).
+    #[test]
+    fn extreme_timestamps_are_refused_not_a_panic() {
+        let verifier = WebhookVerifier::new(SECRET).expect("a valid secret");
+        let day = 86_400;
+        let cases = [
+            (i64::MIN.to_string(), "stale"),
+            ((i64::MIN + 1).to_string(), "stale"),
+            ((now() - 1_000 * day).to_string(), "stale"),
+            (i64::MAX.to_string(), "future"),
+            ((i64::MAX - 1).to_string(), "future"),
+            ((now() + 1_000 * day).to_string(), "future"),
+            ("12e9".to_owned(), "invalid"),
+            ("99999999999999999999".to_owned(), "invalid"),
+        ];
+        for (timestamp, expected) in cases {
+            let (headers, body) = delivery(&timestamp);
+            let refused = verifier.verify(&headers, body).expect_err(&timestamp);
+            let kind = match refused {
+                VerifyError::Stale => "stale",
+                VerifyError::FromTheFuture => "future",
+                VerifyError::InvalidTimestamp => "invalid",
+                _ => "other",
+            };
+            assert_eq!((timestamp.as_str(), kind), (timestamp.as_str(), expected));
+            assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+        }
+        let (headers, body) = delivery(&now().to_string());
+        assert!(
+            verifier.verify(&headers, body).is_ok(),
+            "a current delivery"
+        );
+    }
+
+    #[test]
+    fn the_tolerance_is_five_minutes_either_way() {
+        let now = 1_700_000_000;
+        assert!(within_tolerance(now - 300, now).is_ok());
+        assert!(within_tolerance(now + 300, now).is_ok());
+        assert!(matches!(
+            within_tolerance(now - 301, now),
+            Err(VerifyError::Stale)
+        ));
+        assert!(matches!(
+            within_tolerance(now + 301, now),
+            Err(VerifyError::FromTheFuture)
+        ));
+        assert!(matches!(
+            within_tolerance(i64::MIN, i64::MAX),
+            Err(VerifyError::Stale)
+        ));
+        assert!(matches!(
+            within_tolerance(i64::MAX, i64::MIN),
+            Err(VerifyError::FromTheFuture)
+        ));
     }
 }

@@ -244,6 +244,57 @@ async fn postgres_a_failed_ledger_write_leaves_no_row_and_the_retry_authorizes_o
     .await
 }
 
+/// PostgreSQL only (issue 45.5): a database that goes away mid-charge (a failover: the server
+/// shutting down, then read-only) is a `503` with `Retry-After` that Stripe's libraries retry,
+/// never a `500`; the key is kept for the retry, which charges once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_database_gone_mid_charge_is_a_retryable_503() {
+    bounded(async {
+        let acquirer = acquirer::Acquirer::new(acquirer::Settings::default());
+        let processor = CardProcessor::in_process(acquirer.clone(), Duration::ZERO);
+        let h = Harness::with_processor(Backend::Postgres, processor).await;
+        let pool = h.db.as_ref().unwrap().pool().clone();
+        let api_key = new_api_key();
+        for sqlstate in ["57P01", "25006"] {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "CREATE FUNCTION fail_charge() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN RAISE EXCEPTION 'injected failover' USING ERRCODE = '{sqlstate}'; END $$;
+                 CREATE TRIGGER fail_charge BEFORE INSERT ON charges
+                 FOR EACH ROW EXECUTE FUNCTION fail_charge();"
+            )))
+            .execute(&pool)
+            .await
+            .unwrap();
+            let key = new_key();
+            let failed = h
+                .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
+                .await;
+            failed.stripe_error(StatusCode::SERVICE_UNAVAILABLE, "api_error");
+            assert_eq!(failed.headers["retry-after"], "1", "{sqlstate}");
+            assert_eq!(failed.headers["stripe-should-retry"], "true", "{sqlstate}");
+            sqlx::raw_sql("DROP TRIGGER fail_charge ON charges; DROP FUNCTION fail_charge();")
+                .execute(&pool)
+                .await
+                .unwrap();
+            let retry = h
+                .send(charge(&api_key, Some(&key), "amount=2000&currency=usd"))
+                .await;
+            assert_eq!(retry.status, StatusCode::OK, "{}", retry.text());
+        }
+        assert_eq!(
+            charges_and_records(&pool).await.0,
+            2,
+            "each key charged once"
+        );
+        assert_eq!(
+            acquirer.authorizations().len(),
+            2,
+            "each card authorized once"
+        );
+    })
+    .await
+}
+
 /// PostgreSQL only: both sets of migrations, each in its own table, re-runnable; and what a
 /// charge leaves in the database.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

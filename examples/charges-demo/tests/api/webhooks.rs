@@ -113,8 +113,8 @@ async fn twenty_concurrent_redeliveries_settle_once(backend: Backend) {
     assert_eq!(balance(&h, &api_key).await, (700, 0));
 }
 
-/// Forged, stale, future and incomplete deliveries are `400` Stripe errors and claim nothing:
-/// the genuine delivery of the same event then settles.
+/// Forged, stale, future (up to the ends of `i64`) and incomplete deliveries are `400` Stripe
+/// errors and claim nothing: the genuine delivery of the same event then settles.
 async fn refused_deliveries_change_nothing(backend: Backend) {
     let h = Harness::start(backend).await;
     let api_key = new_api_key();
@@ -131,6 +131,19 @@ async fn refused_deliveries_change_nothing(backend: Backend) {
         ),
         (
             delivery(DEV_WEBHOOK_SECRET, "evt_3", now() + 301, &body),
+            "webhook_timestamp_out_of_tolerance",
+        ),
+        // Forged at the ends of i64: refused, never a panic in the verifier (issue 44).
+        (
+            delivery(DEV_WEBHOOK_SECRET, "evt_3", i64::MIN, &body),
+            "webhook_timestamp_out_of_tolerance",
+        ),
+        (
+            delivery(DEV_WEBHOOK_SECRET, "evt_3", i64::MIN + 1, &body),
+            "webhook_timestamp_out_of_tolerance",
+        ),
+        (
+            delivery(DEV_WEBHOOK_SECRET, "evt_3", i64::MAX, &body),
             "webhook_timestamp_out_of_tolerance",
         ),
     ];

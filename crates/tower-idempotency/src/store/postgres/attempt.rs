@@ -78,7 +78,7 @@ impl ClaimAttempt {
         let store = self.store.as_ref().expect("unsettled while running");
         let (pool, prepared, timeout) = (store.pool.clone(), store.prepared, store.timeout);
         let pending = self.pending.insert(Box::pin(async move {
-            statement.fetch_optional(prepared, &pool).await
+            statement.fetch_optional_pooled(prepared, &pool).await
         }));
         match tokio::time::timeout(timeout, pending).await {
             Ok(result) => {
@@ -135,7 +135,7 @@ impl PostgresStore {
             let statement = Statement::new(sql)
                 .with(Param::Key(stored_key(&key)))
                 .with(Param::Key(claimant));
-            match self.fenced("release", statement, &self.pool).await {
+            match self.fenced_pooled("release", statement).await {
                 Ok(ClaimStatus::Held) => {
                     tracing::debug!("released a claim whose answer was lost");
                     break;

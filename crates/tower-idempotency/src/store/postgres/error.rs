@@ -29,6 +29,10 @@ pub enum PostgresStoreError {
     /// when it returned (it moved it into a task that outlived it), so the transaction could not
     /// be committed; it is rolled back when that task lets go.
     TransactionHeld,
+    /// The store requires that an acknowledged record survive a failover
+    /// ([`Durability::SynchronousStandby`](super::Durability::SynchronousStandby)), and the
+    /// server, as last read, does not promise it: nothing was claimed.
+    NotDurable(super::DurabilityReport),
 }
 
 impl fmt::Display for PostgresStoreError {
@@ -52,6 +56,12 @@ impl fmt::Display for PostgresStoreError {
                 "the handler still held its IdempotentTx after returning, so its transaction could \
                  not be committed; it is rolled back (and the key freed) when the handler's task \
                  lets go of it",
+            ),
+            Self::NotDurable(report) => write!(
+                f,
+                "PostgreSQL does not promise that an acknowledged idempotency record survives a \
+                 failover ({report}): configure a synchronous standby, or relax \
+                 PostgresStore::with_durability"
             ),
         }
     }

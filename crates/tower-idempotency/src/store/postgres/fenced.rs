@@ -20,10 +20,47 @@ impl PostgresStore {
     ) -> Result<ClaimStatus, PostgresStoreError> {
         let statement =
             fenced_statement(self.fenced_sql().renew, held).with(Param::Interval(lease));
-        self.fenced("renew", statement, &self.pool).await
+        self.fenced_pooled("renew", statement).await
     }
 
+    /// Stores `record` under `held`; `Held` also when an earlier attempt of this completion
+    /// committed although its caller saw an error (the claim's token is on a completed row).
     pub(super) async fn complete_lease(
+        &self,
+        held: &Fence,
+        record: &Record,
+    ) -> Result<ClaimStatus, PostgresStoreError> {
+        match self.complete_once(held, record).await? {
+            ClaimStatus::Lost if self.completed_under(held, record).await? => Ok(ClaimStatus::Held),
+            status => Ok(status),
+        }
+    }
+
+    /// Whether `held`'s key is completed under its token with `record`'s status and body: read
+    /// only after a completion found nothing to complete, which is rare (a takeover, a retry).
+    async fn completed_under(
+        &self,
+        held: &Fence,
+        record: &Record,
+    ) -> Result<bool, PostgresStoreError> {
+        let sql = if self.partitions.is_some() {
+            COMPLETED_UNDER_PARTITIONED
+        } else {
+            COMPLETED_UNDER
+        };
+        let row = self
+            .timed(
+                "complete",
+                fenced_statement(sql, held)
+                    .with(Param::SmallInt(record.status().as_u16() as i16))
+                    .with(Param::OptionalBytes(record.body().map(|b| b.as_ref())))
+                    .fetch_optional_pooled(self.prepared, &self.pool),
+            )
+            .await?;
+        Ok(row.is_some())
+    }
+
+    async fn complete_once(
         &self,
         held: &Fence,
         record: &Record,
@@ -51,12 +88,8 @@ impl PostgresStore {
         }
         // Transactional mode's waiters mark nothing (see `complete_sql`): a claim of its taken
         // again in lease mode after a failed commit announces its key all the same.
-        self.fenced(
-            "complete",
-            complete_statement(self.complete_sql(self.transactional), held, record),
-            &self.pool,
-        )
-        .await
+        let statement = complete_statement(self.complete_sql(self.transactional), held, record);
+        self.fenced_pooled("complete", statement).await
     }
 
     pub(super) async fn release_lease(
@@ -68,7 +101,7 @@ impl PostgresStore {
             (true, false) => self.fenced_sql().release_notify,
             (true, true) => self.fenced_sql().release_notify_all,
         };
-        self.fenced("release", fenced_statement(sql, held), &self.pool)
+        self.fenced_pooled("release", fenced_statement(sql, held))
             .await
     }
 
@@ -83,6 +116,15 @@ impl PostgresStore {
         }
     }
 }
+
+/// A row completed under the claim's token with the record's status and body: what a retry of
+/// that completion would have written.
+const COMPLETED_UNDER: &str = "SELECT 1 FROM idempotency.records
+     WHERE scope_key = $1 AND token = $2 AND status = $3 AND body IS NOT DISTINCT FROM $4
+       AND expires_at > now()";
+const COMPLETED_UNDER_PARTITIONED: &str = "SELECT 1 FROM idempotency.partitioned_records
+     WHERE scope_key = $1 AND token = $2 AND status = $3 AND body IS NOT DISTINCT FROM $4
+       AND expires_at > now()";
 
 pub(super) fn fenced_statement<'a>(sql: &'static str, lease: &'a Fence) -> Statement<'a> {
     Statement::new(sql)

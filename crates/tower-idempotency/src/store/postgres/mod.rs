@@ -16,6 +16,7 @@ use crate::record::Record;
 mod attempt;
 mod batch;
 mod claim;
+mod durability;
 mod error;
 mod expiry;
 mod fenced;
@@ -30,6 +31,7 @@ mod steps;
 mod transaction;
 
 use batch::Batcher;
+use durability::DurabilityWatch;
 use fenced::{complete_statement, fenced_statement};
 use group_commit::{Batched, ClaimBatcher, MAX_BATCH};
 use notify::Notifications;
@@ -37,6 +39,7 @@ use partitions::Partitioning;
 use sql::{FENCED, FENCED_PARTITIONED, Fenced};
 use transaction::{Fallback, TxClaim};
 
+pub use durability::{Durability, DurabilityReport};
 pub use error::PostgresStoreError;
 pub use partitions::PartitionMaintenance;
 pub use settings::{
@@ -126,6 +129,9 @@ pub struct PostgresStore {
     /// Whether a handler on this store recorded or read steps: from then on, a claim of a new
     /// key says whether it has any, a check that apps without steps do not pay for.
     steps_used: Arc<AtomicBool>,
+    /// What the store requires of the cluster, and its last reading of what it promises.
+    durability: Durability,
+    durability_watch: Arc<DurabilityWatch>,
 }
 
 /// A claim held in a [`PostgresStore`]: its fencing token and, in transactional mode, the open
@@ -188,6 +194,8 @@ impl PostgresStore {
             notifications,
             in_flight_polling: None,
             steps_used: Arc::default(),
+            durability: Durability::default(),
+            durability_watch: Arc::default(),
         }
     }
 
@@ -309,12 +317,16 @@ impl PostgresStore {
     }
 
     /// Applies the store's migrations (idempotent, and safe to run from many instances at once),
-    /// and in partitioned mode creates the first partitions. Run it on a direct connection, not
-    /// through PgBouncer in transaction pooling: sqlx's migrator holds a session advisory lock.
+    /// in partitioned mode creates the first partitions, and reports what the server promises
+    /// of an acknowledged record ([`durability`](Self::durability)). Run it on a direct
+    /// connection, not through PgBouncer in transaction pooling: sqlx's migrator holds a session
+    /// advisory lock.
     ///
     /// # Errors
     ///
-    /// When the database cannot be reached or a migration fails.
+    /// When the database cannot be reached or a migration fails;
+    /// [`PostgresStoreError::NotDurable`] when the store requires a promise the server does not
+    /// make ([`with_durability`](Self::with_durability)).
     pub async fn migrate(&self) -> Result<(), PostgresStoreError> {
         MIGRATOR
             .run(&self.pool)
@@ -324,7 +336,7 @@ impl PostgresStore {
             // Partitions for the first claims; the expiry loop keeps them coming.
             self.maintain_partitions().await?;
         }
-        Ok(())
+        self.check_durability().await
     }
 
     /// The statements on held claims, for this store's table.
@@ -352,6 +364,7 @@ impl Store for PostgresStore {
     type Error = PostgresStoreError;
 
     async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<PgClaim>, PostgresStoreError> {
+        self.durable_enough().await?;
         if self.transactional {
             // Boxed: opening a transaction is a large future, which would otherwise make every
             // lease-mode request's future as large.
@@ -444,7 +457,7 @@ impl Store for PostgresStore {
             self.fenced_sql().abandon
         };
         let statement = fenced_statement(sql, &claim.fence);
-        self.fenced("abandon", statement, &self.pool).await
+        self.fenced_pooled("abandon", statement).await
     }
 
     async fn release(&self, claim: &PgClaim) -> Result<ClaimStatus, PostgresStoreError> {

@@ -4,7 +4,11 @@
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use sqlx::{AssertSqlSafe, Postgres, postgres::PgRow, types::Uuid};
+use sqlx::{
+    AssertSqlSafe, PgPool, Postgres,
+    postgres::{PgQueryResult, PgRow},
+    types::Uuid,
+};
 
 use super::{PostgresStore, PostgresStoreError};
 use crate::{scope::ScopeKey, settings::MAX_DURATION, store::ClaimStatus};
@@ -184,6 +188,48 @@ impl<'a> Statement<'a> {
     }
 }
 
+impl Statement<'_> {
+    /// [`fetch_optional`](Self::fetch_optional) on a connection of `pool` (see [`leaves_pool`]).
+    pub(super) async fn fetch_optional_pooled(
+        self,
+        prepared: bool,
+        pool: &PgPool,
+    ) -> Result<Option<PgRow>, sqlx::Error> {
+        let mut connection = pool.acquire().await?;
+        let fetched = self.fetch_optional(prepared, &mut *connection).await;
+        if fetched.as_ref().is_err_and(leaves_pool) {
+            connection.close_on_drop();
+        }
+        fetched
+    }
+
+    /// [`execute`](Self::execute) on a connection of `pool` (see [`leaves_pool`]).
+    pub(super) async fn execute_pooled(
+        self,
+        prepared: bool,
+        pool: &PgPool,
+    ) -> Result<PgQueryResult, sqlx::Error> {
+        let mut connection = pool.acquire().await?;
+        let done = self.execute(prepared, &mut *connection).await;
+        if done.as_ref().is_err_and(leaves_pool) {
+            connection.close_on_drop();
+        }
+        done
+    }
+}
+
+/// Whether a connection that answered `error` is closed rather than pooled again: a standby or
+/// a demoted primary (`25006`, read-only), or a server shutting down or refusing, so that the
+/// pool's next connection reaches the new primary through the endpoint.
+pub(super) fn leaves_pool(error: &sqlx::Error) -> bool {
+    let Some(database) = error.as_database_error() else {
+        return false;
+    };
+    database
+        .code()
+        .is_some_and(|code| code == "25006" || code.starts_with("57P") || code.starts_with("08"))
+}
+
 impl PostgresStore {
     /// `future` under the store's timeout; a combinator, to keep requests' futures small (see
     /// the service module).
@@ -205,6 +251,22 @@ impl PostgresStore {
         }
     }
 
+    /// [`fenced`](Self::fenced) on a connection of the store's pool, which leaves the pool if
+    /// it answers as a standby or a server going away ([`leaves_pool`]).
+    pub(super) async fn fenced_pooled(
+        &self,
+        operation: &'static str,
+        statement: Statement<'_>,
+    ) -> Result<ClaimStatus, PostgresStoreError> {
+        let done = self
+            .timed(
+                operation,
+                statement.execute_pooled(self.prepared, &self.pool),
+            )
+            .await?;
+        Ok(ClaimStatus::from_rows(done.rows_affected()))
+    }
+
     /// Runs a fenced `UPDATE`/`DELETE` on `conn`: `Held` if it touched the claim's row.
     pub(super) async fn fenced<'c>(
         &self,
@@ -215,10 +277,13 @@ impl PostgresStore {
         let done = self
             .timed(operation, statement.execute(self.prepared, conn))
             .await?;
-        Ok(if done.rows_affected() == 1 {
-            ClaimStatus::Held
-        } else {
-            ClaimStatus::Lost
-        })
+        Ok(ClaimStatus::from_rows(done.rows_affected()))
+    }
+}
+
+impl ClaimStatus {
+    /// What a fenced statement that touched `rows` rows says of the claim.
+    fn from_rows(rows: u64) -> Self {
+        if rows == 1 { Self::Held } else { Self::Lost }
     }
 }

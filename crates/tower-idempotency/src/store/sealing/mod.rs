@@ -8,13 +8,16 @@ use super::{
 };
 use crate::{record::Record, scope::ScopeKey};
 
+mod derive;
 mod envelope;
 mod keys;
 mod pending;
 mod steps;
+mod v1;
 
 pub use keys::{DuplicateKeyId, SealingKeys};
 
+use derive::Binding;
 use envelope::Unsealable;
 
 /// A store that seals each record's headers and body with AES-256-GCM before the store it
@@ -58,15 +61,28 @@ use envelope::Unsealable;
 /// # What is sealed
 ///
 /// The stored response's headers and body, together ([`Record::to_bytes`]), in the envelope
-/// described in `envelope.rs`: a version byte, the key id, a random 96-bit nonce, the ciphertext
-/// and its tag. The scope key is authenticated with it, so a record copied under another key
-/// does not open. What stays clear, because stores and operators need it: the **status**
-/// (checked against the sealed one when opened), the scope key's hash, the request
-/// fingerprint, the fencing token and the timestamps.
+/// described in `envelope.rs`: a version byte, the key id, a random 96-bit salt, a random
+/// 96-bit nonce, the ciphertext and its tag. Each envelope has a key of its own, derived with
+/// HKDF-SHA256 from the sealing key for what it holds, its scope key and its salt, so a record
+/// copied under another key does not open. What stays clear, because stores and operators need
+/// it: the **status** (checked against the sealed one when opened), the scope key's hash, the
+/// request fingerprint, the fencing token and the timestamps.
 ///
 /// The same envelope seals the outputs of [`Steps`](crate::Steps) (bound to the step's name)
 /// and the requests kept for the [`Completer`](crate::Completer); a step output that does not
 /// open is an error of its step, never a step to run again.
+///
+/// # The nonce budget
+///
+/// AES-GCM under random 96-bit nonces is safe for about 2^32 seals per key, a count a busy API
+/// sealing responses, steps and kept requests under one key would reach. So every envelope has
+/// a key of its own, derived from the sealing key, the envelope's purpose (response, step
+/// output or kept request), its scope key (and step name) and 96 random bits of its own. Two
+/// seals share a key only if those bits repeat for the same record and purpose, and they would
+/// still need the same random nonce: the budget holds however many records a sealing key seals,
+/// with nothing to count and no seal refused. Envelopes sealed under the sealing key itself
+/// (version 1, before per-record keys) still open until they expire; every new seal is
+/// version 2.
 ///
 /// # When a record does not open
 ///
@@ -192,7 +208,7 @@ impl<S: Store> Store for SealingStore<S> {
         let key = request.key;
         Ok(match state {
             KeyState::Completed { record, expires_in } => KeyState::Completed {
-                record: envelope::open(&self.keys, &key, &record)
+                record: envelope::open(&self.keys, &Binding::response(&key), &record)
                     .map_err(SealingError::Unopenable)?,
                 expires_in,
             },
@@ -216,7 +232,7 @@ impl<S: Store> Store for SealingStore<S> {
         claim: &Self::Claim,
         record: &Record,
     ) -> Result<ClaimStatus, Self::Error> {
-        let sealed = envelope::seal(&self.keys, &claim.key, record)?;
+        let sealed = envelope::seal(&self.keys, &Binding::response(&claim.key), record)?;
         self.inner
             .complete(&claim.inner, &sealed)
             .await

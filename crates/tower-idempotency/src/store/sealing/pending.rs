@@ -1,14 +1,13 @@
 //! A [`SealingStore`](super::SealingStore)'s pending log: the wrapped store's, with each kept
-//! request sealed as a record is (it may hold card details), under a key of its own.
+//! request sealed as a record is (it may hold card details), under a key derived for it.
 
 use std::{convert::Infallible, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::{HeaderMap, StatusCode};
-use sha2::{Digest, Sha256};
 
-use super::{SealingError, envelope, keys::SealingKeys};
+use super::{SealingError, derive::Binding, envelope, keys::SealingKeys};
 use crate::{
     chain::Chain,
     fingerprint::Fingerprint,
@@ -23,16 +22,6 @@ pub(super) struct SealedPendingLog {
     pub(super) keys: Arc<SealingKeys>,
 }
 
-/// The key a request is sealed for: derived from its scope key, so a sealed request copied
-/// into the key's record (or a record into the request) does not open.
-fn request_key(key: &ScopeKey) -> ScopeKey {
-    let digest = Sha256::new()
-        .chain_update(b"tower-idempotency kept request\0")
-        .chain_update(key.as_bytes())
-        .finalize();
-    ScopeKey::from_bytes(digest.into())
-}
-
 impl PendingLog for SealedPendingLog {
     fn keep(
         &self,
@@ -41,7 +30,7 @@ impl PendingLog for SealedPendingLog {
         request: Bytes,
     ) -> BoxFuture<'_, Result<ClaimStatus, PendingLogError>> {
         let plain = Record::from_parts(StatusCode::OK, HeaderMap::new(), Some(request));
-        let sealed = envelope::seal(&self.keys, &request_key(&fence.key), &plain);
+        let sealed = envelope::seal(&self.keys, &Binding::kept_request(&fence.key), &plain);
         let (fence, fingerprint) = (*fence, *fingerprint);
         Box::pin(async move {
             let sealed = sealed
@@ -82,7 +71,7 @@ impl PendingLog for SealedPendingLog {
 impl SealedPendingLog {
     fn open(&self, mut abandoned: Abandoned) -> Option<Abandoned> {
         let stored = Record::from_parts(StatusCode::OK, HeaderMap::new(), Some(abandoned.request));
-        match envelope::open(&self.keys, &request_key(&abandoned.key), &stored) {
+        match envelope::open(&self.keys, &Binding::kept_request(&abandoned.key), &stored) {
             Ok(record) => {
                 abandoned.request = record.body().cloned().unwrap_or_default();
                 Some(abandoned)

@@ -1,15 +1,14 @@
 //! A [`SealingStore`](super::SealingStore)'s step log: the wrapped store's, with each step's
 //! output sealed as a record is (an authorization answer holds what a response holds), under a
-//! key bound to the step's name.
+//! key derived for the step's name.
 
 use std::{convert::Infallible, sync::Arc};
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::{HeaderMap, StatusCode};
-use sha2::{Digest, Sha256};
 
-use super::{SealingError, envelope, keys::SealingKeys};
+use super::{SealingError, derive::Binding, envelope, keys::SealingKeys};
 use crate::{
     fingerprint::Fingerprint,
     record::Record,
@@ -23,21 +22,10 @@ pub(super) struct SealedStepLog {
     pub(super) keys: Arc<SealingKeys>,
 }
 
-/// The key a step's output is sealed for: its scope key and its name, so an output copied to
-/// another step, another key or a record does not open.
-fn step_key(key: &ScopeKey, name: &str) -> ScopeKey {
-    let digest = Sha256::new()
-        .chain_update(b"tower-idempotency step output\0")
-        .chain_update(key.as_bytes())
-        .chain_update(name.as_bytes())
-        .finalize();
-    ScopeKey::from_bytes(digest.into())
-}
-
 impl SealedStepLog {
     fn seal(&self, key: &ScopeKey, step: &StepRecord) -> Result<StepRecord, StepLogError> {
         let plain = Record::from_parts(StatusCode::OK, HeaderMap::new(), Some(step.output.clone()));
-        let sealed = envelope::seal(&self.keys, &step_key(key, &step.name), &plain)
+        let sealed = envelope::seal(&self.keys, &Binding::step(key, &step.name), &plain)
             .map_err(|why| Box::new(SealingError::<Infallible>::from(why)) as StepLogError)?;
         Ok(StepRecord {
             name: step.name.clone(),
@@ -48,7 +36,7 @@ impl SealedStepLog {
     /// A step that does not open is an error, never a step to run again.
     fn open(&self, key: &ScopeKey, step: StepRecord) -> Result<StepRecord, StepLogError> {
         let stored = Record::from_parts(StatusCode::OK, HeaderMap::new(), Some(step.output));
-        let opened = envelope::open(&self.keys, &step_key(key, &step.name), &stored)
+        let opened = envelope::open(&self.keys, &Binding::step(key, &step.name), &stored)
             .map_err(|why| Box::new(why) as StepLogError)?;
         Ok(StepRecord {
             name: step.name,

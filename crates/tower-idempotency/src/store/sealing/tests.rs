@@ -1,5 +1,6 @@
 //! The sealing store through the layer: replays byte for byte, rotation, and records that do
-//! not open answered `500` without running the handler (issue 37.4).
+//! not open answered `500` without running the handler (issue 37.4); records sealed before
+//! per-record keys, and none sealed under the sealing key itself (issue 44).
 
 use std::{
     sync::{
@@ -9,16 +10,20 @@ use std::{
     time::Duration,
 };
 
+use aes_gcm::{Aes256Gcm, KeyInit, aead::AeadInPlace};
 use axum::{Router, body::Body, routing::post};
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 
-use super::{SealingKeys, SealingStore};
+use super::{
+    SealedClaim, SealingKeys, SealingStore,
+    v1::tests::{RESPONSE, STEP, unhex},
+};
 use crate::{
     IdempotencyLayer, Record, Scope, StoreFailure,
-    store::{ClaimRequest, KeyState, MemoryStore, Store},
+    store::{ClaimHandle, ClaimRequest, ClaimStatus, KeyState, MemoryStore, StepRecord, Store},
 };
 
 const OLD: [u8; 32] = [1; 32];
@@ -186,7 +191,103 @@ async fn the_wrapped_store_sees_only_the_status_and_an_envelope() {
     assert!(kept.headers().is_empty());
     let envelope = kept.body().unwrap();
     assert!(!envelope.windows(4).any(|w| w == b"4242"));
-    assert_eq!(envelope[..5], [1, 0, 0, 0, 5]);
+    assert_eq!(envelope[..5], [2, 0, 0, 0, 5]);
+}
+
+/// A held claim of scope key `[0x11; 32]` (the key of `v1`'s envelopes) on `store`.
+async fn held(
+    store: &SealingStore<MemoryStore>,
+) -> (ClaimRequest, SealedClaim<<MemoryStore as Store>::Claim>) {
+    let request = ClaimRequest {
+        key: crate::ScopeKey::from_bytes([0x11; 32]),
+        fingerprint: crate::Fingerprint::from_bytes([8; 32]),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(600),
+        waiting: false,
+    };
+    let Ok(KeyState::Acquired { claim, .. }) = store.claim(&request).await else {
+        panic!("acquired")
+    };
+    (request, claim)
+}
+
+/// A response and a step output sealed before per-record keys (envelope version 1) open
+/// through the store, so an upgrade leaves the records of the day before readable.
+#[tokio::test(start_paused = true)]
+async fn records_sealed_before_per_record_keys_still_open() {
+    let inner = MemoryStore::new();
+    let store = SealingStore::new(inner.clone(), SealingKeys::new(7, [0x42; 32]));
+    let (request, claim) = held(&store).await;
+    let fence = claim.fence().unwrap();
+    let step = StepRecord {
+        name: "authorize".to_owned(),
+        output: unhex(STEP),
+    };
+    let plain_steps = inner.capabilities().step_log().cloned().unwrap();
+    let status = plain_steps
+        .record(&fence, &request.fingerprint, &step)
+        .await
+        .unwrap();
+    assert_eq!(status, ClaimStatus::Held);
+    let sealed_steps = store.capabilities().step_log().cloned().unwrap();
+    let opened = sealed_steps
+        .recorded(&fence, &request.fingerprint)
+        .await
+        .unwrap();
+    assert_eq!(opened[0].output, "\"auth_1\"");
+
+    let old = Record::from_parts(StatusCode::CREATED, HeaderMap::new(), Some(unhex(RESPONSE)));
+    let status = inner.complete(claim.inner(), &old).await.unwrap();
+    assert_eq!(status, ClaimStatus::Held);
+    let Ok(KeyState::Completed { record, .. }) = store.claim(&request).await else {
+        panic!("completed")
+    };
+    assert_eq!(record.headers()["location"], "/v1/charges/ch_1");
+    assert_eq!(record.body().unwrap(), "{\"id\":\"ch_1\"}");
+}
+
+/// Whether `envelope` opens as version 1 did: under the sealing key `key` itself, its nonce
+/// after the key id, bound to `scope_key` and `key_id`.
+fn opens_under_the_sealing_key(
+    envelope: &[u8],
+    key: [u8; 32],
+    scope_key: &[u8; 32],
+    key_id: u32,
+) -> bool {
+    let (nonce, sealed) = envelope[5..].split_at(12);
+    let (sealed, tag) = sealed.split_at(sealed.len() - 16);
+    let mut aad = b"tower-idempotency sealed record v1\0".to_vec();
+    aad.extend_from_slice(scope_key);
+    aad.extend_from_slice(&key_id.to_be_bytes());
+    let mut plain = sealed.to_vec();
+    Aes256Gcm::new(&key.into())
+        .decrypt_in_place_detached(nonce.into(), &aad, &mut plain, tag.into())
+        .is_ok()
+}
+
+/// The nonce budget: AES-GCM under random nonces is safe for about 2^32 seals per key, so no
+/// record is sealed under the sealing key itself, which every record would share.
+#[tokio::test(start_paused = true)]
+async fn no_record_is_sealed_under_the_sealing_key_itself() {
+    let inner = MemoryStore::new();
+    let store = SealingStore::new(inner.clone(), SealingKeys::new(5, OLD));
+    let (request, claim) = held(&store).await;
+    let record = Record::from_parts(StatusCode::CREATED, HeaderMap::new(), Some("ch_1".into()));
+    let _ = store.complete(&claim, &record).await.unwrap();
+    let Ok(KeyState::Completed { record: kept, .. }) = inner.claim(&request).await else {
+        panic!("completed")
+    };
+    let envelope = kept.body().unwrap();
+    assert!(!opens_under_the_sealing_key(
+        envelope,
+        OLD,
+        request.key.as_bytes(),
+        5
+    ));
+    let Ok(KeyState::Completed { record: opened, .. }) = store.claim(&request).await else {
+        panic!("completed")
+    };
+    assert_eq!(opened, record);
 }
 
 #[cfg(feature = "conformance")]

@@ -27,6 +27,7 @@ pub fn claim_request(key: u8, fingerprint: u8) -> tower_idempotency::store::Clai
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
         waiting: false,
+        keeps_request: false,
     }
 }
 

@@ -34,6 +34,7 @@ fn requests(keys: u8) -> Vec<ClaimRequest> {
                 lease: Duration::from_secs(30),
                 ttl: Duration::from_secs(24 * 3600),
                 waiting: false,
+                keeps_request: false,
             }
         })
         .collect()

@@ -125,6 +125,7 @@ async fn prepared_statements_break_through_pgbouncer_before_1_21() {
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(60),
             waiting: false,
+            keeps_request: false,
         };
         store
             .claim(&request)

@@ -499,6 +499,7 @@ async fn an_unmigrated_database_says_so() {
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(60),
         waiting: false,
+        keeps_request: false,
     };
     let error = store.claim(&request).await.expect_err("no schema");
     assert!(

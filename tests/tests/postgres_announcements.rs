@@ -124,6 +124,7 @@ async fn only_marked_keys_are_announced(store: PostgresStore, db: &TestDb) {
 async fn wait_read(store: &PostgresStore, key: u8) -> KeyState<PgClaim> {
     let request = ClaimRequest {
         waiting: true,
+        keeps_request: false,
         ..claim_request(key, 1)
     };
     store.claim(&request).await.expect("claim")

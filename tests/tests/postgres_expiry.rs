@@ -92,6 +92,7 @@ async fn expiry_never_deletes_a_record_taken_over_while_it_runs() {
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
         waiting: false,
+        keeps_request: false,
     };
     let record = |i: u16| {
         Record::from_parts(

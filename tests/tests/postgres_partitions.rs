@@ -223,6 +223,7 @@ async fn claim_expiring_at(
             lease: Duration::from_secs(1),
             ttl: Duration::from_secs(ttl),
             waiting: false,
+            keeps_request: false,
         })
         .await
 }

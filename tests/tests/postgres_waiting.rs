@@ -246,6 +246,7 @@ async fn a_claim_taken_over_starts_unmarked() {
     ));
     let waiting = tower_idempotency::store::ClaimRequest {
         waiting: true,
+        keeps_request: false,
         ..request.clone()
     };
     assert!(matches!(

@@ -180,6 +180,7 @@ impl Keys {
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(24 * 60 * 60),
             waiting: false,
+            keeps_request: false,
         }
     }
 }

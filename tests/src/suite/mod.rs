@@ -214,6 +214,7 @@ pub fn claim_request(key: &str, body: &str) -> ClaimRequest {
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(24 * 3600),
         waiting: false,
+        keeps_request: false,
     }
 }
 

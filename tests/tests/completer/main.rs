@@ -3,10 +3,11 @@
 //! instances' completers never run one key twice; attempts are bounded; the extensions hook
 //! restores what authentication put in; only named headers are kept, sealed behind
 //! `SealingStore`; and a finished step is not run again. Keys given up part-way, and requests
-//! that cannot be kept, are in [`abandon`].
+//! that cannot be kept, are in [`abandon`]; claims whose request was never kept, in [`unkept`].
 
 mod abandon;
 mod app;
+mod unkept;
 mod unprotected;
 
 use std::{

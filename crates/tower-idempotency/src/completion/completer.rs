@@ -56,6 +56,9 @@ pub struct Round {
     pub failed: u32,
     /// Picked keys that failed their last allowed attempt and are left alone.
     pub gave_up: u32,
+    /// Keys released because they were claimed to keep their request and never kept it (their
+    /// process died in between): their handler never ran, and nothing else would finish them.
+    pub released_unkept: u32,
 }
 
 impl<S> Completer<S> {
@@ -176,16 +179,19 @@ where
         }
     }
 
-    /// One round: deletes kept requests no longer pending, picks up to the concurrency's worth
-    /// of abandoned keys and drives them, all at once.
+    /// One round: deletes kept requests no longer pending, releases keys claimed to keep a
+    /// request that never was, picks up to the concurrency's worth of abandoned keys and drives
+    /// them, all at once.
     ///
     /// # Errors
     ///
     /// The store's error when picking failed (nothing was driven).
     pub async fn complete_abandoned(&self) -> Result<Round, PendingLogError> {
-        if let Err(error) = self.log.purge(self.concurrency.saturating_mul(16)).await {
+        let batch = self.concurrency.saturating_mul(16);
+        if let Err(error) = self.log.purge(batch).await {
             tracing::warn!(error = %Chain(&*error), "purging kept requests failed");
         }
+        let released_unkept = self.release_unkept(batch).await;
         let pick = PendingPick {
             limit: self.concurrency,
             grace: self.grace,
@@ -194,6 +200,7 @@ where
         let picked = self.log.pick(pick).await?;
         let mut round = Round {
             picked: u32::try_from(picked.len()).unwrap_or(u32::MAX),
+            released_unkept,
             ..Round::default()
         };
         metrics::completions("picked", picked.len());
@@ -210,6 +217,26 @@ where
             }
         }
         Ok(round)
+    }
+
+    /// Releases at most `batch` keys claimed to keep a request that never was; how many.
+    async fn release_unkept(&self, batch: u32) -> u32 {
+        match self.log.release_unkept(batch, self.grace).await {
+            Ok(0) => 0,
+            Ok(released) => {
+                metrics::completions("released_unkept", released as usize);
+                tracing::warn!(
+                    released,
+                    "released idempotency keys claimed to keep their request for completion that \
+                     never kept it (their process died in between): nothing else would finish them"
+                );
+                u32::try_from(released).unwrap_or(u32::MAX)
+            }
+            Err(error) => {
+                tracing::warn!(error = %Chain(&*error), "releasing unkept claims failed");
+                0
+            }
+        }
     }
 
     /// Sends one abandoned key's request through the service, then asks whether it completed.

@@ -372,12 +372,16 @@ impl<St: Store> Shared<St> {
         fingerprint: Fingerprint,
         waiting: bool,
     ) -> Result<KeyState<St::Claim>, St::Error> {
+        let config = &self.config;
         let request = ClaimRequest {
             key,
             fingerprint,
-            lease: self.config.lease,
-            ttl: self.config.ttl,
+            lease: config.lease,
+            ttl: config.ttl,
             waiting,
+            // Failing open, a request whose keeping failed runs anyway: its claim is no orphan.
+            keeps_request: config.completion.is_some()
+                && config.store_failure != StoreFailure::FailOpen,
         };
         metrics::timed("claim", self.store.claim(&request)).await
     }

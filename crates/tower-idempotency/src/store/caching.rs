@@ -15,6 +15,7 @@
 //!     lease: Duration::from_secs(30),
 //!     ttl: Duration::from_secs(86_400),
 //!     waiting: false,
+//!     keeps_request: false,
 //! };
 //! let Ok(KeyState::Acquired { claim, .. }) = store.claim(&request).await else { panic!() };
 //! let record = Record::from_parts(http::StatusCode::OK, Default::default(), Some("ok".into()));
@@ -361,6 +362,7 @@ mod tests {
             lease: Duration::from_secs(30),
             ttl,
             waiting: false,
+            keeps_request: false,
         }
     }
 

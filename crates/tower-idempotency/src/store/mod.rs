@@ -15,6 +15,7 @@
 //!     lease: Duration::from_secs(30),
 //!     ttl: Duration::from_secs(86_400),
 //!     waiting: false,
+//!     keeps_request: false,
 //! };
 //!
 //! // The first request acquires the key and runs the handler...
@@ -108,6 +109,12 @@ pub struct ClaimRequest {
     /// in the same step (once per claim), so that the claim's settlement wakes the caller.
     /// Other stores ignore it.
     pub waiting: bool,
+    /// Whether the caller keeps the request for a [`Completer`](crate::Completer) once it holds
+    /// the key ([`with_completion`](crate::IdempotencyLayer::with_completion), failing closed).
+    /// A store with a [`PendingLog`] marks the claim so in the claim itself, so that a claim
+    /// whose request was never kept (its process died in between) is released by the completer
+    /// ([`PendingLog::release_unkept`]) rather than left in flight. Other stores ignore it.
+    pub keeps_request: bool,
 }
 
 /// What [`Store::claim`] found the key in: free, and now the caller's (`Acquired`); in flight
@@ -404,6 +411,7 @@ mod tests {
                 lease: Duration::from_secs(1),
                 ttl: Duration::from_secs(10),
                 waiting: false,
+                keeps_request: false,
             };
             assert!(matches!(
                 store.claim(&request).await,

@@ -75,4 +75,19 @@ pub trait PendingLog: Send + Sync + 'static {
     /// Deletes at most `batch` kept requests that are no longer pending (completed, released by
     /// their client, or expired); how many.
     fn purge(&self, batch: u32) -> BoxFuture<'_, Result<u64, PendingLogError>>;
+
+    /// Releases at most `limit` claims made to keep their request
+    /// ([`ClaimRequest::keeps_request`](super::ClaimRequest::keeps_request)) whose request was
+    /// never kept, once their lease lapsed more than `grace` ago: their handler never ran (the
+    /// layer runs it only once the request is kept), and nothing else would finish them. Each
+    /// release is fenced by the claim's token, so a claim taken over or kept meanwhile stays.
+    /// How many were released. The default releases none.
+    fn release_unkept(
+        &self,
+        limit: u32,
+        grace: Duration,
+    ) -> BoxFuture<'_, Result<u64, PendingLogError>> {
+        let _ = (limit, grace);
+        Box::pin(async { Ok(0) })
+    }
 }

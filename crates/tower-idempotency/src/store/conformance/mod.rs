@@ -39,6 +39,12 @@
 //!   after it expired reads none; a claim that finds them does not say it has none
 //!   ([`ClaimHandle::may_have_steps`](super::ClaimHandle::may_have_steps)).
 //!
+//! * for a store whose capabilities offer a [`PendingLog`](super::PendingLog): a lapsed key is
+//!   picked after its grace, once a pick and at most its maximum attempts; a completed or
+//!   released key is not pending; a claim made to keep its request
+//!   ([`ClaimRequest::keeps_request`](super::ClaimRequest::keeps_request)) that never kept it is
+//!   released after its lease and the grace, a kept or unmarked one is not.
+//!
 //! [`check_expired_deletion`] adds the rules of [`ExpiredDeletion`]: batches are bounded,
 //! expired records go, live ones (and claims whose lease outlives their TTL) stay, and steps
 //! stay as long as their record (a takeover late in the TTL keeps them past their own expiry).
@@ -55,8 +61,8 @@
 //! second suits stores whose clock is a database's `now()`; less makes the checks faster and
 //! more sensitive to a loaded machine). The checks wait with `tokio::time`, so a store whose
 //! clock is `tokio::time` too, as [`MemoryStore`](super::MemoryStore)'s is, runs them in no
-//! real time under `tokio::time::pause`. Otherwise [`check`] takes about twelve times `short`,
-//! [`check_expired_deletion`] four.
+//! real time under `tokio::time::pause`. Otherwise [`check`] takes about sixteen times `short`,
+//! [`check_expired_deletion`] seven.
 //!
 //! The checks use keys of their own, random per run, so they can share a store (and its
 //! database) with anything else, but they must have it to themselves for
@@ -256,6 +262,7 @@ impl Keys {
             lease,
             ttl,
             waiting: false,
+            keeps_request: false,
         }
     }
 }

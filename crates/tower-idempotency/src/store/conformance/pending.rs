@@ -4,12 +4,12 @@ use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 
-use super::{Keys, LONG, acquire, held, poll, record};
+use super::{Keys, LONG, acquire, describe, held, ok, poll, record};
 use crate::{
     scope::ScopeKey,
     store::{
-        Abandoned, ClaimHandle, ClaimRequest, ClaimStatus, Fence, PendingLog, PendingLogError,
-        PendingPick, Store,
+        Abandoned, ClaimHandle, ClaimRequest, ClaimStatus, Fence, KeyState, PendingLog,
+        PendingLogError, PendingPick, Store,
     },
 };
 
@@ -24,6 +24,68 @@ pub(super) async fn requests_are_kept<St: Store>(store: &St, keys: &Keys, short:
     a_lapsed_key_is_picked_after_its_grace_once_and_at_most_max_attempts(store, &log, keys, short)
         .await;
     a_completed_or_released_key_is_not_pending(store, &log, keys).await;
+    a_claim_never_kept_is_released_after_its_grace(store, &log, keys, short).await;
+}
+
+/// A claim made to keep its request that never kept it (its process died in between) is
+/// released once its lease lapsed more than the grace ago; a kept one and one made without
+/// keeping in mind are left to the pick and to their client (issue 44).
+async fn a_claim_never_kept_is_released_after_its_grace<St: Store>(
+    store: &St,
+    log: &Arc<dyn PendingLog>,
+    keys: &Keys,
+    short: Duration,
+) {
+    const RULE: &str =
+        "a claim made to keep its request that never did is released after its grace";
+    let keeping = |request: ClaimRequest| ClaimRequest {
+        keeps_request: true,
+        ..request
+    };
+    let (unkept, kept) = (
+        keeping(keys.request(short, LONG)),
+        keeping(keys.request(short, LONG)),
+    );
+    let unmarked = keys.request(short, LONG);
+    acquire(RULE, store, &unkept).await;
+    let claim = acquire(RULE, store, &kept).await;
+    keep(RULE, log, &fence(RULE, &claim), &kept, ClaimStatus::Held).await;
+    acquire(RULE, store, &unmarked).await;
+    answer(RULE, log.release_unkept(EVERY, LONG).await);
+    in_flight(RULE, store, &unkept, "within its grace").await;
+    tokio::time::sleep(short * 2).await;
+    let released = answer(RULE, log.release_unkept(EVERY, short).await);
+    assert!(released >= 1, "{RULE}: released {released}");
+    let answer = ok(RULE, "claim", store.claim(&unkept).await);
+    assert!(
+        matches!(
+            answer,
+            KeyState::Acquired {
+                takeover: false,
+                ..
+            }
+        ),
+        "{RULE}: a released key must be new, got {}",
+        describe(&answer)
+    );
+    for (request, what) in [(&kept, "a kept claim"), (&unmarked, "an unmarked claim")] {
+        let answer = ok(RULE, "claim", store.claim(request).await);
+        assert!(
+            matches!(answer, KeyState::Acquired { takeover: true, .. }),
+            "{RULE}: {what} must stay to be taken over, got {}",
+            describe(&answer)
+        );
+    }
+}
+
+/// Asserts that `request`'s key is in flight.
+async fn in_flight<St: Store>(rule: &str, store: &St, request: &ClaimRequest, when: &str) {
+    let answer = ok(rule, "claim", store.claim(request).await);
+    assert!(
+        matches!(answer, KeyState::InFlight { .. }),
+        "{rule}: {when}, the key must be in flight, got {}",
+        describe(&answer)
+    );
 }
 
 async fn a_lapsed_key_is_picked_after_its_grace_once_and_at_most_max_attempts<St: Store>(

@@ -191,6 +191,7 @@ mod tests {
             lease: Duration::from_secs(1),
             ttl: Duration::from_secs(10),
             waiting: false,
+            keeps_request: false,
         };
         let Ok(KeyState::Acquired { claim, .. }) = store.claim(&request).await else {
             panic!("a new key is acquired");

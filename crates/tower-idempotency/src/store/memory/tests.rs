@@ -10,6 +10,7 @@ fn request(fingerprint: u8) -> ClaimRequest {
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(3600),
         waiting: false,
+        keeps_request: false,
     }
 }
 
@@ -29,6 +30,7 @@ fn short_ttl(fingerprint: u8) -> ClaimRequest {
     ClaimRequest {
         ttl: Duration::from_secs(2),
         waiting: false,
+        keeps_request: false,
         ..request(fingerprint)
     }
 }
@@ -143,6 +145,7 @@ fn periodic(n: u8, period: u8, ttl: Duration) -> ClaimRequest {
         lease: Duration::from_secs(1),
         ttl,
         waiting: false,
+        keeps_request: false,
     }
 }
 
@@ -259,6 +262,7 @@ mod properties {
             lease,
             ttl,
             waiting: false,
+            keeps_request: false,
             ..request(1)
         };
         let released = ClaimRequest {

@@ -47,9 +47,10 @@ impl PostgresStore {
         match (self.partitions.is_some(), self.transactional) {
             (true, try_lock) => statement
                 .with(Param::Bool(try_lock))
-                .with(Param::Bool(self.uses_steps())),
+                .with(Param::Bool(self.uses_steps()))
+                .with(Param::Bool(request.keeps_request)),
             (false, true) => statement.with(Param::Int(advisory_lock_key(request))),
-            (false, false) => statement,
+            (false, false) => statement.with(Param::Bool(request.keeps_request)),
         }
     }
 

@@ -91,15 +91,18 @@ pub(super) async fn claim_new_keys(
             .map(|&i| micros(batch[i].0.ttl))
             .collect::<Vec<_>>(),
     )
-    .bind(sent.iter().map(|&i| batch[i].1).collect::<Vec<_>>());
+    .bind(sent.iter().map(|&i| batch[i].1).collect::<Vec<_>>())
+    .bind(
+        sent.iter()
+            .map(|&i| batch[i].0.keeps_request)
+            .collect::<Vec<_>>(),
+    );
     let bound = timeout.max(FLUSH_BOUND);
     let read = |row: &PgRow| {
-        let claimed = (
-            row.try_get(1).ok()?,
-            row.try_get(2).ok()?,
-            row.try_get(3).ok()?,
-        );
-        Some((row.try_get(0).ok()?, claimed))
+        let (token, generation): (i64, i64) = (row.try_get(1).ok()?, row.try_get(2).ok()?);
+        // A key whose steps were looked for has none when it starts its own generation.
+        let stepless = steps && generation == token;
+        Some((row.try_get(0).ok()?, (token, stepless, generation)))
     };
     let tokens = match written(query, &pool, bound, &mut writer, read).await {
         Ok(tokens) => tokens,

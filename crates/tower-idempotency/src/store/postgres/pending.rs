@@ -2,7 +2,7 @@
 //! statement fenced by the claim, picked by one `UPDATE` over rows locked with `SKIP LOCKED`
 //! (see the migration `20261127000001_pending_requests.sql`).
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
@@ -119,12 +119,45 @@ macro_rules! purge_pending {
     };
 }
 
+/// Releases claims made to keep their request (`keeps_request`) that never kept it, once their
+/// lease lapsed `$2` ago: each fenced by its token, locked with `SKIP LOCKED` (a keep or a
+/// takeover under way holds the row) and checked again on its latest version. A waiter that
+/// marked the key is woken, as by a release. One row per key released.
+macro_rules! release_unkept {
+    ($table:literal) => {
+        concat!(
+            "WITH released AS (
+                 DELETE FROM idempotency.",
+            $table,
+            " r
+                 WHERE (r.scope_key, r.token) IN (
+                     SELECT q.scope_key, q.token FROM idempotency.",
+            $table,
+            " q
+                     WHERE q.keeps_request AND q.status IS NULL AND q.expires_at > now()
+                       AND q.created_at + $2 <= now() AND q.lease_until + $2 <= now()
+                       AND NOT EXISTS (
+                           SELECT 1 FROM idempotency.pending_requests p
+                           WHERE p.scope_key = q.scope_key AND p.fingerprint = q.fingerprint)
+                     ORDER BY q.created_at
+                     LIMIT $1
+                     FOR UPDATE SKIP LOCKED)
+                   AND r.keeps_request AND r.status IS NULL AND r.lease_until + $2 <= now()
+                 RETURNING r.scope_key, r.waited
+             )
+             SELECT CASE WHEN waited THEN pg_notify('idempotency_settled', scope_key::text) END
+             FROM released"
+        )
+    };
+}
+
 /// The statements of one table: plain or partitioned records.
 struct PendingSql {
     keep: &'static str,
     pick: &'static str,
     finish: &'static str,
     purge: &'static str,
+    release_unkept: &'static str,
 }
 
 const PENDING: PendingSql = PendingSql {
@@ -132,6 +165,7 @@ const PENDING: PendingSql = PendingSql {
     pick: pick_pending!("records"),
     finish: finish_pending!("records"),
     purge: purge_pending!("records"),
+    release_unkept: release_unkept!("records"),
 };
 
 const PENDING_PARTITIONED: PendingSql = PendingSql {
@@ -139,6 +173,7 @@ const PENDING_PARTITIONED: PendingSql = PendingSql {
     pick: pick_pending!("partitioned_records"),
     finish: finish_pending!("partitioned_records"),
     purge: purge_pending!("partitioned_records"),
+    release_unkept: release_unkept!("partitioned_records"),
 };
 
 /// A [`PostgresStore`] as a pending log.
@@ -230,6 +265,26 @@ impl PendingLog for PgPendingLog {
 
     fn purge(&self, batch: u32) -> BoxFuture<'_, Result<u64, PendingLogError>> {
         Box::pin(async move { Ok(self.0.purge_pending(batch).await?) })
+    }
+
+    fn release_unkept(
+        &self,
+        limit: u32,
+        grace: Duration,
+    ) -> BoxFuture<'_, Result<u64, PendingLogError>> {
+        let store = &self.0;
+        let statement = Statement::new(store.pending_sql().release_unkept)
+            .with(Param::Int(i64::from(limit)))
+            .with(Param::Interval(grace));
+        Box::pin(async move {
+            let done = store
+                .timed(
+                    "release_unkept",
+                    statement.execute(store.prepared, &store.pool),
+                )
+                .await?;
+            Ok(done.rows_affected())
+        })
     }
 }
 

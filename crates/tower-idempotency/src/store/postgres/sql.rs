@@ -23,11 +23,12 @@
 // row's, a dead row's claim starts another, and an inserted key starts one with its token unless
 // `inherit` (steps in use) finds its payload's live steps a release left, whose generation it
 // takes. `stepless` then says of an inserted key whether it has no steps (a `taken` row is not
-// asked), so that its handler need not read them; `false` claims nothing.
+// asked), so that its handler need not read them; `false` claims nothing. `keeps` marks a claim
+// whose request the layer keeps for the completer (see the migration `unkept_claims`).
 macro_rules! claim_statement {
     (lock: $lock:literal, mark: $mark:literal, marked: $marked:literal, gate: $gate:literal,
      existing: $existing:literal, busy: $busy:literal, inherit: $inherit:literal,
-     stepless: $stepless:literal) => {
+     stepless: $stepless:literal, keeps: $keeps:literal) => {
         concat!(
             "WITH ",
             $lock,
@@ -40,10 +41,13 @@ macro_rules! claim_statement {
             "
             inserted AS (
                 INSERT INTO idempotency.records
-                    (scope_key, fingerprint, token, expires_at, lease_until, claimant, generation)
+                    (scope_key, fingerprint, token, expires_at, lease_until, claimant, generation,
+                     keeps_request)
                 SELECT $1, $2, n.token,
                        now() + greatest($4::interval, $3::interval), now() + $3::interval, $5,
-                       n.token
+                       n.token, ",
+            $keeps,
+            "
                 FROM (SELECT nextval('idempotency.fencing_tokens') AS token) n
                 WHERE NOT EXISTS (SELECT FROM existing) ",
             $gate,
@@ -68,6 +72,9 @@ macro_rules! claim_statement {
                     body          = NULL,
                     claimant      = $5,
                     waited        = NULL,
+                    keeps_request = ",
+            $keeps,
+            ",
                     generation    = CASE WHEN r.status IS NULL AND r.expires_at > now()
                                               AND r.created_at + $4::interval > now()
                                          THEN coalesce(r.generation, 0)
@@ -111,7 +118,7 @@ macro_rules! claim_statement {
 
 pub(super) const CLAIM_LEASE: &str = claim_statement!(
     lock: "", mark: "", marked: "NULL::boolean", gate: "", existing: "", busy: "",
-    inherit: "generation", stepless: "false"
+    inherit: "generation", stepless: "false", keeps: "$6::boolean"
 );
 
 /// [`CLAIM_LEASE`] for a store whose handlers use steps: a key it inserts takes the generation
@@ -120,7 +127,8 @@ pub(super) const CLAIM_LEASE: &str = claim_statement!(
 pub(super) const CLAIM_LEASE_STEPS: &str = claim_statement!(
     lock: "", mark: "", marked: "NULL::boolean", gate: "", existing: "", busy: "",
     inherit: "idempotency.inherit_generation(scope_key, fingerprint, token)",
-    stepless: "generation = token"
+    stepless: "generation = token",
+    keeps: "$6::boolean"
 );
 
 /// [`CLAIM_LEASE`] for a waiting duplicate ([`ClaimRequest::waiting`](crate::store::ClaimRequest)):
@@ -141,7 +149,8 @@ pub(super) const CLAIM_LEASE_WAITING: &str = claim_statement!(
     busy: "",
     // A waiter's key has a row: it seldom inserts one.
     inherit: "generation",
-    stepless: "false"
+    stepless: "false",
+    keeps: "$6::boolean"
 );
 
 pub(super) const CLAIM_TRANSACTIONAL: &str = claim_statement!(
@@ -156,9 +165,10 @@ pub(super) const CLAIM_TRANSACTIONAL: &str = claim_statement!(
            FROM lock WHERE NOT lock.held AND NOT EXISTS (
                SELECT FROM existing e WHERE e.status IS NOT NULL AND e.expires_at > now()
                  AND e.created_at + $4::interval > now())",
-    // A transactional claim's handler has no steps.
+    // A transactional claim's handler has no steps, nor a request kept for completion.
     inherit: "generation",
-    stepless: "false"
+    stepless: "false",
+    keeps: "NULL::boolean"
 );
 
 // The fenced statements, for the plain table and the partitioned one. `expires_at > now()` costs
@@ -284,41 +294,37 @@ pub(super) const SETTLED_CHANNEL: &str = "idempotency_settled";
 pub(super) const NOTIFY_ONE: &str = "SELECT pg_notify('idempotency_settled', $1::text)";
 
 /// Lease mode's group commit of claims (see [`PostgresStore`]): inserts the keys that have no
-/// row, each with its own fencing token, and returns them, each with `stepless` as
-/// [`CLAIM_LEASE`]'s. The keys come sorted, so two batches racing for the same keys take them in
-/// the same order and cannot deadlock.
+/// row, each with its own fencing token, and returns them with their generation, as
+/// [`CLAIM_LEASE`]'s (a key whose generation is its token has no steps, when they are looked
+/// for). The keys come sorted, so two batches racing for the same keys take them in the same
+/// order and cannot deadlock. A plain `INSERT`, whose answer says `INSERT` as it always did.
 macro_rules! claim_new_keys {
-    ($inherit:literal, $stepless:literal) => {
+    ($inherit:literal) => {
         concat!(
-            "WITH claimed AS (
-                 INSERT INTO idempotency.records
-                     (scope_key, fingerprint, token, expires_at, lease_until, claimant, generation)
-                 SELECT c.key, c.fingerprint, c.token,
-                        now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
-                        now() + c.lease * interval '1 microsecond', c.claimant, c.token
-                 FROM (SELECT u.*, nextval('idempotency.fencing_tokens') AS token
-                       FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[], $5::uuid[])
-                           AS u(key, fingerprint, lease, ttl, claimant)) c
-                 ON CONFLICT (scope_key) DO NOTHING
-                 RETURNING scope_key, token, ",
+            "INSERT INTO idempotency.records
+                 (scope_key, fingerprint, token, expires_at, lease_until, claimant, generation,
+                  keeps_request)
+             SELECT c.key, c.fingerprint, c.token,
+                    now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
+                    now() + c.lease * interval '1 microsecond', c.claimant, c.token, c.keeps
+             FROM (SELECT u.*, nextval('idempotency.fencing_tokens') AS token
+                   FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[], $5::uuid[],
+                               $6::bool[])
+                       AS u(key, fingerprint, lease, ttl, claimant, keeps)) c
+             ON CONFLICT (scope_key) DO NOTHING
+             RETURNING scope_key, token, ",
             $inherit,
-            " AS generation
-             )
-             SELECT scope_key, token, ",
-            $stepless,
-            " AS stepless, generation FROM claimed"
+            " AS generation"
         )
     };
 }
 
-pub(super) const CLAIM_NEW_KEYS: &str = claim_new_keys!("generation", "false");
+pub(super) const CLAIM_NEW_KEYS: &str = claim_new_keys!("generation");
 
-/// [`CLAIM_NEW_KEYS`] taking the generation of each key's steps and saying whether it has any,
-/// as [`CLAIM_LEASE_STEPS`].
-pub(super) const CLAIM_NEW_KEYS_STEPS: &str = claim_new_keys!(
-    "idempotency.inherit_generation(scope_key, fingerprint, token)",
-    "generation = token"
-);
+/// [`CLAIM_NEW_KEYS`] taking the generation of each key's steps a release left, as
+/// [`CLAIM_LEASE_STEPS`].
+pub(super) const CLAIM_NEW_KEYS_STEPS: &str =
+    claim_new_keys!("idempotency.inherit_generation(scope_key, fingerprint, token)");
 
 /// Lease mode's group commit of completions: `complete` for many claims, each fenced by its
 /// token, by the migrations' `idempotency.complete_many` (one primary-key `UPDATE` per record,
@@ -355,7 +361,7 @@ pub(super) const FENCED: Fenced = fenced_statements!("records");
 pub(super) const FENCED_PARTITIONED: Fenced = fenced_statements!("partitioned_records");
 
 pub(super) const CLAIM_PARTITIONED: &str =
-    "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $6, $5, $7)";
+    "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $6, $5, $7, $8)";
 
 /// Deletes what a claim attempt may have claimed, found by its claimant id (see
 /// [`ClaimAttempt`]): only a row still in flight under that id, so never another's claim.

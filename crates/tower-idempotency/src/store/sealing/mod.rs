@@ -41,6 +41,7 @@ use envelope::Unsealable;
 ///     lease: Duration::from_secs(30),
 ///     ttl: Duration::from_secs(86_400),
 ///     waiting: false,
+///     keeps_request: false,
 /// };
 /// let Ok(KeyState::Acquired { claim, .. }) = store.claim(&request).await else { panic!() };
 /// let record = Record::from_parts(http::StatusCode::CREATED, Default::default(), Some("card 4242".into()));

@@ -1,7 +1,7 @@
 //! A [`SealingStore`](super::SealingStore)'s pending log: the wrapped store's, with each kept
 //! request sealed as a record is (it may hold card details), under a key derived for it.
 
-use std::{convert::Infallible, sync::Arc};
+use std::{convert::Infallible, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
@@ -57,6 +57,14 @@ impl PendingLog for SealedPendingLog {
 
     fn purge(&self, batch: u32) -> BoxFuture<'_, Result<u64, PendingLogError>> {
         self.inner.purge(batch)
+    }
+
+    fn release_unkept(
+        &self,
+        limit: u32,
+        grace: Duration,
+    ) -> BoxFuture<'_, Result<u64, PendingLogError>> {
+        self.inner.release_unkept(limit, grace)
     }
 }
 

@@ -106,6 +106,7 @@ mod tests {
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(600),
             waiting: false,
+            keeps_request: false,
         };
         let KeyState::Acquired { claim, .. } = store.claim(&request).await.unwrap() else {
             panic!("a new key is acquired");

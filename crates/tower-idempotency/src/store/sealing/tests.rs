@@ -175,6 +175,7 @@ async fn the_wrapped_store_sees_only_the_status_and_an_envelope() {
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(600),
         waiting: false,
+        keeps_request: false,
     };
     let Ok(KeyState::Acquired { claim, .. }) = store.claim(&request).await else {
         panic!("acquired")

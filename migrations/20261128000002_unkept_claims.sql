@@ -8,18 +8,59 @@
 -- round releases such a claim, fenced by its token, once its lease lapsed more than the grace ago
 -- and no request of its payload is kept.
 --
--- The partial indexes hold the claims in flight that keep their request: few (a claim leaves when
--- it completes), so a round finds the unkept ones without reading the table. Completing such a
--- claim is not a HOT update (its `status` takes it out of the index); the claims of layers without
--- completion are in no index of it and keep their HOT completions.
+-- The partial indexes hold the claims in flight that keep their request: few (a completion clears
+-- `keeps_request`, which takes its row out), so a round finds the unkept ones without reading the
+-- table. Their predicate names `keeps_request` alone: a column named in any index predicate blocks
+-- HOT updates of every row that changes it, so naming `status` there would have made every
+-- completion, of any layer, a non-HOT update. Only a marked claim's completion (its flag cleared)
+-- and a takeover (its `created_at` moved) lose HOT; the completions of layers without completion
+-- keep it.
 
 ALTER TABLE idempotency.records ADD COLUMN keeps_request boolean;
 ALTER TABLE idempotency.partitioned_records ADD COLUMN keeps_request boolean;
 
-CREATE INDEX records_unkept ON idempotency.records (created_at)
-    WHERE keeps_request AND status IS NULL;
+CREATE INDEX records_unkept ON idempotency.records (created_at) WHERE keeps_request;
 CREATE INDEX partitioned_records_unkept ON idempotency.partitioned_records (created_at)
-    WHERE keeps_request AND status IS NULL;
+    WHERE keeps_request;
+
+-- `complete_many` (lease mode's group commit of completions) clearing the flag of what it completes.
+CREATE OR REPLACE FUNCTION idempotency.complete_many(
+    p_keys uuid[], p_tokens bigint[], p_statuses smallint[], p_bodies bytea[],
+    p_firsts int[], p_lasts int[], p_names text[], p_values bytea[], p_notify boolean
+)
+RETURNS TABLE (scope_key uuid, token bigint)
+LANGUAGE plpgsql VOLATILE
+SET enable_seqscan = off
+AS $$
+DECLARE
+    v_waited boolean;
+BEGIN
+    FOR i IN 1 .. coalesce(array_length(p_keys, 1), 0) LOOP
+        UPDATE idempotency.records r
+        SET status = p_statuses[i],
+            header_names = p_names[p_firsts[i]:p_lasts[i]],
+            header_values = p_values[p_firsts[i]:p_lasts[i]],
+            body = p_bodies[i],
+            lease_until = NULL,
+            completed_at = now(),
+            -- Unchanged for an unmarked claim, whose completion stays a HOT update.
+            keeps_request = CASE WHEN r.keeps_request THEN false ELSE r.keeps_request END
+        WHERE r.scope_key = p_keys[i]
+          AND r.token = p_tokens[i]
+          AND r.status IS NULL
+          AND r.expires_at > now()
+        RETURNING r.waited INTO v_waited;
+        IF FOUND THEN
+            IF p_notify AND v_waited THEN
+                PERFORM pg_notify('idempotency_settled', p_keys[i]::text);
+            END IF;
+            scope_key := p_keys[i];
+            token := p_tokens[i];
+            RETURN NEXT;
+        END IF;
+    END LOOP;
+END
+$$;
 
 -- `claim_partitioned` marking the claim with `p_keeps_request`.
 

@@ -240,7 +240,8 @@ macro_rules! complete {
             $table,
             "
              SET status = $3, header_names = $4, header_values = $5, body = $6,
-                 lease_until = NULL, completed_at = now()
+                 lease_until = NULL, completed_at = now(),
+                 keeps_request = CASE WHEN keeps_request THEN false ELSE keeps_request END
              WHERE scope_key = $1 AND token = $2 AND status IS NULL AND expires_at > now()"
         )
     };

@@ -204,6 +204,7 @@ async fn held(
         lease: Duration::from_secs(30),
         ttl: Duration::from_secs(600),
         waiting: false,
+        keeps_request: false,
     };
     let Ok(KeyState::Acquired { claim, .. }) = store.claim(&request).await else {
         panic!("acquired")

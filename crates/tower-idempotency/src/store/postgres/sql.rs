@@ -1,6 +1,31 @@
 //! The statements' text: claims, the fenced operations on a held claim, the group commits,
 //! releases by claimant and the notifications of settled keys.
 
+/// How a key inserted anew gets its token and generation: `apart`, a value each from the sequence
+/// (a generation need only be new); `shared`, one value for both, so that a key whose generation
+/// is its token is known to have started it (it found no steps to take theirs), at the cost of a
+/// subquery, which only stores whose handlers use steps pay.
+macro_rules! fresh {
+    (token, apart) => {
+        "nextval('idempotency.fencing_tokens')"
+    };
+    (generation, apart) => {
+        "nextval('idempotency.fencing_tokens')"
+    };
+    (from, apart) => {
+        ""
+    };
+    (token, shared) => {
+        "n.token"
+    };
+    (generation, shared) => {
+        "n.token"
+    };
+    (from, shared) => {
+        "FROM (SELECT nextval('idempotency.fencing_tokens') AS token) n"
+    };
+}
+
 // The claim statement, in two variants sharing their text: lease mode claims unconditionally;
 // transactional mode first tries a transaction-scoped advisory lock on the key and claims only if
 // it got it, so a duplicate never waits on the holder's uncommitted row (it still gets a completed
@@ -20,15 +45,15 @@
 // the claim is marked, by it or before: if not, the claim settled meanwhile and its settlement
 // announced nothing, so the caller reads the key again rather than waiting to be woken.
 // `generation` is the claim's generation (see the migration `generations`): a takeover keeps the
-// row's, a dead row's claim starts another, and an inserted key starts one with its token unless
-// `inherit` (steps in use) finds its payload's live steps a release left, whose generation it
-// takes. `stepless` then says of an inserted key whether it has no steps (a `taken` row is not
+// row's, a dead row's claim starts another, and an inserted key starts one (its token, when
+// `fresh` is `shared`) unless `inherit` (steps in use) finds its payload's live steps a release
+// left, whose generation it takes. `stepless` then says of an inserted key whether it has no steps (a `taken` row is not
 // asked), so that its handler need not read them; `false` claims nothing. `keeps` marks a claim
 // whose request the layer keeps for the completer (see the migration `unkept_claims`).
 macro_rules! claim_statement {
     (lock: $lock:literal, mark: $mark:literal, marked: $marked:literal, gate: $gate:literal,
-     existing: $existing:literal, busy: $busy:literal, inherit: $inherit:literal,
-     stepless: $stepless:literal, keeps: $keeps:literal) => {
+     existing: $existing:literal, busy: $busy:literal, fresh: $fresh:ident,
+     inherit: $inherit:literal, stepless: $stepless:literal, keeps: $keeps:literal) => {
         concat!(
             "WITH ",
             $lock,
@@ -43,13 +68,15 @@ macro_rules! claim_statement {
                 INSERT INTO idempotency.records
                     (scope_key, fingerprint, token, expires_at, lease_until, claimant, generation,
                      keeps_request)
-                SELECT $1, $2, n.token,
-                       now() + greatest($4::interval, $3::interval), now() + $3::interval, $5,
-                       n.token, ",
+                SELECT $1, $2, ",
+            fresh!(token, $fresh),
+            ", now() + greatest($4::interval, $3::interval), now() + $3::interval, $5, ",
+            fresh!(generation, $fresh),
+            ", ",
             $keeps,
-            "
-                FROM (SELECT nextval('idempotency.fencing_tokens') AS token) n
-                WHERE NOT EXISTS (SELECT FROM existing) ",
+            " ",
+            fresh!(from, $fresh),
+            " WHERE NOT EXISTS (SELECT FROM existing) ",
             $gate,
             " ON CONFLICT (scope_key) DO NOTHING
                 RETURNING token, takeover, ",
@@ -118,7 +145,7 @@ macro_rules! claim_statement {
 
 pub(super) const CLAIM_LEASE: &str = claim_statement!(
     lock: "", mark: "", marked: "NULL::boolean", gate: "", existing: "", busy: "",
-    inherit: "generation", stepless: "false", keeps: "$6::boolean"
+    fresh: apart, inherit: "generation", stepless: "false", keeps: "$6::boolean"
 );
 
 /// [`CLAIM_LEASE`] for a store whose handlers use steps: a key it inserts takes the generation
@@ -126,6 +153,7 @@ pub(super) const CLAIM_LEASE: &str = claim_statement!(
 /// call that apps without steps need not pay.
 pub(super) const CLAIM_LEASE_STEPS: &str = claim_statement!(
     lock: "", mark: "", marked: "NULL::boolean", gate: "", existing: "", busy: "",
+    fresh: shared,
     inherit: "idempotency.inherit_generation(scope_key, fingerprint, token)",
     stepless: "generation = token",
     keeps: "$6::boolean"
@@ -148,6 +176,7 @@ pub(super) const CLAIM_LEASE_WAITING: &str = claim_statement!(
     existing: "",
     busy: "",
     // A waiter's key has a row: it seldom inserts one.
+    fresh: apart,
     inherit: "generation",
     stepless: "false",
     keeps: "$6::boolean"
@@ -166,6 +195,7 @@ pub(super) const CLAIM_TRANSACTIONAL: &str = claim_statement!(
                SELECT FROM existing e WHERE e.status IS NOT NULL AND e.expires_at > now()
                  AND e.created_at + $4::interval > now())",
     // A transactional claim's handler has no steps, nor a request kept for completion.
+    fresh: apart,
     inherit: "generation",
     stepless: "false",
     keeps: "NULL::boolean"
@@ -296,13 +326,24 @@ pub(super) const NOTIFY_ONE: &str = "SELECT pg_notify('idempotency_settled', $1:
 
 /// Lease mode's group commit of claims (see [`PostgresStore`]): inserts the keys that have no
 /// row, each with its own fencing token, and returns them with their generation, as
-/// [`CLAIM_LEASE`]'s (a key whose generation is its token has no steps, when they are looked
-/// for). The keys come sorted, so two batches racing for the same keys take them in the same
+/// [`CLAIM_LEASE`]'s (with `shared` tokens, a key whose generation is its token has no steps). The keys come sorted, so two batches racing for the same keys take them in the same
 /// order and cannot deadlock. A plain `INSERT`, whose answer says `INSERT` as it always did.
 macro_rules! claim_new_keys {
-    ($inherit:literal) => {
-        concat!(
-            "INSERT INTO idempotency.records
+    (apart) => {
+        "INSERT INTO idempotency.records
+                 (scope_key, fingerprint, token, expires_at, lease_until, claimant, generation,
+                  keeps_request)
+             SELECT c.key, c.fingerprint, nextval('idempotency.fencing_tokens'),
+                    now() + greatest(c.ttl, c.lease) * interval '1 microsecond',
+                    now() + c.lease * interval '1 microsecond', c.claimant,
+                    nextval('idempotency.fencing_tokens'), c.keeps
+             FROM unnest($1::uuid[], $2::bytea[], $3::int8[], $4::int8[], $5::uuid[], $6::bool[])
+                 AS c(key, fingerprint, lease, ttl, claimant, keeps)
+             ON CONFLICT (scope_key) DO NOTHING
+             RETURNING scope_key, token, generation"
+    };
+    (shared) => {
+        "INSERT INTO idempotency.records
                  (scope_key, fingerprint, token, expires_at, lease_until, claimant, generation,
                   keeps_request)
              SELECT c.key, c.fingerprint, c.token,
@@ -313,19 +354,16 @@ macro_rules! claim_new_keys {
                                $6::bool[])
                        AS u(key, fingerprint, lease, ttl, claimant, keeps)) c
              ON CONFLICT (scope_key) DO NOTHING
-             RETURNING scope_key, token, ",
-            $inherit,
-            " AS generation"
-        )
+             RETURNING scope_key, token,
+                       idempotency.inherit_generation(scope_key, fingerprint, token) AS generation"
     };
 }
 
-pub(super) const CLAIM_NEW_KEYS: &str = claim_new_keys!("generation");
+pub(super) const CLAIM_NEW_KEYS: &str = claim_new_keys!(apart);
 
 /// [`CLAIM_NEW_KEYS`] taking the generation of each key's steps a release left, as
 /// [`CLAIM_LEASE_STEPS`].
-pub(super) const CLAIM_NEW_KEYS_STEPS: &str =
-    claim_new_keys!("idempotency.inherit_generation(scope_key, fingerprint, token)");
+pub(super) const CLAIM_NEW_KEYS_STEPS: &str = claim_new_keys!(shared);
 
 /// Lease mode's group commit of completions: `complete` for many claims, each fenced by its
 /// token, by the migrations' `idempotency.complete_many` (one primary-key `UPDATE` per record,

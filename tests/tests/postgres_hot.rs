@@ -16,7 +16,9 @@ async fn completions_of_claims_without_a_kept_request_are_hot_updates() {
     bounded(async {
         init_tracing();
         let db = TestDb::new().await;
-        let pool = sqlx::PgPool::connect_with(db.options().clone()).await.unwrap();
+        let pool = sqlx::PgPool::connect_with(db.options().clone())
+            .await
+            .unwrap();
         let store = PostgresStore::new(pool.clone());
         store.migrate().await.unwrap();
         let (parts, ()) = http::Response::new(()).into_parts();
@@ -33,7 +35,10 @@ async fn completions_of_claims_without_a_kept_request_are_hot_updates() {
             let KeyState::Acquired { claim, .. } = store.claim(&request).await.unwrap() else {
                 panic!("a new key is acquired");
             };
-            assert_eq!(store.complete(&claim, &record).await.unwrap(), ClaimStatus::Held);
+            assert_eq!(
+                store.complete(&claim, &record).await.unwrap(),
+                ClaimStatus::Held
+            );
         }
         // Backends report their statistics when they exit.
         pool.close().await;

@@ -157,9 +157,6 @@ impl PostgresStore {
     /// Before a claim: `Err` while the store requires a promise the server did not make when
     /// last read. Reads again, beside the claims, once the reading is a second old.
     pub(super) async fn durable_enough(&self) -> Result<(), PostgresStoreError> {
-        if self.durability == Durability::Reported {
-            return Ok(());
-        }
         let watch = &self.durability_watch;
         match watch.state.load(Ordering::Relaxed) {
             UNKNOWN => {

@@ -31,7 +31,10 @@ impl PostgresStore {
         record: &Record,
     ) -> Result<ClaimStatus, PostgresStoreError> {
         match self.complete_once(held, record).await? {
-            ClaimStatus::Lost if self.completed_under(held, record).await? => Ok(ClaimStatus::Held),
+            // Boxed: rare, and kept out of the request's future.
+            ClaimStatus::Lost if Box::pin(self.completed_under(held, record)).await? => {
+                Ok(ClaimStatus::Held)
+            }
             status => Ok(status),
         }
     }

@@ -364,7 +364,11 @@ impl Store for PostgresStore {
     type Error = PostgresStoreError;
 
     async fn claim(&self, request: &ClaimRequest) -> Result<KeyState<PgClaim>, PostgresStoreError> {
-        self.durable_enough().await?;
+        if self.durability != Durability::Reported {
+            // Boxed: its read of the server's settings would otherwise make every request's
+            // future larger (see the service module).
+            Box::pin(self.durable_enough()).await?;
+        }
         if self.transactional {
             // Boxed: opening a transaction is a large future, which would otherwise make every
             // lease-mode request's future as large.

@@ -258,12 +258,10 @@ impl PostgresStore {
         operation: &'static str,
         statement: Statement<'_>,
     ) -> Result<ClaimStatus, PostgresStoreError> {
-        let done = self
-            .timed(
-                operation,
-                statement.execute_pooled(self.prepared, &self.pool),
-            )
-            .await?;
+        // Boxed: an acquire and a statement in turn would otherwise make every request's future
+        // (which holds its renewals and its completion) larger; see the service module.
+        let execute = Box::pin(statement.execute_pooled(self.prepared, &self.pool));
+        let done = self.timed(operation, execute).await?;
         Ok(ClaimStatus::from_rows(done.rows_affected()))
     }
 

@@ -60,12 +60,14 @@ impl Drop for Cluster {
     }
 }
 
+/// The script, from the repository root.
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/ha-cluster.sh")
 }
 
+/// Whether every program the cluster needs is installed; under CI, it must be.
 fn installed() -> bool {
-    let missing: Vec<&str> = ["patroni", "etcd", "haproxy"]
+    let missing: Vec<&str> = ["patroni", "etcd", "haproxy", "psql"]
         .into_iter()
         .filter(|tool| {
             Command::new("sh")

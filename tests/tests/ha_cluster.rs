@@ -3,87 +3,14 @@
 //! other node with the first write still there, and is torn down by PID. Skipped, saying so,
 //! when Patroni, etcd or HAProxy is not installed; under CI (`CI` set) it fails instead.
 
-use std::{
-    path::{Path, PathBuf},
-    process::{Command, Output, Stdio},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
+use idempotency_tests::ha::Cluster;
 use sqlx::{Connection, PgConnection};
 
 /// How long the endpoint may take to reach the new primary (the script's own waits are bounded
 /// by `--timeout` as well).
 const FAILOVER_LIMIT: Duration = Duration::from_secs(60);
-
-/// The script, from the repository root.
-fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ha-cluster.sh")
-}
-
-/// A running cluster, torn down when dropped (a failed assertion included).
-struct Cluster {
-    dir: PathBuf,
-}
-
-impl Cluster {
-    /// `up` in a fresh directory; the endpoint URL it printed.
-    fn up(replication: &str) -> (Self, String) {
-        let dir = std::env::temp_dir().join(format!("ha-cluster-test-{}", std::process::id()));
-        let cluster = Self { dir };
-        let output = cluster.run(&["up", "--replication", replication]);
-        let url = String::from_utf8_lossy(&output.stdout).trim().to_owned();
-        assert!(url.starts_with("postgres://"), "up printed {url:?}");
-        (cluster, url)
-    }
-
-    /// Runs a command of the script on this cluster; panics, with its output, if it fails.
-    fn run(&self, args: &[&str]) -> Output {
-        let output = Command::new("bash")
-            .arg(script())
-            .args(args)
-            .args(["--dir", &self.dir.to_string_lossy(), "--timeout", "90"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run scripts/ha-cluster.sh");
-        eprint!("{}", String::from_utf8_lossy(&output.stderr));
-        assert!(output.status.success(), "ha-cluster.sh {args:?} failed");
-        output
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(script())
-            .args(["down", "--dir", &self.dir.to_string_lossy()])
-            .stdin(Stdio::null())
-            .status();
-    }
-}
-
-/// Whether every program the cluster needs is installed; under CI, it must be.
-fn installed() -> bool {
-    let missing: Vec<&str> = ["patroni", "etcd", "haproxy", "psql"]
-        .into_iter()
-        .filter(|tool| {
-            Command::new("sh")
-                .args(["-c", &format!("command -v {tool}")])
-                .stdout(Stdio::null())
-                .status()
-                .map_or(true, |status| !status.success())
-        })
-        .collect();
-    if missing.is_empty() {
-        return true;
-    }
-    let what = format!(
-        "{missing:?} not installed (apt-get install --no-install-recommends patroni etcd-server \
-         etcd-client haproxy python3-psycopg2)"
-    );
-    assert!(std::env::var_os("CI").is_none(), "under CI: {what}");
-    eprintln!("SKIPPED: {what}");
-    false
-}
 
 /// Inserts `value` through the endpoint in a connection of its own; the server port that took it.
 async fn write(url: &str, value: i32) -> Result<i32, sqlx::Error> {
@@ -101,10 +28,10 @@ async fn write(url: &str, value: i32) -> Result<i32, sqlx::Error> {
 
 #[tokio::test]
 async fn a_write_goes_through_the_endpoint_again_after_the_primary_is_killed() {
-    if !installed() {
+    let Some(cluster) = Cluster::up("sync", "cluster") else {
         return;
-    }
-    let (cluster, url) = Cluster::up("sync");
+    };
+    let url = cluster.url.clone();
     let mut connection = PgConnection::connect(&url).await.expect("connect");
     sqlx::query("CREATE TABLE ha_test (value int)")
         .execute(&mut connection)

@@ -19,7 +19,7 @@ use std::{
 
 use sqlx::postgres::PgConnectOptions;
 
-use crate::BoxError;
+use crate::{BoxError, watchdog::Watchdog};
 
 /// The database the demo instances share (the one `initdb` creates).
 const DATABASE: &str = "postgres";
@@ -50,7 +50,7 @@ pub(crate) struct Cluster {
     bin: PathBuf,
     dir: PathBuf,
     run_as: Option<&'static str>,
-    watchdog: Option<std::process::Child>,
+    watchdog: Option<Watchdog>,
     removed: bool,
 }
 
@@ -193,35 +193,23 @@ impl Cluster {
         command
     }
 
-    /// `sh` waiting for this process to go, then stopping the server and removing the directory.
-    fn spawn_watchdog(&self) -> Result<std::process::Child, BoxError> {
+    /// A watchdog that stops the server and removes the directory once this process is gone.
+    fn spawn_watchdog(&self) -> Result<Watchdog, BoxError> {
         let stop = self.stop_command(StopMode::Immediate);
         let stop = std::iter::once(stop.get_program())
             .chain(stop.get_args())
             .map(|arg| format!("'{}'", arg.to_string_lossy()))
             .collect::<Vec<_>>()
             .join(" ");
-        let script = format!(
-            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {stop} >/dev/null 2>&1; \
-             rm -rf '{dir}'",
-            pid = std::process::id(),
+        Watchdog::spawn(&format!(
+            "{stop} >/dev/null 2>&1; rm -rf '{dir}'",
             dir = self.dir.display()
-        );
-        let child = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .map_err(|e| format!("cannot start the clean-up watchdog: {e}"))?;
-        Ok(child)
+        ))
     }
 
     fn stop_watchdog(&mut self) {
-        if let Some(mut watchdog) = self.watchdog.take() {
-            let _ = watchdog.kill();
-            let _ = watchdog.wait();
+        if let Some(watchdog) = self.watchdog.take() {
+            watchdog.stop();
         }
     }
 }

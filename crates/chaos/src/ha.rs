@@ -20,7 +20,7 @@ use std::{
 use clap::ValueEnum;
 use sqlx::{Connection, PgConnection, postgres::PgConnectOptions};
 
-use crate::BoxError;
+use crate::{BoxError, watchdog::Watchdog};
 
 /// The script, from this crate's directory (the run is a development tool built in its tree).
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/ha-cluster.sh");
@@ -80,7 +80,7 @@ pub(crate) struct HaCluster {
     dir: PathBuf,
     url: String,
     replication: Replication,
-    watchdog: Option<std::process::Child>,
+    watchdog: Option<Watchdog>,
     removed: bool,
 }
 
@@ -267,30 +267,18 @@ impl HaCluster {
         .into())
     }
 
-    /// `sh` waiting for this process to go, then tearing the cluster down and removing `outer`.
-    fn spawn_watchdog(&self, outer: &Path) -> Result<std::process::Child, BoxError> {
-        let script = format!(
-            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; bash '{SCRIPT}' down --dir '{dir}' \
-             >/dev/null 2>&1; rm -rf '{outer}'",
-            pid = std::process::id(),
+    /// A watchdog that tears the cluster down and removes `outer` once this process is gone.
+    fn spawn_watchdog(&self, outer: &Path) -> Result<Watchdog, BoxError> {
+        Watchdog::spawn(&format!(
+            "bash '{SCRIPT}' down --dir '{dir}' >/dev/null 2>&1; rm -rf '{outer}'",
             dir = self.dir.display(),
             outer = outer.display(),
-        );
-        let child = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .map_err(|e| format!("cannot start the clean-up watchdog: {e}"))?;
-        Ok(child)
+        ))
     }
 
     fn stop_watchdog(&mut self) {
-        if let Some(mut watchdog) = self.watchdog.take() {
-            let _ = watchdog.kill();
-            let _ = watchdog.wait();
+        if let Some(watchdog) = self.watchdog.take() {
+            watchdog.stop();
         }
     }
 }

@@ -151,6 +151,7 @@ mod serve;
 mod verify;
 mod wait_reads;
 mod waits;
+mod watchdog;
 mod webhooks;
 
 use std::{

@@ -17,7 +17,10 @@ use idempotency_tests::{
     suite::Reply,
 };
 use sqlx::{Executor, postgres::PgPoolOptions};
-use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
+use tower_idempotency::{
+    IdempotencyLayer,
+    store::{ClaimStatus, PostgresStore},
+};
 
 #[tokio::test]
 async fn an_unreachable_database_is_a_prompt_503() {
@@ -190,9 +193,11 @@ async fn a_batched_claim_that_timed_out_is_released_when_it_commits() {
 
 /// Issue 28.4: a single-key claim (a key with a row: here a lapsed lease, taken over)
 /// cancelled while its statement waits (what `Disconnect::Cancel` does when the client
-/// hangs up) leaves no claim behind once the statement commits.
+/// hangs up) leaves no claim behind once the statement commits. The key is given back as the
+/// claim found it (stop 50's failover chaos run): in flight under a lapsed lease, since its
+/// first holder may have run in part, so the same payload takes it over and another is a `422`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancelled_single_key_claim_is_released_when_it_commits() {
+async fn a_cancelled_takeover_gives_the_key_back_as_it_found_it() {
     use tower_idempotency::store::{KeyState, Store};
 
     let (db, store) = migrated().await;
@@ -201,6 +206,68 @@ async fn a_cancelled_single_key_claim_is_released_when_it_commits() {
         store.claim(&request).await.expect("claim"),
         KeyState::Acquired { .. }
     ));
+    lapse_and_cancel_a_takeover(&db, &store, &request).await;
+    let mismatch = store.claim(&claim_request(13, 2)).await.expect("claim");
+    assert!(matches!(mismatch, KeyState::Mismatch), "{mismatch:?}");
+    let again = store.claim(&request).await.expect("claim");
+    assert!(
+        matches!(again, KeyState::Acquired { takeover: true, .. }),
+        "{again:?}"
+    );
+}
+
+/// A takeover whose answer was lost (a failover cut its connection after the commit) must not
+/// hide the key from the completer: the first holder's steps and kept request stay pending, and
+/// the completer picks the key (stop 50's CI: an authorization orphaned by such a takeover).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_takeover_leaves_its_key_to_the_completer() {
+    use tower_idempotency::store::{KeyState, PendingPick, StepRecord, Store};
+
+    let (db, store) = migrated().await;
+    let request = tower_idempotency::store::ClaimRequest {
+        keeps_request: true,
+        ..claim_request(14, 1)
+    };
+    let KeyState::Acquired { claim, .. } = store.claim(&request).await.expect("claim") else {
+        panic!("a new key is acquired");
+    };
+    let fence = *claim.fence();
+    let capabilities = store.capabilities();
+    let log = capabilities.pending_log().expect("a pending log");
+    let kept = log.keep(&fence, &request.fingerprint, "kept".into());
+    assert_eq!(kept.await.expect("keep"), ClaimStatus::Held);
+    let steps = capabilities.step_log().expect("a step log");
+    let step = StepRecord {
+        name: "authorize".into(),
+        output: "{}".into(),
+    };
+    let recorded = steps.record(&fence, &request.fingerprint, &step);
+    assert_eq!(recorded.await.expect("record"), ClaimStatus::Held);
+    lapse_and_cancel_a_takeover(&db, &store, &request).await;
+    db.pool()
+        .execute("UPDATE idempotency.records SET lease_until = now() - interval '1 hour'")
+        .await
+        .expect("past the grace");
+    log.purge(100).await.expect("purge");
+    let pick = PendingPick {
+        limit: 10,
+        grace: Duration::from_secs(1),
+        max_attempts: 5,
+    };
+    let picked = log.pick(pick).await.expect("pick");
+    assert_eq!(picked.len(), 1, "the completer still finds the key");
+    assert_eq!(picked[0].request, "kept");
+}
+
+/// Lapses `request`'s claim, then takes it over with a claim cancelled while its statement
+/// waits on the row, and waits until that statement has ended and its attempt was undone.
+async fn lapse_and_cancel_a_takeover(
+    db: &idempotency_tests::db::TestDb,
+    store: &PostgresStore,
+    request: &tower_idempotency::store::ClaimRequest,
+) {
+    use tower_idempotency::store::Store;
+
     db.pool()
         .execute("UPDATE idempotency.records SET lease_until = now() - interval '1 second'")
         .await
@@ -215,11 +282,17 @@ async fn a_cancelled_single_key_claim_is_released_when_it_commits() {
         let (store, request) = (store.clone(), request.clone());
         async move { store.claim(&request).await }
     });
-    statement_waits_on_a_lock(&db, "%taken AS%").await;
+    statement_waits_on_a_lock(db, "%taken AS%").await;
     claiming.abort();
     assert!(claiming.await.expect_err("aborted").is_cancelled());
     blocker.rollback().await.expect("rollback");
-    claim_released_after(&db, &store, "%taken AS%", &claim_request(13, 2)).await;
+    // The takeover committed for nobody; its attempt gives the key back with its lease ended.
+    wait_until(
+        db,
+        "SELECT count(*) = 1 FROM idempotency.records
+         WHERE takeover AND status IS NULL AND lease_until <= now()",
+    )
+    .await;
 }
 
 /// Issue 28.1: the database refuses to store a delivered response for longer than the lease

@@ -115,6 +115,26 @@ async fn charge_in_steps(
     Ok((StatusCode::CREATED, format!("auth_{auth}")))
 }
 
+/// `authorize` as a step; each key's first run crashes, and every later run answers `500`
+/// after the recorded step.
+async fn charge_in_steps_failing_after(
+    State(seen): State<Arc<Seen>>,
+    headers: HeaderMap,
+    steps: Steps,
+) -> Result<StatusCode, StepError<StatusCode>> {
+    let key = key_of(&headers);
+    let s = Arc::clone(&seen);
+    steps
+        .run("authorize", move |_| async move {
+            Ok::<_, StatusCode>(s.authorize_calls.fetch_add(1, Ordering::SeqCst) + 1)
+        })
+        .await?;
+    if seen.start(&key) {
+        std::future::pending::<()>().await;
+    }
+    Ok(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
 /// A call downstream whose answer each key's first run loses: that run answers `503` and gives
 /// its key up part-way ([`Retention::Abandon`]), not knowing whether the call went through.
 async fn charge_losing_an_answer(
@@ -157,6 +177,7 @@ pub(crate) fn app<St: Store>(layer: IdempotencyLayer<St>, seen: &Arc<Seen>) -> R
         .route("/v1/charges", routing::post(charge))
         .route("/v1/steps", routing::post(charge_in_steps))
         .route("/v1/lost", routing::post(charge_losing_an_answer))
+        .route("/v1/failing", routing::post(charge_in_steps_failing_after))
         .layer(layer)
         .with_state(Arc::clone(seen))
 }

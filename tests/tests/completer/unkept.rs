@@ -3,7 +3,7 @@
 //! claim says in its own statement that its request will be kept, and the completer's round
 //! releases such a claim once its lease lapsed more than the grace ago.
 
-use std::sync::Arc;
+use std::sync::{Arc, atomic::Ordering};
 
 use axum::http::StatusCode;
 use idempotency_tests::{bounded, db::TestDb, postgres::migrated};
@@ -125,6 +125,71 @@ async fn failing_open_a_claim_is_not_marked_as_keeping_its_request() {
         send(&app(open, &seen), "/v1/charges", "k2").await;
         assert!(!marked(&db).await, "failing open, it is not");
         assert_eq!(records(&db).await, 1);
+    })
+    .await;
+}
+
+/// A retry that takes over a key whose first run recorded a step, and whose keeping fails (the
+/// database went away between its claim and its keeping): its key is given back in flight, not
+/// released, so the completer still finishes the first run's work with its recorded steps. A
+/// release deleted the key, the purge then deleted its kept request, and the authorization was
+/// left with no charge (stop 50's failover chaos run).
+#[tokio::test]
+async fn a_takeover_that_fails_to_keep_its_request_leaves_the_key_to_the_completer() {
+    bounded(async {
+        let (db, store) = migrated().await;
+        let seen = Arc::new(Seen::default());
+        let app = app(layer(store.clone()), &seen);
+        // Its first run authorizes, hangs and is given up part-way: its request is kept.
+        let (status, _, _) = send(&app, "/v1/steps", "k-steps").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        refuse(
+            &db,
+            "refuse_keeping",
+            "INSERT OR UPDATE",
+            "pending_requests",
+        )
+        .await;
+        let (status, _, _) = send(&app, "/v1/steps", "k-steps").await;
+        assert_eq!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "its keeping failed"
+        );
+        allow(&db, "refuse_keeping", "pending_requests").await;
+        assert_eq!(records(&db).await, 1, "the key is still in flight");
+
+        lapse(&db).await;
+        let round = completer(&store, &app).complete_abandoned().await.unwrap();
+        assert_eq!((round.picked, round.completed), (1, 1), "{round:?}");
+        assert_eq!(seen.authorize_calls.load(Ordering::SeqCst), 1);
+        let (status, replayed, body) = send(&app, "/v1/steps", "k-steps").await;
+        assert_eq!((status, replayed), (StatusCode::CREATED, true));
+        assert_eq!(body, "auth_1");
+    })
+    .await;
+}
+
+/// A retry that took a key over, found its first run's step recorded and answered a server
+/// error gives the key back in flight rather than releasing it: the step's downstream key went
+/// out before, so the key's work must stay where the completer finds it.
+#[tokio::test]
+async fn a_server_error_after_a_recorded_step_gives_the_key_back() {
+    bounded(async {
+        let (db, store) = migrated().await;
+        let seen = Arc::new(Seen::default());
+        let app = app(layer(store.clone()), &seen);
+        let (status, _, _) = send(&app, "/v1/failing", "k-failing").await;
+        assert_eq!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "its first run hangs"
+        );
+        let (status, _, _) = send(&app, "/v1/failing", "k-failing").await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(records(&db).await, 1, "the key is still in flight");
+        assert_eq!(pending_rows(&db).await, 1, "with its kept request");
+        assert_eq!(seen.authorize_calls.load(Ordering::SeqCst), 1);
     })
     .await;
 }

@@ -137,7 +137,7 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
                         outcome(Outcome::Conflict);
                         return Ok(reject(&self.shared.config, Rejection::in_flight()));
                     }
-                    Kept::Failed => return Ok(self.unkept(claim).await),
+                    Kept::Failed => return Ok(self.unkept(claim, takeover).await),
                 }
                 let context = IdempotencyContext {
                     key: claimed.key,
@@ -159,14 +159,22 @@ impl<S: Inner<ReqBody>, St: Store, ReqBody: HttpBody> Keyed<S, St, ReqBody> {
     }
 
     /// A request the completer could not have finished, had it been left half done: refused
-    /// before its handler runs, its key released (the lease frees it if that fails too).
-    async fn unkept(self, claim: St::Claim) -> Response<ResponseBody<S::ResBody>> {
+    /// before its handler runs, its key released (the lease frees it if that fails too). A key
+    /// taken over is given back in flight instead: its first holder may have run in part, and
+    /// its kept request and steps are the completer's to finish.
+    async fn unkept(self, claim: St::Claim, takeover: bool) -> Response<ResponseBody<S::ResBody>> {
         let retry_after_secs = match self.shared.config.store_failure {
             StoreFailure::FailClosed { retry_after_secs } => retry_after_secs,
             StoreFailure::FailOpen => 1,
         };
-        if let Err(error) = self.shared.store.release(&claim).await {
-            tracing::warn!(error = %Chain(&error), "releasing an unkept request's key failed");
+        let store = &self.shared.store;
+        let (given_back, what) = if takeover {
+            (store.abandon(&claim).await, "giving back")
+        } else {
+            (store.release(&claim).await, "releasing")
+        };
+        if let Err(error) = given_back {
+            tracing::warn!(error = %Chain(&error), "{what} an unkept request's key failed");
         }
         outcome(Outcome::StoreError);
         reject(

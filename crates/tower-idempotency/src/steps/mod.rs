@@ -100,7 +100,8 @@ struct Shared {
     flags: AtomicU8,
 }
 
-/// A downstream key was handed out: a call with it may have gone through.
+/// A downstream key was handed out, by this request or (a step found recorded) an earlier
+/// holder's: a call with it may have gone through.
 const HANDED_OUT: u8 = 1;
 /// Recording a step found the claim lost.
 const LOST: u8 = 2;
@@ -160,9 +161,13 @@ impl Steps {
         name: &str,
     ) -> Result<Option<T>, StepError<E>> {
         match self.finished(name).await.map_err(StepError::Store)? {
-            Some(output) => serde_json::from_slice(&output)
-                .map(Some)
-                .map_err(StepError::Output),
+            Some(output) => {
+                // Its downstream key went out with the earlier run: the key's work has begun.
+                self.shared.flags.fetch_or(HANDED_OUT, Ordering::Relaxed);
+                serde_json::from_slice(&output)
+                    .map(Some)
+                    .map_err(StepError::Output)
+            }
             None => Ok(None),
         }
     }
@@ -207,7 +212,8 @@ impl Steps {
         }
     }
 
-    /// Whether this request handed a downstream key out (a call with it may have gone through).
+    /// Whether a downstream key of this request's steps went out, now or in an earlier run (a
+    /// call with it may have gone through).
     pub(crate) fn handed_out(&self) -> bool {
         self.shared.flags.load(Ordering::Relaxed) & HANDED_OUT != 0
     }

@@ -51,8 +51,9 @@ pub(super) type PendingStatement =
 
 /// One lease-mode claim: its claimant id, and what happens if its caller never learns the
 /// answer. Unless [`settle`](Self::settle)d, dropping it (an error, a timeout, a cancelled
-/// request) finishes the statement it was waiting for in the background and then deletes
-/// whatever row the attempt's claimant holds: a claim nobody holds never blocks its key.
+/// request) finishes the statement it was waiting for in the background and then undoes
+/// whatever the attempt's claimant holds (see `RELEASE_CLAIMANT`): a claim nobody holds never
+/// blocks its key.
 pub(super) struct ClaimAttempt {
     pub(super) store: Option<PostgresStore>,
     pub(super) key: ScopeKey,
@@ -121,8 +122,8 @@ impl Drop for ClaimAttempt {
 }
 
 impl PostgresStore {
-    /// Deletes what the claim attempt `claimant` may hold on `key`: tried after each of
-    /// `delays`, until a try deletes its row, so that a statement the attempt gave up on that
+    /// Undoes what the claim attempt `claimant` may hold on `key`: tried after each of
+    /// `delays`, until a try finds its row, so that a statement the attempt gave up on that
     /// commits late is still undone.
     pub(super) async fn release_claimant(self, key: ScopeKey, claimant: Uuid, delays: &[Duration]) {
         let sql = if self.partitions.is_some() {

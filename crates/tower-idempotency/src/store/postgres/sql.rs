@@ -402,14 +402,27 @@ pub(super) const FENCED_PARTITIONED: Fenced = fenced_statements!("partitioned_re
 pub(super) const CLAIM_PARTITIONED: &str =
     "SELECT * FROM idempotency.claim_partitioned($1, $2, $3, $4, $6, $5, $7, $8)";
 
-/// Deletes what a claim attempt may have claimed, found by its claimant id (see
-/// [`ClaimAttempt`]): only a row still in flight under that id, so never another's claim.
+/// Undoes what a claim attempt may have claimed, found by its claimant id (see
+/// [`ClaimAttempt`]): only a row still in flight under that id, so never another's claim. A key
+/// it inserted (or a dead row it replaced) is deleted; a claim in flight it took over is given
+/// back as found, its lease ended, since its first holder may have run in part: deleting it
+/// would hide that holder's steps and kept request from the completer.
 macro_rules! release_claimant {
     ($table:literal) => {
         concat!(
-            "DELETE FROM idempotency.",
+            "WITH released AS (
+                 DELETE FROM idempotency.",
             $table,
-            " WHERE scope_key = $1 AND claimant = $2 AND status IS NULL"
+            " WHERE scope_key = $1 AND claimant = $2 AND status IS NULL AND NOT takeover
+                 RETURNING 1
+             ), given_back AS (
+                 UPDATE idempotency.",
+            $table,
+            " SET lease_until = least(lease_until, now())
+                 WHERE scope_key = $1 AND claimant = $2 AND status IS NULL AND takeover
+                 RETURNING 1
+             )
+             SELECT 1 FROM released UNION ALL SELECT 1 FROM given_back"
         )
     };
 }

@@ -54,7 +54,8 @@ async fn building_a_waiting_layer_starts_no_task() {
         .with_in_flight_wait(InFlightWait::up_to(Duration::from_secs(5)))
         .expect("a wait");
     tokio::task::yield_now().await;
-    assert_eq!(metrics.num_alive_tasks(), tasks, "a task was started");
+    // At most: a pool's own task may end meanwhile (3 -> 2 was seen under load), never start.
+    assert!(metrics.num_alive_tasks() <= tasks, "a task was started");
     assert_eq!(pool.size(), connections, "a connection was opened");
     drop(layer);
 }

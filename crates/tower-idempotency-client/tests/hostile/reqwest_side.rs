@@ -150,7 +150,12 @@ async fn a_503_forever_stops_at_the_deadline() {
     let took = started.elapsed();
     assert_eq!((status, outcome.stop()), (503, StopReason::Deadline));
     assert!(outcome.attempts() > 2, "{} attempts", outcome.attempts());
-    assert!(took <= deadline, "answered after {took:?}");
+    // No attempt starts past the deadline (the arrivals below); the answer itself may come a
+    // scheduler's tick after it on a loaded machine (1.002 s was seen), never a backoff later.
+    assert!(
+        took < deadline + Duration::from_millis(250),
+        "answered after {took:?}"
+    );
     let arrivals = server.arrivals();
     assert_eq!(arrivals.len(), outcome.attempts() as usize);
     assert!(arrivals.iter().all(|a| a.at - started < deadline));
